@@ -1,0 +1,152 @@
+"""One hub per gateway process: one NATS subscription to committed events, many waiters.
+
+Long polls wait on a per-job future; SSE streams own a bounded queue each. The hub never
+reads the store: it only wakes. Waiters reconcile with the store themselves (history for
+gaps, the row for long polls), so a missed or reordered NATS message costs a read, never
+an event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import defaultdict
+from collections.abc import Callable
+
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription as NatsSubscription
+
+from herald.constants import EVENT_SUBJECTS
+from herald.metrics import Metrics
+from schemas import JobEvent
+
+log = logging.getLogger("herald.hub")
+_decoder = msgspec.json.Decoder(JobEvent)
+
+RESYNC = None  # queued to a subscriber when it must re-read the store (NATS reconnected)
+
+
+class Subscriber:
+    """One SSE stream's inbox. Overflow drops the stream (it resumes with Last-Event-ID)."""
+
+    __slots__ = ("queue", "overflowed", "key")
+
+    def __init__(self, key: str, maxsize: int) -> None:
+        self.key = key
+        self.queue: asyncio.Queue[JobEvent | None] = asyncio.Queue(maxsize)
+        self.overflowed = asyncio.Event()
+
+    def offer(self, event: JobEvent | None) -> bool:
+        try:
+            self.queue.put_nowait(event)
+            return True
+        except asyncio.QueueFull:
+            self.overflowed.set()
+            return False
+
+
+class Hub:
+    def __init__(self, metrics: Metrics, *, queue_size: int = 256) -> None:
+        self._metrics = metrics
+        self._queue_size = queue_size
+        self._polls: dict[str, set[asyncio.Future[int]]] = defaultdict(set)
+        self._job_subs: dict[str, set[Subscriber]] = defaultdict(set)
+        self._tenant_subs: dict[str, set[Subscriber]] = defaultdict(set)
+        self._subscription: NatsSubscription | None = None
+
+    async def attach(self, nc: NATS) -> None:
+        self._subscription = await nc.subscribe(EVENT_SUBJECTS, cb=self._on_message, pending_msgs_limit=1_000_000)
+
+    async def detach(self) -> None:
+        if self._subscription is not None:
+            try:
+                await self._subscription.unsubscribe()
+            except Exception:  # connection already closed
+                pass
+            self._subscription = None
+
+    async def _on_message(self, message: Msg) -> None:
+        try:
+            event = _decoder.decode(message.data)
+        except msgspec.DecodeError:
+            log.error("undecodable event", extra={"subject": message.subject})
+            return
+        self.publish(event)
+
+    def publish(self, event: JobEvent) -> None:
+        """Wake everything that waits on this event's job or tenant. Duplicates are fine."""
+        for future in self._polls.pop(event.job_id, ()):
+            if not future.done():
+                future.set_result(event.version)
+        for group in (self._job_subs.get(event.job_id), self._tenant_subs.get(event.tenant)):
+            for subscriber in tuple(group or ()):
+                if not subscriber.offer(event):
+                    self._metrics.sse_dropped.inc()
+                    log.warning("slow SSE client dropped", extra={"stream": subscriber.key})
+
+    def resync(self) -> None:
+        """After a NATS reconnect some events may be missed: make every waiter re-read the store."""
+        for futures in list(self._polls.values()):
+            for future in futures:
+                if not future.done():
+                    future.set_result(-1)
+        self._polls.clear()
+        for group in (*self._job_subs.values(), *self._tenant_subs.values()):
+            for subscriber in group:
+                subscriber.offer(RESYNC)
+
+    # ----- long polls -------------------------------------------------------------------
+
+    async def wait_for_change(self, job_id: str, version: int, timeout: float, reread: Callable[[], int | None]) -> bool:
+        """True when ``job_id`` moved past ``version`` within ``timeout``.
+
+        ``reread`` gives the stored version; it is called once after the waiter is
+        registered, so a change committed between the caller's read and now is not missed.
+        """
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[int] = loop.create_future()
+        self._polls[job_id].add(future)
+        self._metrics.long_polls.inc()
+        try:
+            stored = reread()
+            if stored is None or stored != version:
+                return True
+            async with asyncio.timeout(timeout):
+                while True:
+                    seen = await future
+                    if seen == -1 or seen > version:
+                        return True
+                    future = loop.create_future()  # a late duplicate: keep waiting
+                    self._polls[job_id].add(future)
+        except TimeoutError:
+            return False
+        finally:
+            self._metrics.long_polls.dec()
+            waiters = self._polls.get(job_id)
+            if waiters is not None:
+                waiters.discard(future)
+                if not waiters:
+                    del self._polls[job_id]
+
+    # ----- streams ----------------------------------------------------------------------
+
+    def subscribe_job(self, job_id: str) -> Subscriber:
+        subscriber = Subscriber(f"job:{job_id}", self._queue_size)
+        self._job_subs[job_id].add(subscriber)
+        return subscriber
+
+    def subscribe_tenant(self, tenant: str) -> Subscriber:
+        subscriber = Subscriber(f"tenant:{tenant}", self._queue_size)
+        self._tenant_subs[tenant].add(subscriber)
+        return subscriber
+
+    def unsubscribe(self, subscriber: Subscriber) -> None:
+        kind, _, key = subscriber.key.partition(":")
+        table = self._job_subs if kind == "job" else self._tenant_subs
+        group = table.get(key)
+        if group is not None:
+            group.discard(subscriber)
+            if not group:
+                del table[key]

@@ -1,0 +1,36 @@
+"""The status object as the API shows it: stored snapshot plus freshly signed links."""
+
+from __future__ import annotations
+
+from herald.signing import UrlSigner
+from herald.store import JobRow
+from herald.timefmt import now
+from schemas import JobStatus
+
+EVENTS_PURPOSE = "events"
+RESULT_PURPOSE = "result"
+
+
+def public_status(job: JobRow, signer: UrlSigner) -> JobStatus:
+    status = job.status()
+    status.links.events = signer.sign(status.links.events, EVENTS_PURPOSE)
+    if status.links.result is not None:
+        status.links.result = signer.sign(status.links.result, RESULT_PURPOSE)
+    return status
+
+
+def retry_after(job: JobRow) -> int:
+    """Seconds a poller should wait: 1 while queued, growing slowly (to 10) for long runs."""
+    if job.state == "queued":
+        return 1
+    return int(min(10, 1 + (now() - job.created_at) // 30))
+
+
+def etag(job: JobRow) -> str:
+    return f'W/"{job.version}"'
+
+
+def etag_matches(header: str | None, tag: str) -> bool:
+    if not header:
+        return False
+    return any(candidate.strip() in (tag, tag.removeprefix("W/"), "*") for candidate in header.split(","))

@@ -1,0 +1,127 @@
+"""Starting jobs: one shared accept path, one route per registered kind (SPEC §3)."""
+
+from __future__ import annotations
+
+import hashlib
+import uuid
+from typing import Any
+
+import msgspec
+from litestar import Request, Response, post
+from litestar.handlers import HTTPRouteHandler
+
+from gateway.auth import require_tenant
+from gateway.problems import ProblemError, invalid_request
+from gateway.render import public_status, retry_after
+from gateway.services import Services, services
+from herald.store import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob
+from schemas import FieldError, JobStatus
+from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
+from workers.registry import JobKind
+
+IDEMPOTENCY_HEADER = "idempotency-key"
+
+
+def _check_content_type(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+        raise ProblemError(
+            415,
+            "/problems/unsupported-media-type",
+            "Unsupported media type",
+            "send the body as JSON with Content-Type: application/json",
+            headers={"Accept-Post": "application/json"},
+        )
+
+
+def _idempotency_key(request: Request, required: bool) -> str | None:
+    key = request.headers.get(IDEMPOTENCY_HEADER)
+    if key is None:
+        if required:
+            raise ProblemError(400, "/problems/idempotency-key-required", "Idempotency-Key required",
+                               "this server requires an Idempotency-Key header on every start request")
+        return None
+    if not 1 <= len(key) <= 255 or not all(" " <= ch <= "~" for ch in key):
+        raise ProblemError(400, "/problems/invalid-idempotency-key", "Invalid Idempotency-Key",
+                           "Idempotency-Key must be 1..255 printable ASCII characters")
+    return key
+
+
+def fingerprint(path: str, document: Any) -> str:
+    canonical = msgspec.json.encode(document, order="sorted")
+    return hashlib.sha256(path.encode() + b"\n" + canonical).hexdigest()
+
+
+def check_callback_url(svc: Services, url: str | None) -> None:
+    if url is None:
+        return
+    from notifier.ssrf import UnsafeUrl, check_url_syntax  # the webhook guard owns the rules
+
+    try:
+        check_url_syntax(url, allow_private=svc.settings.webhook_allow_private)
+    except UnsafeUrl as exc:
+        raise invalid_request([FieldError(field="callback_url", message=str(exc))]) from exc
+
+
+async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
+    """Authenticate, validate, commit job + key + outbox in one transaction, answer 202."""
+    svc = services(request)
+    tenant = require_tenant(request, svc.settings)
+    key = _idempotency_key(request, svc.settings.require_idempotency_key)
+    _check_content_type(request)
+    body = await request.body()
+    try:
+        document = decode_json(body)
+        params = validate_params(kind.params, document)
+    except MalformedBody as exc:
+        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON", f"the body is not valid JSON: {exc}") from exc
+    except InvalidBody as exc:
+        raise invalid_request(exc.errors) from exc
+    check_callback_url(svc, params.callback_url)
+    svc.limiter.take(tenant)
+    claim = None
+    if key is not None:
+        claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
+    new = NewJob(
+        id=str(uuid.uuid4()),
+        tenant=tenant,
+        kind=kind.name,
+        collection=kind.collection,
+        params=msgspec.json.encode(params),
+        deadline_s=kind.deadline_s or svc.settings.job_deadline_s,
+        callback_url=params.callback_url,
+    )
+    try:
+        accepted: Accepted = await svc.store.accept(new, claim)
+    except IdempotencyMismatch as exc:
+        raise ProblemError(422, "/problems/idempotency-key-mismatch", "Idempotency-Key reused",
+                           "this Idempotency-Key was used with a different request (path or body)") from exc
+    job = accepted.job
+    headers = {
+        "Location": f"/jobs/{job.id}",
+        "Retry-After": str(retry_after(job)),
+        "Cache-Control": "no-store",
+    }
+    if accepted.replayed:
+        headers["Idempotent-Replayed"] = "true"
+    else:
+        svc.metrics.jobs_accepted.labels(kind=kind.name).inc()
+    return Response(public_status(job, svc.signer), status_code=202, headers=headers)
+
+
+def accept_route(kind: JobKind) -> HTTPRouteHandler:
+    async def start(request: Request) -> Response[JobStatus]:
+        return await accept_job(request, kind)
+
+    start.__doc__ = (
+        f"Start a {kind.name} job. Answers 202 at once with the status object; poll Location, "
+        f"stream links.events, or wait for a webhook. Body: {kind.params.__name__}."
+    )
+    return post(
+        kind.collection,
+        status_code=202,
+        operation_id=f"start_{kind.name}",
+        summary=f"Start a {kind.name} job",
+        tags=["jobs"],
+        name=f"start-{kind.name}",
+    )(start)

@@ -1,0 +1,33 @@
+"""Liveness, readiness and metrics (no key needed)."""
+
+from __future__ import annotations
+
+from litestar import Request, Response, get
+
+from gateway.problems import ProblemError
+from gateway.services import services
+from herald.metrics import exposition
+
+
+@get("/healthz", operation_id="healthz", tags=["operations"], summary="The process is alive")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@get("/readyz", operation_id="readyz", tags=["operations"], summary="Store open and NATS connected")
+async def readyz(request: Request) -> dict[str, str]:
+    svc = services(request)
+    try:
+        svc.store.db.read("SELECT 1")
+    except Exception as exc:
+        raise ProblemError(503, "/problems/not-ready", "Not ready", "the job store is not reachable") from exc
+    if svc.nats is None or not svc.nats.is_connected:
+        raise ProblemError(503, "/problems/not-ready", "Not ready", "NATS is not connected", headers={"Retry-After": "1"})
+    return {"status": "ready"}
+
+
+@get("/metrics", operation_id="metrics", tags=["operations"], summary="Prometheus metrics", include_in_schema=True)
+async def metrics(request: Request) -> Response[bytes]:
+    svc = services(request)
+    body = exposition(svc.store.oldest_queued_age, svc.store.outbox_pending)
+    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

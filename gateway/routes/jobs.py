@@ -1,0 +1,126 @@
+"""The status resource, the job list and cancellation (SPEC §4, §5)."""
+
+from __future__ import annotations
+
+import base64
+import binascii
+from typing import Annotated
+
+from litestar import Request, Response, delete, get
+from litestar.params import Parameter
+from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
+
+from gateway.auth import require_tenant
+from gateway.problems import ProblemError, not_found
+from gateway.render import etag, etag_matches, public_status, retry_after
+from gateway.services import Services, services
+from herald.store import Change, JobRow, TransitionRejected
+from schemas import JobList, JobStatus
+
+STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+
+
+def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
+    """The tenant's job, or 404 (unknown, or another tenant's) / 410 (deleted after retention)."""
+    job = svc.store.get_for_tenant(tenant, job_id) if len(job_id) <= 64 else None
+    if job is not None:
+        return job
+    if len(job_id) <= 64 and svc.store.tombstone_tenant(job_id) == tenant:
+        raise ProblemError(410, "/problems/gone", "Gone", "this job ended and its retention period has passed")
+    raise not_found()
+
+
+def _version(svc: Services, job_id: str) -> int | None:
+    job = svc.store.get(job_id)
+    return job.version if job is not None else None
+
+
+def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Response[JobStatus]:
+    status = public_status(job, svc.signer)
+    tag = etag(job)
+    if job.state == "succeeded":
+        return Response(status, status_code=303, headers={"Location": job.result_url, "ETag": tag,
+                                                          "Cache-Control": "no-store"})
+    headers = {"ETag": tag, "Cache-Control": "no-store"}
+    if not job.terminal:
+        headers["Retry-After"] = str(retry_after(job))
+    if etag_matches(if_none_match, tag):
+        return Response(None, status_code=304, headers=headers)  # type: ignore[arg-type]
+    return Response(status, status_code=200, headers=headers)
+
+
+@get("/jobs/{job_id:str}", operation_id="get_job", tags=["jobs"], summary="Job status (the source of truth)",
+     status_code=200)
+async def get_job(
+    request: Request,
+    job_id: str,
+    wait: Annotated[int | None, Parameter(query="wait", ge=1, le=60, description="long poll: hold up to this many seconds while If-None-Match matches")] = None,
+) -> Response[JobStatus]:
+    """200 while queued/running (with Retry-After), 303 to the result once succeeded, 200 failed/cancelled."""
+    svc = services(request)
+    tenant = require_tenant(request, svc.settings)
+    job = find_job(svc, tenant, job_id)
+    if_none_match = request.headers.get("if-none-match")
+    if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)) and svc.hub is not None:
+        await svc.hub.wait_for_change(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
+        job = svc.store.get(job.id) or job
+    return status_response(job, svc, if_none_match)
+
+
+def _encode_cursor(job: JobRow) -> str:
+    return base64.urlsafe_b64encode(f"{job.created_at!r}|{job.id}".encode()).decode().rstrip("=")
+
+
+def _decode_cursor(cursor: str) -> tuple[float, str]:
+    try:
+        created, _, job_id = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().partition("|")
+        return float(created), job_id
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise ProblemError(400, "/problems/invalid-cursor", "Invalid cursor",
+                           "cursor is not one this server gave out") from exc
+
+
+@get("/jobs", operation_id="list_jobs", tags=["jobs"], summary="The tenant's jobs, newest first")
+async def list_jobs(
+    request: Request,
+    job_state: Annotated[str | None, Parameter(query="state", description="queued, running, succeeded, failed or cancelled")] = None,
+    kind: Annotated[str | None, Parameter(query="kind", max_length=64)] = None,
+    limit: Annotated[int, Parameter(query="limit", ge=1, le=100)] = 20,
+    cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
+) -> JobList:
+    svc = services(request)
+    tenant = require_tenant(request, svc.settings)
+    if job_state is not None and job_state not in STATES:
+        raise ProblemError(400, "/problems/invalid-request", "Invalid request", f"state must be one of {', '.join(STATES)}")
+    before = _decode_cursor(cursor) if cursor else None
+    rows = svc.store.list_jobs(tenant, state=job_state, kind=kind, before=before, limit=limit + 1)
+    page = rows[:limit]
+    return JobList(
+        items=[public_status(job, svc.signer) for job in page],
+        next_cursor=_encode_cursor(page[-1]) if len(rows) > limit else None,
+    )
+
+
+@delete("/jobs/{job_id:str}", operation_id="cancel_job", tags=["jobs"], summary="Cancel a job", status_code=200)
+async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
+    """Queued: cancelled at once (200). Running: cancel requested (202), the worker stops between steps."""
+    svc = services(request)
+    tenant = require_tenant(request, svc.settings)
+    for _ in range(5):  # the job may move between our read and our write: read again
+        job = find_job(svc, tenant, job_id)
+        try:
+            if job.state == "queued":
+                done = await svc.store.transition(job.id, Change(expect={"queued"}, to="cancelled"))
+                return Response(public_status(done.after, svc.signer), status_code=HTTP_200_OK)
+            if job.state == "running":
+                if not job.cancel_requested:
+                    job = (await svc.store.transition(
+                        job.id, Change(expect={"running"}, attempt=job.attempt, cancel_requested=True))).after
+                return Response(public_status(job, svc.signer), status_code=HTTP_202_ACCEPTED)
+        except TransitionRejected:
+            continue
+        if job.state == "cancelled":
+            return Response(public_status(job, svc.signer), status_code=HTTP_200_OK)
+        raise ProblemError(409, "/problems/job-finished", "Job already finished",
+                           f"the job is {job.state}; only queued or running jobs can be cancelled")
+    raise ProblemError(409, "/problems/conflict", "Conflict", "the job kept changing; try again")

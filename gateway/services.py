@@ -1,0 +1,32 @@
+"""What the request handlers need, opened by the app's lifespan and reached through ``app.state``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from litestar import Request
+from nats.aio.client import Client as NATS
+
+from gateway.hub import Hub
+from gateway.ratelimit import StartLimiter
+from herald.metrics import Metrics
+from herald.results import FileResultStore
+from herald.settings import Settings
+from herald.signing import UrlSigner
+from herald.store import Store
+
+
+@dataclass(slots=True)
+class Services:
+    settings: Settings
+    store: Store
+    results: FileResultStore
+    signer: UrlSigner
+    metrics: Metrics
+    limiter: StartLimiter
+    hub: Hub
+    nats: NATS | None = field(default=None)
+
+
+def services(request: Request) -> Services:
+    return request.app.state.services  # type: ignore[no-any-return]

@@ -1,0 +1,125 @@
+"""The ``herald`` command: run the whole system or one component."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import signal
+import sys
+
+from herald.logs import configure_logging
+from herald.settings import Settings, SettingsError
+
+
+def _settings(args: argparse.Namespace) -> Settings:
+    settings = Settings.from_env()
+    changes = {}
+    if getattr(args, "port", None) is not None:
+        changes["http_port"] = args.port
+    if getattr(args, "host", None) is not None:
+        changes["http_host"] = args.host
+    if getattr(args, "workers", None) is not None:
+        changes["workers"] = args.workers
+    return settings.with_changes(**changes) if changes else settings
+
+
+def run_gateway(settings: Settings) -> int:
+    import uvicorn
+
+    from gateway.app import create_app
+
+    config = uvicorn.Config(
+        create_app(settings),
+        host=settings.http_host,
+        port=settings.http_port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=3,
+        loop="uvloop",
+        http="httptools",
+    )
+    uvicorn.Server(config).run()
+    return 0
+
+
+async def _until_signalled(body: object) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    task = asyncio.create_task(body(stop))  # type: ignore[operator]
+    await task
+
+
+def run_worker(settings: Settings) -> int:
+    from herald.metrics_server import serve_metrics
+    from workers.runner import run_worker as body
+
+    async def main(stop: asyncio.Event) -> None:
+        async with serve_metrics(settings):
+            await body(settings, stop)
+
+    asyncio.run(_until_signalled(main))
+    return 0
+
+
+def run_notifier(settings: Settings) -> int:
+    from herald.metrics_server import serve_metrics
+    from notifier.service import run_notifier as body
+
+    async def main(stop: asyncio.Event) -> None:
+        async with serve_metrics(settings):
+            await body(settings, stop)
+
+    asyncio.run(_until_signalled(main))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="herald", description="Herald: asynchronous request-reply gateway")
+    sub = parser.add_subparsers(dest="command", required=True)
+    up = sub.add_parser("up", help="run everything: nats-server, gateway, workers, notifier")
+    up.add_argument("--port", type=int, help="HTTP port (HERALD_HTTP_PORT)")
+    up.add_argument("--host", help="HTTP host (HERALD_HTTP_HOST)")
+    up.add_argument("--workers", type=int, help="worker processes (HERALD_WORKERS)")
+    gateway = sub.add_parser("gateway", help="run the HTTP API (with relay, sweeper, retention)")
+    gateway.add_argument("--port", type=int)
+    gateway.add_argument("--host")
+    sub.add_parser("worker", help="run one worker process")
+    sub.add_parser("notifier", help="run one webhook notifier process")
+    with contextlib.suppress(ImportError):
+        from herald.client_cli import add_client_commands
+
+        add_client_commands(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if hasattr(args, "handler"):  # client commands bring their own handler
+        return int(args.handler(args))
+    try:
+        settings = _settings(args)
+    except SettingsError as exc:
+        print(f"herald: {exc}", file=sys.stderr)
+        return 2
+    configure_logging(settings, args.command)
+    if args.command == "up":
+        from herald.supervisor import run_up
+
+        return run_up(settings)
+    if args.command == "gateway":
+        return run_gateway(settings)
+    if args.command == "worker":
+        return run_worker(settings)
+    if args.command == "notifier":
+        return run_notifier(settings)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

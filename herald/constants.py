@@ -1,0 +1,20 @@
+"""Names shared by every process: streams, consumers, subjects, headers."""
+
+JOBS_STREAM = "HERALD_JOBS"
+EVENTS_STREAM = "HERALD_EVENTS"
+WORKERS_CONSUMER = "herald-workers"
+NOTIFIER_CONSUMER = "herald-notifier"
+
+
+def job_subject(kind: str) -> str:
+    return f"jobs.{kind}"
+
+
+def event_subject(tenant: str, job_id: str) -> str:
+    return f"events.{tenant}.{job_id}"
+
+
+JOB_SUBJECTS = "jobs.>"
+EVENT_SUBJECTS = "events.>"
+
+MSG_ID_HEADER = "Nats-Msg-Id"

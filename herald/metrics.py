@@ -1,0 +1,90 @@
+"""Prometheus metrics (SPEC §10), created once per process and passed down.
+
+Under ``herald up`` every child writes to a shared multiprocess directory
+(PROMETHEUS_MULTIPROC_DIR, set by the supervisor), so the gateway's ``/metrics`` covers
+every component.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+
+if TYPE_CHECKING:
+    from herald.store import JobRow
+    from schemas import JobEvent
+
+MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
+
+
+class Metrics:
+    def __init__(self) -> None:
+        self.jobs_accepted = Counter("herald_jobs_accepted_total", "Jobs accepted (202, not replays)", ["kind"])
+        self.jobs_finished = Counter("herald_jobs_finished_total", "Jobs that reached a terminal state", ["kind", "state"])
+        self.job_run_seconds = Histogram(
+            "herald_job_run_seconds", "Time from acceptance to terminal state", ["kind"],
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300, 900, 3600),
+        )
+        self.webhook_deliveries = Counter("herald_webhook_deliveries_total", "Webhook delivery attempts", ["outcome"])
+        self.webhook_delivery_seconds = Histogram(
+            "herald_webhook_delivery_seconds", "Latency of one webhook attempt",
+            buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 15),
+        )
+        self.sse_streams = Gauge("herald_sse_streams", "Open server-sent-event streams", multiprocess_mode="livesum")
+        self.long_polls = Gauge("herald_long_polls", "Held long polls", multiprocess_mode="livesum")
+        self.http_requests = Counter("herald_http_requests_total", "HTTP requests", ["route", "method", "status"])
+        self.transitions_rejected = Counter("herald_transitions_rejected_total", "Stale or duplicate transitions refused")
+        self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading")
+
+
+    def observe(self, job: "JobRow", event: "JobEvent") -> None:
+        """Store listener: count every committed terminal transition, whoever made it."""
+        if job.terminal and job.finished_at is not None:
+            self.jobs_finished.labels(kind=job.kind, state=job.state).inc()
+            self.job_run_seconds.labels(kind=job.kind).observe(job.finished_at - job.created_at)
+
+
+_metrics: Metrics | None = None
+
+
+def metrics() -> Metrics:
+    """The process's metrics (created on first use: prometheus names are process-global)."""
+    global _metrics
+    if _metrics is None:
+        _metrics = Metrics()
+    return _metrics
+
+
+class _StoreGauges:
+    """Gauges read from the store at scrape time, so they are right whoever changed it."""
+
+    def __init__(self, oldest_queued: Callable[[], float], outbox_pending: Callable[[], int]) -> None:
+        self._oldest_queued = oldest_queued
+        self._outbox_pending = outbox_pending
+
+    def collect(self):  # type: ignore[no-untyped-def]
+        yield GaugeMetricFamily("herald_queue_oldest_age_seconds", "Age of the oldest queued job",
+                                value=self._oldest_queued())
+        yield GaugeMetricFamily("herald_outbox_pending", "Committed transitions not yet published (outbox lag)",
+                                value=self._outbox_pending())
+
+
+def exposition(oldest_queued: Callable[[], float] | None = None, outbox_pending: Callable[[], int] | None = None) -> bytes:
+    registry = CollectorRegistry()
+    if os.environ.get(MULTIPROC_ENV):  # noqa: the prometheus client itself is configured by this variable
+        MultiProcessCollector(registry)
+    else:
+        from prometheus_client import REGISTRY
+
+        registry = REGISTRY  # type: ignore[assignment]
+    output = generate_latest(registry)
+    if oldest_queued is not None and outbox_pending is not None:
+        extra = CollectorRegistry()
+        extra.register(_StoreGauges(oldest_queued, outbox_pending))  # type: ignore[arg-type]
+        output += generate_latest(extra)
+    return output

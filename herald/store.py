@@ -1,0 +1,590 @@
+"""The job store: jobs, their history (events), the outbox and idempotency keys.
+
+``transition()`` is the only code that changes a job after it was accepted. In one
+transaction it checks the expected state and attempt, updates the row, appends the
+committed status snapshot to the job's history with a new tenant-wide sequence number,
+and adds the outbox rows that announce it. Everything any client is ever told is derived
+from those rows.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from herald.constants import event_subject, job_subject
+from herald.db import Database
+from herald.timefmt import now, rfc3339
+from schemas import JobEvent, JobLinks, JobMessage, JobStatus, Problem, TERMINAL_STATES
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    collection TEXT NOT NULL,
+    state TEXT NOT NULL,
+    params BLOB NOT NULL,
+    progress INTEGER,
+    version INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    cancel_requested INTEGER NOT NULL DEFAULT 0,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    heartbeat_at REAL,
+    deadline_at REAL NOT NULL,
+    finished_at REAL,
+    expires_at REAL,
+    result_path TEXT,
+    media_type TEXT,
+    error BLOB,
+    callback_url TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
+CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (expires_at) WHERE expires_at IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS events (
+    tenant TEXT NOT NULL,
+    seq INTEGER NOT NULL,
+    job_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    at REAL NOT NULL,
+    data BLOB NOT NULL,
+    PRIMARY KEY (tenant, seq)
+) WITHOUT ROWID;
+CREATE UNIQUE INDEX IF NOT EXISTS events_by_job ON events (job_id, version);
+
+CREATE TABLE IF NOT EXISTS tenant_seq (tenant TEXT PRIMARY KEY, last INTEGER NOT NULL);
+
+CREATE TABLE IF NOT EXISTS outbox (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    subject TEXT NOT NULL,
+    msg_id TEXT NOT NULL,
+    payload BLOB NOT NULL,
+    created_at REAL NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    tenant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    expires_at REAL NOT NULL,
+    PRIMARY KEY (tenant, key)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS idempotency_expiring ON idempotency_keys (expires_at);
+
+CREATE TABLE IF NOT EXISTS tombstones (
+    job_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    deleted_at REAL NOT NULL
+) WITHOUT ROWID;
+"""
+
+# Which state may follow which. Terminal states have no entry: they never change.
+ALLOWED_NEXT: dict[str, frozenset[str]] = {
+    "queued": frozenset({"running", "cancelled", "failed"}),
+    "running": frozenset({"running", "queued", "succeeded", "failed", "cancelled"}),
+}
+
+_event_encoder = msgspec.json.Encoder()
+_problem_decoder = msgspec.json.Decoder(Problem)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    id: str
+    tenant: str
+    kind: str
+    collection: str
+    state: str
+    params: bytes
+    progress: int | None
+    version: int
+    attempt: int
+    cancel_requested: bool
+    created_at: float
+    updated_at: float
+    heartbeat_at: float | None
+    deadline_at: float
+    finished_at: float | None
+    expires_at: float | None
+    result_path: str | None
+    media_type: str | None
+    error: bytes | None
+    callback_url: str | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> JobRow:
+        values = dict(row)
+        values["cancel_requested"] = bool(values["cancel_requested"])
+        return cls(**values)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def result_url(self) -> str:
+        return f"{self.collection}/{self.id}"
+
+    def status(self) -> JobStatus:
+        """The status object with unsigned links, exactly as stored in the job's history."""
+        result = self.result_url if self.state == "succeeded" else None
+        return JobStatus(
+            id=self.id,
+            kind=self.kind,
+            state=self.state,  # type: ignore[arg-type]
+            progress=self.progress,
+            version=self.version,
+            attempt=self.attempt,
+            created_at=rfc3339(self.created_at) or "",
+            updated_at=rfc3339(self.updated_at) or "",
+            expires_at=rfc3339(self.expires_at),
+            cancel_requested=self.cancel_requested,
+            result=result,
+            error=_problem_decoder.decode(self.error) if self.error else None,
+            links=JobLinks(self=f"/jobs/{self.id}", events=f"/jobs/{self.id}/events", result=result),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    id: str
+    tenant: str
+    kind: str
+    collection: str
+    params: bytes
+    deadline_s: float
+    callback_url: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyClaim:
+    key: str
+    fingerprint: str
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    job: JobRow
+    replayed: bool
+    event: JobEvent | None = None
+
+
+class StoreError(Exception):
+    """Base of the store's own errors."""
+
+
+class IdempotencyMismatch(StoreError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"Idempotency-Key {key!r} was used with a different request")
+        self.key = key
+
+
+class TransitionRejected(StoreError):
+    """The job is not where the caller expected it; nothing was changed."""
+
+    def __init__(self, job_id: str, reason: str, current: JobRow | None) -> None:
+        super().__init__(f"transition of {job_id} rejected: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+        self.current = current
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One requested transition. ``expect`` lists the states it may start from."""
+
+    expect: Collection[str]
+    to: str | None = None  # None: the state stays
+    attempt: int | None = None  # fencing: only the worker of this attempt may write
+    progress: int | None = None
+    cancel_requested: bool | None = None
+    requeue: bool = False  # attempt + 1 and a new work message
+    claim: bool = False  # a worker starts: attempt becomes at least 1
+    error: Problem | None = None
+    result_path: str | None = None
+    media_type: str | None = None
+    stale_before: float | None = None  # only if the heartbeat is older than this
+    extra_check: Callable[[JobRow], str | None] | None = field(default=None, compare=False)
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    before: JobRow
+    after: JobRow
+    event: JobEvent | None  # None when nothing visible changed
+
+
+def _event_type(before: JobRow, after: JobRow) -> str | None:
+    if after.state != before.state:
+        return f"job.{after.state}"
+    if after.cancel_requested != before.cancel_requested:
+        return "job.cancel_requested"
+    if after.progress != before.progress:
+        return "job.progress"
+    if after.attempt != before.attempt:
+        return "job.running"
+    return None
+
+
+def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
+    row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
+    return JobRow.from_row(row) if row else None
+
+
+def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str) -> JobEvent:
+    """History row + outbox row for the job's current version (inside the caller's tx)."""
+    (seq,) = conn.execute(
+        "INSERT INTO tenant_seq (tenant, last) VALUES (?, 1) "
+        "ON CONFLICT (tenant) DO UPDATE SET last = last + 1 RETURNING last",
+        (job.tenant,),
+    ).fetchone()
+    data = _event_encoder.encode(job.status())
+    event = JobEvent(
+        seq=seq,
+        tenant=job.tenant,
+        job_id=job.id,
+        kind=job.kind,
+        version=job.version,
+        type=event_type,
+        at=rfc3339(job.updated_at) or "",
+        data=msgspec.Raw(data),
+    )
+    conn.execute(
+        "INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data) VALUES (?,?,?,?,?,?,?,?)",
+        (job.tenant, seq, job.id, job.kind, job.version, event_type, job.updated_at, data),
+    )
+    _enqueue(conn, event_subject(job.tenant, job.id), f"ev.{job.id}.{job.version}", _event_encoder.encode(event))
+    return event
+
+
+def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes) -> None:
+    conn.execute(
+        "INSERT INTO outbox (subject, msg_id, payload, created_at) VALUES (?,?,?,?)",
+        (subject, msg_id, payload, now()),
+    )
+
+
+def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
+    # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
+    # JetStream's duplicate window would swallow it.
+    msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
+    message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
+    _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message))
+
+
+def _check(job: JobRow | None, change: Change) -> str | None:
+    if job is None:
+        return "no such job"
+    if job.state not in change.expect:
+        return f"state is {job.state}, expected {'/'.join(sorted(change.expect))}"
+    if change.to is not None and change.to not in ALLOWED_NEXT.get(job.state, frozenset()):
+        return f"{job.state} -> {change.to} is not allowed"
+    if change.attempt is not None and job.attempt != change.attempt:
+        return f"attempt is {job.attempt}, writer has {change.attempt}"
+    if change.stale_before is not None and (job.heartbeat_at or 0) >= change.stale_before:
+        return "heartbeat is fresh"
+    if change.extra_check is not None:
+        return change.extra_check(job)
+    return None
+
+
+class Store:
+    """Async facade over the SQLite file. One per process; processes share the file."""
+
+    def __init__(self, path: Path, *, retention_s: float) -> None:
+        self.db = Database(path)
+        self.retention_s = retention_s
+        self._listeners: list[Callable[[JobRow, JobEvent], None]] = []
+
+    async def open(self) -> Store:
+        await self.db.open(SCHEMA)
+        return self
+
+    async def close(self) -> None:
+        await self.db.close()
+
+    def on_commit(self, callback: Callable[[JobRow, JobEvent], None]) -> None:
+        """Called on the loop after every committed event: wakes the relay, counts, logs."""
+        self._listeners.append(callback)
+
+    def _committed(self, job: JobRow, event: JobEvent) -> None:
+        for callback in self._listeners:
+            callback(job, event)
+
+    # ----- accepting -------------------------------------------------------------
+
+    async def accept(self, new: NewJob, idempotency: IdempotencyClaim | None = None) -> Accepted:
+        """Write the job (queued, version 1), its key and its outbox rows in one transaction."""
+
+        def tx(conn: sqlite3.Connection) -> Accepted:
+            ts = now()
+            if idempotency is not None:
+                row = conn.execute(
+                    "SELECT fingerprint, job_id, expires_at FROM idempotency_keys WHERE tenant = ? AND key = ?",
+                    (new.tenant, idempotency.key),
+                ).fetchone()
+                if row is not None and row["expires_at"] <= ts:
+                    conn.execute(
+                        "DELETE FROM idempotency_keys WHERE tenant = ? AND key = ?", (new.tenant, idempotency.key)
+                    )
+                    row = None
+                if row is not None:
+                    if row["fingerprint"] != idempotency.fingerprint:
+                        raise IdempotencyMismatch(idempotency.key)
+                    existing = _fetch(conn, row["job_id"])
+                    if existing is not None:
+                        return Accepted(job=existing, replayed=True)
+                    # The job is gone (retention) but the key lives on: answer as if new.
+                    conn.execute(
+                        "DELETE FROM idempotency_keys WHERE tenant = ? AND key = ?", (new.tenant, idempotency.key)
+                    )
+            conn.execute(
+                "INSERT INTO jobs (id, tenant, kind, collection, state, params, progress, version, attempt,"
+                " created_at, updated_at, deadline_at, callback_url)"
+                " VALUES (?,?,?,?, 'queued', ?, NULL, 1, 0, ?, ?, ?, ?)",
+                (new.id, new.tenant, new.kind, new.collection, new.params, ts, ts, ts + new.deadline_s, new.callback_url),
+            )
+            if idempotency is not None:
+                conn.execute(
+                    "INSERT INTO idempotency_keys (tenant, key, fingerprint, job_id, created_at, expires_at)"
+                    " VALUES (?,?,?,?,?,?)",
+                    (new.tenant, idempotency.key, idempotency.fingerprint, new.id, ts, ts + idempotency.ttl_s),
+                )
+            job = _fetch(conn, new.id)
+            assert job is not None
+            event = _append_event(conn, job, "job.queued")
+            _enqueue_work(conn, job)
+            return Accepted(job=job, replayed=False, event=event)
+
+        accepted = await self.db.write(tx)
+        if accepted.event is not None:
+            self._committed(accepted.job, accepted.event)
+        return accepted
+
+    # ----- the one writer of job state ---------------------------------------------
+
+    async def transition(self, job_id: str, change: Change) -> Transition:
+        """Apply ``change`` if the job is where the caller expects it, else raise TransitionRejected."""
+
+        def tx(conn: sqlite3.Connection) -> Transition:
+            before = _fetch(conn, job_id)
+            reason = _check(before, change)
+            if reason is not None:
+                raise TransitionRejected(job_id, reason, before)
+            assert before is not None
+            ts = now()
+            values: dict[str, Any] = {"updated_at": ts}
+            to = change.to or before.state
+            values["state"] = to
+            if change.claim:
+                values["attempt"] = max(before.attempt, 1)
+                values["heartbeat_at"] = ts
+            if change.requeue:
+                values["attempt"] = before.attempt + 1
+                values["heartbeat_at"] = None
+                values["progress"] = None
+            if change.progress is not None:
+                values["progress"] = change.progress
+            if change.cancel_requested is not None:
+                values["cancel_requested"] = change.cancel_requested
+            if change.error is not None:
+                values["error"] = _event_encoder.encode(change.error)
+            if change.result_path is not None:
+                values["result_path"] = change.result_path
+                values["media_type"] = change.media_type
+            if to in TERMINAL_STATES:
+                values["finished_at"] = ts
+                values["expires_at"] = ts + self.retention_s
+                if to == "succeeded":
+                    values["progress"] = 100
+            after = replace(before, **values, version=before.version + 1)
+            event_type = _event_type(before, after)
+            if event_type is None:
+                return Transition(before=before, after=before, event=None)  # nothing visible changed
+            assignments = ", ".join(f"{column} = ?" for column in values)
+            conn.execute(
+                f"UPDATE jobs SET {assignments}, version = ? WHERE id = ?",
+                (*values.values(), after.version, job_id),
+            )
+            event = _append_event(conn, after, event_type)
+            if change.requeue:
+                _enqueue_work(conn, after)
+            return Transition(before=before, after=after, event=event)
+
+        result = await self.db.write(tx)
+        if result.event is not None:
+            self._committed(result.after, result.event)
+        return result
+
+    async def heartbeat(self, job_id: str, attempt: int) -> JobRow | None:
+        """Move only ``updated_at``/``heartbeat_at`` (not an event). None: the worker lost the job."""
+
+        def tx(conn: sqlite3.Connection) -> JobRow | None:
+            ts = now()
+            cursor = conn.execute(
+                "UPDATE jobs SET heartbeat_at = ?, updated_at = ? WHERE id = ? AND state = 'running' AND attempt = ?",
+                (ts, ts, job_id, attempt),
+            )
+            return _fetch(conn, job_id) if cursor.rowcount else None
+
+        return await self.db.write(tx)
+
+    # ----- reads (on the loop: point lookups and bounded index scans) -------------------
+
+    def get(self, job_id: str) -> JobRow | None:
+        rows = self.db.read("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return JobRow.from_row(rows[0]) if rows else None
+
+    def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None:
+        job = self.get(job_id)
+        return job if job is not None and job.tenant == tenant else None
+
+    def tombstone_tenant(self, job_id: str) -> str | None:
+        rows = self.db.read("SELECT tenant FROM tombstones WHERE job_id = ?", (job_id,))
+        return rows[0]["tenant"] if rows else None
+
+    def list_jobs(
+        self,
+        tenant: str,
+        *,
+        state: str | None,
+        kind: str | None,
+        before: tuple[float, str] | None,
+        limit: int,
+    ) -> list[JobRow]:
+        sql = ["SELECT * FROM jobs WHERE tenant = ?"]
+        params: list[Any] = [tenant]
+        if state is not None:
+            sql.append("AND state = ?")
+            params.append(state)
+        if kind is not None:
+            sql.append("AND kind = ?")
+            params.append(kind)
+        if before is not None:
+            sql.append("AND (created_at < ? OR (created_at = ? AND id < ?))")
+            params.extend([before[0], before[0], before[1]])
+        sql.append("ORDER BY created_at DESC, id DESC LIMIT ?")
+        params.append(limit)
+        return [JobRow.from_row(r) for r in self.db.read(" ".join(sql), params)]
+
+    def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]:
+        rows = self.db.read(
+            "SELECT * FROM events WHERE job_id = ? AND version > ? ORDER BY version LIMIT ?",
+            (job_id, after_version, limit),
+        )
+        return [_event_from_row(r) for r in rows]
+
+    def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
+        if kind is None:
+            rows = self.db.read(
+                "SELECT * FROM events WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?", (tenant, after_seq, limit)
+            )
+        else:
+            rows = self.db.read(
+                "SELECT * FROM events WHERE tenant = ? AND seq > ? AND kind = ? ORDER BY seq LIMIT ?",
+                (tenant, after_seq, kind, limit),
+            )
+        return [_event_from_row(r) for r in rows]
+
+    def oldest_event_seq(self, tenant: str) -> int | None:
+        rows = self.db.read("SELECT MIN(seq) AS s FROM events WHERE tenant = ?", (tenant,))
+        return rows[0]["s"] if rows and rows[0]["s"] is not None else None
+
+    def last_event_seq(self, tenant: str) -> int:
+        rows = self.db.read("SELECT last FROM tenant_seq WHERE tenant = ?", (tenant,))
+        return int(rows[0]["last"]) if rows else 0
+
+    def oldest_queued_age(self) -> float:
+        rows = self.db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued'")
+        return max(0.0, now() - rows[0]["t"]) if rows and rows[0]["t"] is not None else 0.0
+
+    def outbox_pending(self) -> int:
+        return int(self.db.read("SELECT COUNT(*) AS n FROM outbox")[0]["n"])
+
+    # ----- outbox ---------------------------------------------------------------------
+
+    async def outbox_batch(self, limit: int, older_than: float | None = None) -> list[sqlite3.Row]:
+        def read(conn: sqlite3.Connection) -> list[sqlite3.Row]:
+            if older_than is None:
+                return conn.execute("SELECT * FROM outbox ORDER BY seq LIMIT ?", (limit,)).fetchall()
+            return conn.execute(
+                "SELECT * FROM outbox WHERE created_at < ? ORDER BY seq LIMIT ?", (older_than, limit)
+            ).fetchall()
+
+        return await self.db.read_in_thread(read)
+
+    async def outbox_done(self, seqs: Sequence[int]) -> None:
+        def tx(conn: sqlite3.Connection) -> None:
+            conn.executemany("DELETE FROM outbox WHERE seq = ?", [(s,) for s in seqs])
+
+        await self.db.write(tx)
+
+    # ----- sweeping -------------------------------------------------------------------
+
+    async def live_jobs(self, *, stale_before: float, deadline_before: float) -> list[JobRow]:
+        """Running jobs with an old heartbeat, and live jobs past their deadline."""
+
+        def read(conn: sqlite3.Connection) -> list[JobRow]:
+            rows = conn.execute(
+                "SELECT * FROM jobs WHERE state IN ('queued', 'running')"
+                " AND ((state = 'running' AND COALESCE(heartbeat_at, 0) < ?) OR deadline_at < ?)",
+                (stale_before, deadline_before),
+            ).fetchall()
+            return [JobRow.from_row(r) for r in rows]
+
+        return await self.db.read_in_thread(read)
+
+    async def expire(self, at: float, limit: int = 500) -> list[JobRow]:
+        """Delete jobs whose retention has passed (row, history, keys), leave tombstones.
+
+        Returns the deleted rows so the caller can remove their result files.
+        """
+
+        def tx(conn: sqlite3.Connection) -> list[JobRow]:
+            rows = [
+                JobRow.from_row(r)
+                for r in conn.execute(
+                    "SELECT * FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?", (at, limit)
+                ).fetchall()
+            ]
+            for job in rows:
+                conn.execute("DELETE FROM events WHERE job_id = ?", (job.id,))
+                conn.execute("DELETE FROM idempotency_keys WHERE job_id = ?", (job.id,))
+                conn.execute("DELETE FROM jobs WHERE id = ?", (job.id,))
+                conn.execute(
+                    "INSERT OR REPLACE INTO tombstones (job_id, tenant, deleted_at) VALUES (?,?,?)",
+                    (job.id, job.tenant, at),
+                )
+            conn.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (at,))
+            return rows
+
+        return await self.db.write(tx)
+
+
+_event_row_decoder = msgspec.json.Decoder(JobStatus)
+
+
+def _event_from_row(row: sqlite3.Row) -> JobEvent:
+    return JobEvent(
+        seq=row["seq"],
+        tenant=row["tenant"],
+        job_id=row["job_id"],
+        kind=row["kind"],
+        version=row["version"],
+        type=row["type"],
+        at=rfc3339(row["at"]) or "",
+        data=msgspec.Raw(row["data"]),
+    )

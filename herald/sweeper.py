@@ -1,0 +1,68 @@
+"""The sweeper: every job ends. Safe to run in many processes at once (transitions are conditional).
+
+* running jobs whose heartbeat is older than HERALD_HEARTBEAT_TIMEOUT_S are re-queued
+  (attempt + 1) or, after the last attempt, failed with /problems/worker-lost;
+* live jobs past their deadline fail with /problems/deadline-exceeded;
+* jobs past ``expires_at`` are deleted with their result, key and history (tombstone left).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from herald.results import FileResultStore
+from herald.settings import Settings
+from herald.store import Change, JobRow, Store, TransitionRejected
+from herald.timefmt import now
+from schemas import Problem
+
+log = logging.getLogger("herald.sweeper")
+
+WORKER_LOST = "/problems/worker-lost"
+DEADLINE_EXCEEDED = "/problems/deadline-exceeded"
+
+
+def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
+    if job.deadline_at < at:
+        return Change(
+            expect={"queued", "running"}, to="failed", attempt=job.attempt,
+            error=Problem(type=DEADLINE_EXCEEDED, title="Deadline exceeded",
+                          detail=f"the job did not finish within its deadline of {job.deadline_at - job.created_at:g} s"),
+        )
+    stale_before = at - settings.heartbeat_timeout_s
+    if job.state != "running" or (job.heartbeat_at or 0) >= stale_before:
+        return None
+    if job.attempt >= settings.max_attempts:
+        return Change(
+            expect={"running"}, to="failed", attempt=job.attempt, stale_before=stale_before,
+            error=Problem(type=WORKER_LOST, title="Worker lost",
+                          detail=f"the worker stopped heartbeating on attempt {job.attempt} of {settings.max_attempts}"),
+        )
+    return Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True, stale_before=stale_before)
+
+
+async def sweep_once(store: Store, results: FileResultStore, settings: Settings) -> None:
+    at = now()
+    for job in await store.live_jobs(stale_before=at - settings.heartbeat_timeout_s, deadline_before=at):
+        change = _decide(job, settings, at)
+        if change is None:
+            continue
+        try:
+            done = await store.transition(job.id, change)
+        except TransitionRejected as exc:
+            log.info("sweep skipped", extra={"job_id": job.id, "reason": exc.reason})
+            continue
+        log.warning("job swept", extra={"job_id": job.id, "state": done.after.state, "attempt": done.after.attempt})
+    for job in await store.expire(at):
+        results.delete_job(job.id)
+        log.info("job expired", extra={"job_id": job.id})
+
+
+async def run_sweeper(store: Store, results: FileResultStore, settings: Settings) -> None:
+    while True:
+        try:
+            await sweep_once(store, results, settings)
+        except Exception:
+            log.exception("sweep failed; next pass will retry")
+        await asyncio.sleep(settings.sweep_interval_s)

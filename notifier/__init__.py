@@ -1,0 +1,1 @@
+"""The notifier: committed transitions -> signed webhook deliveries with durable retries."""

@@ -1,0 +1,1 @@
+"""Workers: JetStream pull consumers that run job kinds."""

@@ -1,0 +1,35 @@
+"""The demo report: a real PDF, one page per step, each step costing HERALD_REPORT_PAGE_MS."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fpdf import FPDF
+
+from schemas import ReportParams
+from workers.context import JobContext
+from workers.errors import JobFailed
+
+
+async def run_report(ctx: JobContext, params: ReportParams) -> None:
+    pdf = FPDF(format="A4")
+    pdf.set_title(params.title)
+    pdf.set_creator("Herald")
+    page_s = ctx.settings.report_page_ms / 1000
+    for page in range(1, params.pages + 1):
+        await ctx.checkpoint()
+        if params.fail_on_page == page:
+            raise JobFailed(
+                "/problems/report-render-failed",
+                "Report rendering failed",
+                f"rendering failed on page {page} of {params.pages} (fail_on_page)",
+            )
+        if page_s:
+            await asyncio.sleep(page_s)
+        pdf.add_page()
+        pdf.set_font("helvetica", "B", 20)
+        pdf.cell(0, 12, params.title, new_x="LMARGIN", new_y="NEXT")
+        pdf.set_font("helvetica", size=12)
+        pdf.cell(0, 10, f"Page {page} of {params.pages}", new_x="LMARGIN", new_y="NEXT")
+        await ctx.progress(page * 100 // params.pages)
+    await asyncio.to_thread(pdf.output, str(ctx.output))

@@ -1,0 +1,217 @@
+"""The worker process: fetch job messages from the durable consumer and run them.
+
+One message runs as: claim (``queued -> running``, conditional), the handler beside a
+heartbeat task that extends the JetStream lease and writes ``heartbeat_at``, the result
+committed to the result store, then exactly one terminal transition. Every write is
+fenced by ``attempt``, so a worker that lost its job (re-queued by the sweeper, failed at
+its deadline) can never move it again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import msgspec
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+
+from herald import jetstream
+from herald.constants import JOBS_STREAM, WORKERS_CONSUMER
+from herald.logs import log_transition
+from herald.metrics import metrics
+from herald.relay import Relay
+from herald.results import FileResultStore
+from herald.settings import Settings
+from herald.store import Change, JobRow, Store, TransitionRejected
+from schemas import JobMessage, Problem
+from workers import registry
+from workers.context import JobContext
+from workers.errors import JobCancelled, JobFailed, JobLost
+
+log = logging.getLogger("herald.worker")
+_message_decoder = msgspec.msgpack.Decoder(JobMessage)
+
+
+class Worker:
+    def __init__(self, settings: Settings, store: Store, results: FileResultStore) -> None:
+        self.settings = settings
+        self.store = store
+        self.results = results
+        self._slots = asyncio.Semaphore(settings.worker_concurrency)
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._stopping = asyncio.Event()
+
+    # ----- the loop -----------------------------------------------------------------
+
+    async def run(self, subscription: object, stop: asyncio.Event) -> None:
+        """Fetch while there are free slots; on ``stop`` let running jobs finish or hand them back."""
+        fetch = subscription.fetch  # type: ignore[attr-defined]
+        while not stop.is_set():
+            await self._slots.acquire()
+            try:
+                messages: list[Msg] = await fetch(batch=1, timeout=1.0)
+            except (NatsTimeout, asyncio.TimeoutError):
+                self._slots.release()
+                continue
+            except Exception as exc:  # NATS reconnecting: wait and try again
+                self._slots.release()
+                log.warning("fetch failed: %s", exc)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+                continue
+            for message in messages:
+                task = asyncio.create_task(self._handle(message))
+                self._tasks.add(task)
+                task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        self._slots.release()
+        if not task.cancelled() and task.exception() is not None:
+            log.error("worker task crashed", exc_info=task.exception())
+
+    async def shutdown(self, grace_s: float) -> None:
+        """Give running jobs ``grace_s`` to finish, then hand the rest back (re-queue)."""
+        self._stopping.set()
+        if not self._tasks:
+            return
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=grace_s)
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+
+    # ----- one message ----------------------------------------------------------------
+
+    async def _handle(self, message: Msg) -> None:
+        try:
+            work = _message_decoder.decode(message.data)
+        except msgspec.DecodeError:
+            log.error("undecodable job message dropped", extra={"subject": message.subject})
+            await message.term()
+            return
+        job = self.store.get(work.job_id)
+        kind = registry.get(work.kind)
+        if job is None or job.state != "queued" or kind is None:
+            # Terminal, deleted, or running under another worker (whose death the sweeper
+            # handles): this message has nothing left to do.
+            if kind is None and job is not None:
+                log.error("no handler for kind", extra={"job_id": work.job_id, "kind": work.kind})
+            await message.ack()
+            return
+        try:
+            claimed = await self.store.transition(job.id, Change(expect={"queued"}, to="running", claim=True))
+        except TransitionRejected as exc:
+            log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
+            await message.ack()
+            return
+        await self._run_claimed(claimed.after, kind, message)
+
+    async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
+        params = msgspec.json.decode(job.params, type=kind.params)
+        output = self.results.partial_path(job.id, job.attempt, kind.suffix(params))
+        context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt, output=output)
+        log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
+        heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
+        try:
+            await kind.handler(context, params)
+            heart.cancel()
+            key = self.results.commit(output)
+            try:
+                await self.store.transition(
+                    job.id,
+                    Change(expect={"running"}, to="succeeded", attempt=job.attempt, result_path=key,
+                           media_type=kind.media_type(params)),
+                )
+            except TransitionRejected as exc:
+                self.results.discard(key)
+                log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
+            else:
+                log.info("job succeeded", extra={"job_id": job.id})
+        except JobCancelled:
+            self.results.discard(output)
+            await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
+            log.info("job cancelled", extra={"job_id": job.id})
+        except JobFailed as exc:
+            self.results.discard(output)
+            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=exc.problem))
+            log.info("job failed", extra={"job_id": job.id, "problem_type": exc.problem.type})
+        except JobLost as exc:
+            self.results.discard(output)
+            log.info("job lost to another writer", extra={"job_id": job.id, "reason": str(exc)})
+        except asyncio.CancelledError:
+            # Shutdown or lost lease: hand the job back so another worker starts it afresh.
+            self.results.discard(output)
+            if self._stopping.is_set():
+                await self._finish(job, Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True))
+                log.info("job handed back on shutdown", extra={"job_id": job.id})
+        except Exception:
+            self.results.discard(output)
+            log.exception("job handler raised", extra={"job_id": job.id})
+            problem = Problem(
+                type="/problems/job-failed",
+                title="The job failed",
+                detail=f"the {job.kind} handler stopped with an internal error; see the worker log for job {job.id}",
+            )
+            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
+        finally:
+            heart.cancel()
+            with contextlib.suppress(Exception):
+                await message.ack()
+
+    async def _finish(self, job: JobRow, change: Change) -> None:
+        try:
+            await asyncio.shield(self.store.transition(job.id, change))
+        except TransitionRejected as exc:
+            log.warning("transition rejected", extra={"job_id": job.id, "reason": exc.reason, "to": change.to})
+
+    async def _heartbeat(self, job: JobRow, message: Msg, runner: asyncio.Task[None] | None) -> None:
+        """Extend the lease and write heartbeats; stop the run if the job was taken away."""
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_interval_s)
+            with contextlib.suppress(Exception):
+                await message.in_progress()
+            try:
+                alive = await self.store.heartbeat(job.id, job.attempt)
+            except Exception as exc:
+                log.warning("heartbeat failed", extra={"job_id": job.id, "error": str(exc)})
+                continue
+            if alive is None:
+                log.info("job taken away, stopping", extra={"job_id": job.id})
+                if runner is not None:
+                    runner.cancel()
+                return
+
+
+async def run_worker(settings: Settings, stop: asyncio.Event, *, grace_s: float = 10.0) -> None:
+    """The ``herald worker`` process body."""
+    store = await Store(settings.db_path, retention_s=settings.retention_s).open()
+    store.on_commit(log_transition)
+    store.on_commit(metrics().observe)
+    nc = await jetstream.connect(settings, name="herald-worker")
+    try:
+        js = nc.jetstream()
+        await jetstream.ensure_topology(js, settings)
+        relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
+        relay_task = asyncio.create_task(relay.run())
+        subscription = await js.pull_subscribe_bind(WORKERS_CONSUMER, JOBS_STREAM)
+        worker = Worker(settings, store, FileResultStore(settings.results_dir))
+        log.info("worker ready", extra={"concurrency": settings.worker_concurrency})
+        fetching = asyncio.create_task(worker.run(subscription, stop))
+        await stop.wait()
+        fetching.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await fetching
+        await worker.shutdown(grace_s)
+        await relay.publish_pending()
+        relay_task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await relay_task
+        await subscription.unsubscribe()
+    finally:
+        with contextlib.suppress(Exception):
+            await nc.drain()
+        await store.close()
+
