@@ -1,0 +1,1 @@
+"""Herald client library."""
