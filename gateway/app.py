@@ -16,8 +16,8 @@ from litestar.openapi.spec import Components, SecurityScheme
 import herald
 from gateway.hub import Hub
 from gateway.problems import handle_http_exception, handle_unexpected
-from gateway.ratelimit import StartLimiter
-from gateway.routes import health, jobs
+from gateway.ratelimit import TenantLimits
+from gateway.routes import events, health, jobs
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
 from gateway.services import Services
@@ -88,7 +88,7 @@ def create_app(settings: Settings) -> Litestar:
                 results=FileResultStore(settings.results_dir),
                 signer=UrlSigner(settings.signing_keys(), settings.signed_url_ttl_s),
                 metrics=metrics,
-                limiter=StartLimiter(settings.rate_limit),
+                limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
                 hub=hub,
             )
             app.state.services = svc
@@ -117,6 +117,9 @@ def create_app(settings: Settings) -> Litestar:
             jobs.get_job,
             jobs.list_jobs,
             jobs.cancel_job,
+            events.job_events,
+            events.tenant_events,
+            events.events_link,
             *(accept_route(kind) for kind in kinds),
             *(result_route(kind) for kind in kinds),
         ],

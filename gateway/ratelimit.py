@@ -1,9 +1,10 @@
-"""Per-tenant token bucket for job starts (SPEC §10): rate/s, burst twice that."""
+"""Per-tenant limits: a token bucket on job starts, and a cap on held connections (SPEC §10)."""
 
 from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 from gateway.problems import ProblemError
@@ -15,14 +16,16 @@ class _Bucket:
     at: float
 
 
-class StartLimiter:
-    def __init__(self, rate_per_s: float) -> None:
-        self.rate = rate_per_s
-        self.burst = max(1.0, 2 * rate_per_s)
+class TenantLimits:
+    def __init__(self, starts_per_s: float, max_held: int) -> None:
+        self.rate = starts_per_s
+        self.burst = max(1.0, 2 * starts_per_s)
+        self.max_held = max_held
         self._buckets: dict[str, _Bucket] = {}
+        self._held: Counter[str] = Counter()
 
-    def take(self, tenant: str) -> None:
-        """Spend one token or raise 429 with the seconds until one is back."""
+    def take_start(self, tenant: str) -> None:
+        """Spend one start token or raise 429 with the seconds until one is back."""
         if self.rate <= 0:
             return
         now = time.monotonic()
@@ -40,3 +43,18 @@ class StartLimiter:
             f"job starts are limited to {self.rate:g}/s per tenant; retry after {wait} s",
             headers={"Retry-After": str(wait)},
         )
+
+    def open_stream(self, tenant: str) -> None:
+        """Count one held connection (SSE stream or long poll) or refuse it with 429."""
+        if self._held[tenant] >= self.max_held:
+            raise ProblemError(
+                429, "/problems/too-many-streams", "Too many open streams",
+                f"this tenant already holds {self.max_held} streams and long polls; close some first",
+                headers={"Retry-After": "5"},
+            )
+        self._held[tenant] += 1
+
+    def close_stream(self, tenant: str) -> None:
+        self._held[tenant] -= 1
+        if self._held[tenant] <= 0:
+            del self._held[tenant]

@@ -8,7 +8,7 @@ from litestar import Request
 from nats.aio.client import Client as NATS
 
 from gateway.hub import Hub
-from gateway.ratelimit import StartLimiter
+from gateway.ratelimit import TenantLimits
 from herald.metrics import Metrics
 from herald.results import FileResultStore
 from herald.settings import Settings
@@ -23,7 +23,7 @@ class Services:
     results: FileResultStore
     signer: UrlSigner
     metrics: Metrics
-    limiter: StartLimiter
+    limiter: TenantLimits
     hub: Hub
     nats: NATS | None = field(default=None)
 

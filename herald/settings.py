@@ -70,6 +70,7 @@ class Settings:
     workers: int = 2
     worker_concurrency: int = 4
     max_queue_age_s: float = 300.0
+    max_held_per_tenant: int = 10_000
     log_format: str = "json"
     log_level: str = "info"
     signing_secrets: tuple[str, ...] = field(default=(), repr=False)
@@ -149,6 +150,7 @@ class Settings:
             workers=max(1, int(num("WORKERS", 2, int))),
             worker_concurrency=max(1, int(num("WORKER_CONCURRENCY", 4, int))),
             max_queue_age_s=num("MAX_QUEUE_AGE_S", 300.0),
+            max_held_per_tenant=int(num("MAX_HELD_PER_TENANT", 10_000, int)),
             log_format=(get("LOG_FORMAT") or "json").lower(),
             log_level=(get("LOG_LEVEL") or "info").lower(),
             signing_secrets=tuple(s for s in (secrets_raw or "").split(",") if s),

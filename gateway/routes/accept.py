@@ -78,7 +78,7 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     except InvalidBody as exc:
         raise invalid_request(exc.errors) from exc
     check_callback_url(svc, params.callback_url)
-    svc.limiter.take(tenant)
+    svc.limiter.take_start(tenant)
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)

@@ -61,8 +61,12 @@ async def get_job(
     tenant = require_tenant(request, svc.settings)
     job = find_job(svc, tenant, job_id)
     if_none_match = request.headers.get("if-none-match")
-    if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)) and svc.hub is not None:
-        await svc.hub.wait_for_change(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
+    if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
+        svc.limiter.open_stream(tenant)
+        try:
+            await svc.hub.wait_for_change(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
+        finally:
+            svc.limiter.close_stream(tenant)
         job = svc.store.get(job.id) or job
     return status_response(job, svc, if_none_match)
 

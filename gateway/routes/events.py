@@ -1,0 +1,281 @@
+"""Server-sent events and the JSON event feed (SPEC §8).
+
+Every stream registers with the hub *before* it reads the store, so a transition that
+commits while the client (re)connects is either in the history it reads or in its queue;
+version (per job) and tenant sequence numbers make the overlap harmless: nothing is
+missed and nothing is sent twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+from litestar import Request, Response, get, post
+from litestar.params import Parameter
+
+from gateway.auth import bearer_tenant, require_tenant, unauthorized
+from gateway.hub import RESYNC, Subscriber
+from gateway.problems import ProblemError
+from gateway.render import EVENTS_PURPOSE
+from gateway.routes.jobs import find_job
+from gateway.services import Services, services
+from gateway.sse import (
+    KEEPALIVE_FRAME,
+    KEEPALIVE_S,
+    RETRY_FRAME,
+    TERMINAL_EVENT_TYPES,
+    EventStream,
+    job_frame,
+    tenant_frame,
+)
+from herald.store import JobRow
+from schemas import JobEvent
+from schemas.events import EventFeed, EventLink, FeedEvent
+
+TENANT_EVENTS_PURPOSE = "tenant-events"
+MAX_CURSOR_LENGTH = 20
+
+
+def _parse_cursor(raw: str | None, what: str) -> int | None:
+    """A resume point: a non-negative integer this server gave out, else None (no replay)."""
+    if raw is None or raw == "":
+        return None
+    if len(raw) > MAX_CURSOR_LENGTH or not raw.isdigit():
+        raise ValueError(f"{what} must be an event id this server gave out")
+    return int(raw)
+
+
+def _resume_point(request: Request, query_value: str | None) -> int | None:
+    # The header wins: a browser keeps the query string on every reconnect.
+    header = request.headers.get("last-event-id")
+    try:
+        return _parse_cursor(header if header is not None else query_value, "Last-Event-ID")
+    except ValueError:
+        return None  # an id we never gave out: start from the current status
+
+
+async def _next(subscriber: Subscriber) -> JobEvent | None | bytes:
+    """The next hub item, or the keep-alive frame after KEEPALIVE_S of silence."""
+    try:
+        return await asyncio.wait_for(subscriber.queue.get(), timeout=KEEPALIVE_S)
+    except TimeoutError:
+        return KEEPALIVE_FRAME
+
+
+# ----- one job's stream ------------------------------------------------------------------
+
+
+def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str | None, sig: str | None) -> JobRow:
+    if exp is not None or sig is not None:
+        if not svc.signer.verify(request.url.path, EVENTS_PURPOSE, exp, sig):
+            raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
+                               "this signed stream URL is not valid; take links.events from a fresh status")
+        job = svc.store.get(job_id) if len(job_id) <= 64 else None
+        if job is None:
+            raise ProblemError(404, "/problems/not-found", "Not found", "no such job")
+        return job
+    tenant = bearer_tenant(request, svc.settings)
+    if tenant is None:
+        raise unauthorized("send Authorization: Bearer <key> or use the signed links.events URL")
+    return find_job(svc, tenant, job_id)
+
+
+async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
+    subscriber = svc.hub.subscribe_job(job_id)
+    svc.metrics.sse_streams.inc()
+    try:
+        yield RETRY_FRAME
+        last = 0
+        ended = False
+        history = svc.store.job_events(job_id, resume) if resume is not None else []
+        current = svc.store.get(job_id)
+        if current is None:
+            return
+        if resume is not None and history and history[0].version == resume + 1:
+            for event in history:
+                yield job_frame(event)
+                last, ended = event.version, event.type in TERMINAL_EVENT_TYPES
+        elif resume is not None and resume == current.version:
+            last, ended = resume, current.terminal
+        else:
+            snapshot = svc.store.job_events(current.id, current.version - 1, limit=1)
+            if snapshot and snapshot[0].version == current.version:
+                # A fresh stream names the snapshot by the change that made it; a resume
+                # point we cannot replay from is answered with a plain snapshot.
+                yield job_frame(snapshot[0], None if resume is None else "job.snapshot")
+            last, ended = current.version, current.terminal
+        while not ended:
+            item = await _next(subscriber)
+            if isinstance(item, bytes):
+                yield item
+                continue
+            if subscriber.overflowed.is_set():
+                return  # dropped as a slow consumer; it resumes with Last-Event-ID
+            if item is RESYNC or item.version > last + 1:
+                batch = svc.store.job_events(job_id, last)
+            elif item.version == last + 1:
+                batch = [item]
+            else:
+                continue  # already sent (history overlap or a duplicate publish)
+            for event in batch:
+                yield job_frame(event)
+                last, ended = event.version, event.type in TERMINAL_EVENT_TYPES
+    finally:
+        svc.metrics.sse_streams.dec()
+        svc.hub.unsubscribe(subscriber)
+
+
+@get("/jobs/{job_id:str}/events", operation_id="job_events", tags=["events"],
+     summary="Server-sent events of one job", media_type="text/event-stream")
+async def job_events(
+    request: Request,
+    job_id: str,
+    last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
+    exp: Annotated[str | None, Parameter(query="exp", max_length=12)] = None,
+    sig: Annotated[str | None, Parameter(query="sig", max_length=100)] = None,
+) -> Any:
+    """`retry:`, the current status, then every committed change (`id:` = version) until the terminal one."""
+    svc = services(request)
+    job = _job_for_stream(request, svc, job_id, exp, sig)
+    resume = _resume_point(request, last_event_id)
+    if job.terminal and resume == job.version:
+        return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
+    svc.limiter.open_stream(job.tenant)
+    return EventStream(_closing(svc, job.tenant, _job_stream(svc, job.id, resume)))
+
+
+async def _closing(svc: Services, tenant: str, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    try:
+        async for chunk in stream:
+            yield chunk
+    finally:
+        svc.limiter.close_stream(tenant)
+
+
+# ----- the tenant's stream and feed ------------------------------------------------------
+
+
+def _tenant_for_feed(request: Request, svc: Services) -> str:
+    query = request.query_params
+    if "sig" in query or "exp" in query:
+        tenant = query.get("tenant") or ""
+        if len(tenant) > 64 or not svc.signer.verify("/events", TENANT_EVENTS_PURPOSE, query.get("exp"),
+                                                     query.get("sig"), extra=tenant):
+            raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
+                               "this signed stream URL is not valid; ask POST /events/link for a fresh one")
+        return tenant
+    return require_tenant(request, svc.settings)
+
+
+async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: int | None) -> AsyncIterator[bytes]:
+    subscriber = svc.hub.subscribe_tenant(tenant)
+    svc.metrics.sse_streams.inc()
+    try:
+        yield RETRY_FRAME
+        last = svc.store.last_event_seq(tenant)
+        if resume is not None and resume < last:
+            while True:  # replay in pages: a long absence must not load everything at once
+                page = svc.store.tenant_events(tenant, resume, 500)
+                for event in page:
+                    if kind is None or event.kind == kind:
+                        yield tenant_frame(event)
+                    resume = event.seq
+                if len(page) < 500:
+                    break
+            last = max(last, resume)
+        while True:
+            item = await _next(subscriber)
+            if isinstance(item, bytes):
+                yield item
+                continue
+            if subscriber.overflowed.is_set():
+                return
+            if item is RESYNC or item.seq > last + 1:
+                batch = svc.store.tenant_events(tenant, last, 10_000)
+            elif item.seq == last + 1:
+                batch = [item]
+            else:
+                continue
+            for event in batch:
+                if kind is None or event.kind == kind:
+                    yield tenant_frame(event)
+                last = event.seq
+    finally:
+        svc.metrics.sse_streams.dec()
+        svc.hub.unsubscribe(subscriber)
+
+
+def _bad(field: str, message: str) -> ProblemError:
+    from gateway.problems import invalid_request
+    from schemas import FieldError
+
+    return invalid_request([FieldError(field=field, message=message)])
+
+
+async def _feed(
+    svc: Services, tenant: str, kind: str | None, after: str | None, limit: int, wait: int | None
+) -> EventFeed:
+    try:
+        cursor = _parse_cursor(after, "after")
+    except ValueError as exc:
+        raise _bad("after", str(exc)) from exc
+    position = cursor or 0
+    events = svc.store.tenant_events(tenant, position, limit, kind)
+    if not events and wait is not None:
+        subscriber = svc.hub.subscribe_tenant(tenant)
+        svc.metrics.long_polls.inc()
+        try:
+            loop = asyncio.get_running_loop()
+            deadline = loop.time() + wait
+            events = svc.store.tenant_events(tenant, position, limit, kind)  # after subscribing
+            while not events and (remaining := deadline - loop.time()) > 0:
+                try:
+                    await asyncio.wait_for(subscriber.queue.get(), timeout=remaining)
+                except TimeoutError:
+                    break
+                events = svc.store.tenant_events(tenant, position, limit, kind)
+        finally:
+            svc.metrics.long_polls.dec()
+            svc.hub.unsubscribe(subscriber)
+    next_cursor = str(events[-1].seq) if events else str(position)
+    return EventFeed(
+        events=[FeedEvent(id=str(e.seq), type=e.type, data=e.data) for e in events],
+        next_cursor=next_cursor,
+    )
+
+
+def _wants_json(request: Request) -> bool:
+    accept = request.headers.get("accept", "")
+    return "application/json" in accept and "text/event-stream" not in accept
+
+
+@get("/events", operation_id="tenant_events", tags=["events"],
+     summary="The tenant's committed events: SSE, or a JSON page with Accept: application/json")
+async def tenant_events(
+    request: Request,
+    kind: Annotated[str | None, Parameter(query="kind", max_length=64)] = None,
+    after: Annotated[str | None, Parameter(query="after", max_length=MAX_CURSOR_LENGTH)] = None,
+    limit: Annotated[int, Parameter(query="limit", ge=1, le=500)] = 100,
+    wait: Annotated[int | None, Parameter(query="wait", ge=1, le=60)] = None,
+    last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
+) -> Any:
+    svc = services(request)
+    tenant = _tenant_for_feed(request, svc)
+    if _wants_json(request):
+        feed = await _feed(svc, tenant, kind, after, limit, wait)
+        return Response(feed, headers={"Cache-Control": "no-store"})
+    resume = _resume_point(request, last_event_id)
+    svc.limiter.open_stream(tenant)
+    return EventStream(_closing(svc, tenant, _tenant_stream(svc, tenant, kind, resume)))
+
+
+@post("/events/link", operation_id="events_link", tags=["events"], status_code=200,
+      summary="A signed URL for the tenant's event stream (for EventSource, which cannot send a key)")
+async def events_link(request: Request) -> EventLink:
+    svc = services(request)
+    tenant = require_tenant(request, svc.settings)
+    url = svc.signer.sign("/events", TENANT_EVENTS_PURPOSE, extra=tenant)
+    return EventLink(url=f"{url}&tenant={tenant}", expires_in=int(svc.settings.signed_url_ttl_s))
+

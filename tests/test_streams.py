@@ -1,0 +1,247 @@
+"""Server-sent events, the JSON event feed and long polling (SPEC §4, §8), on real processes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from typing import Any
+
+import httpx
+import pytest
+from httpx_sse import connect_sse
+
+from tests.harness import KEYS, Deployment, client, wait_for_state, wait_until
+
+TERMINAL = {"job.succeeded", "job.failed", "job.cancelled"}
+
+
+def read_job_stream(http: httpx.Client, path: str, headers: dict[str, str] | None = None,
+                    stop_after: int | None = None) -> list[dict[str, Any]]:
+    events = []
+    with connect_sse(http, "GET", path, headers=headers or {}, timeout=30) as source:
+        assert source.response.status_code == 200
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        assert source.response.headers["cache-control"] == "no-store"
+        for index, sse in enumerate(source.iter_sse()):
+            if index == 0:
+                assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
+                continue
+            events.append({"id": sse.id, "event": sse.event, "data": json.loads(sse.data)})
+            if stop_after is not None and len(events) >= stop_after:
+                break
+    return events
+
+
+def test_stream_sends_snapshot_every_transition_and_ends(herald: Deployment) -> None:
+    with client(herald.url()) as http:
+        job = http.post("/reports", json={"title": "live", "pages": 10}).json()
+        events = read_job_stream(http, f"/jobs/{job['id']}/events")
+    versions = [int(e["id"]) for e in events]
+    assert versions == list(range(versions[0], versions[-1] + 1)), "every version, in order, once"
+    assert events[-1]["event"] == "job.succeeded" and events[-1]["data"]["state"] == "succeeded"
+    assert all(e["data"]["version"] == int(e["id"]) for e in events)
+    assert {"job.running", "job.progress"} <= {e["event"] for e in events} or versions[0] > 2
+
+
+def test_resume_with_last_event_id_misses_nothing_and_repeats_nothing(herald: Deployment) -> None:
+    with client(herald.url()) as http:
+        job = http.post("/reports", json={"title": "resume", "pages": 25}).json()
+        first = read_job_stream(http, f"/jobs/{job['id']}/events", stop_after=4)
+        last_id = first[-1]["id"]
+        rest = read_job_stream(http, f"/jobs/{job['id']}/events", headers={"Last-Event-ID": last_id})
+        versions = [int(e["id"]) for e in first + rest]
+        assert versions == list(range(versions[0], versions[-1] + 1))
+        assert rest[-1]["event"] == "job.succeeded"
+        # The query form works too (a browser's first connection), and the header wins over it.
+        via_query = read_job_stream(http, f"/jobs/{job['id']}/events?last_event_id={last_id}")
+        assert [e["id"] for e in via_query] == [e["id"] for e in rest]
+        both = read_job_stream(http, f"/jobs/{job['id']}/events?last_event_id=1",
+                               headers={"Last-Event-ID": rest[-2]["id"]})
+        assert [e["id"] for e in both] == [rest[-1]["id"]]
+        # Resuming a finished stream at its terminal event: 204 stops EventSource for good.
+        done = http.get(f"/jobs/{job['id']}/events", headers={"Last-Event-ID": rest[-1]["id"]})
+        assert done.status_code == 204
+        # A resume point we never gave out: the current status as job.snapshot.
+        odd = read_job_stream(http, f"/jobs/{job['id']}/events", headers={"Last-Event-ID": "99999"})
+        assert [e["event"] for e in odd] == ["job.snapshot"]
+
+
+def test_signed_stream_url_works_without_a_key(herald: Deployment) -> None:
+    with client(herald.url()) as http:
+        job = http.post("/reports", json={"title": "signed", "pages": 3}).json()
+    with httpx.Client(base_url=herald.url()) as anonymous:
+        events = read_job_stream(anonymous, job["links"]["events"])
+        assert events[-1]["event"] == "job.succeeded"
+        assert anonymous.get(f"/jobs/{job['id']}/events").status_code == 401
+        tampered = job["links"]["events"].replace("sig=", "sig=x")
+        assert anonymous.get(tampered).status_code == 403
+
+
+def test_long_poll_wakes_on_transition_and_304_on_timeout(fresh: Deployment) -> None:
+    base = fresh.start_gateway()
+    with client(base) as http:
+        job = http.post("/reports", json={"title": "poll", "pages": 1}).json()
+        etag = http.get(f"/jobs/{job['id']}").headers["etag"]
+        started = time.monotonic()
+        timed_out = http.get(f"/jobs/{job['id']}", params={"wait": 1}, headers={"If-None-Match": etag})
+        assert timed_out.status_code == 304 and time.monotonic() - started >= 0.9
+
+        answer: dict[str, Any] = {}
+
+        def hold() -> None:
+            with client(base) as poller:
+                response = poller.get(f"/jobs/{job['id']}", params={"wait": 30}, headers={"If-None-Match": etag})
+                answer["at"], answer["response"] = time.monotonic(), response
+
+        poll = threading.Thread(target=hold)
+        poll.start()
+        wait_until(lambda: b"herald_long_polls 1.0" in httpx.get(base + "/metrics").content, what="poll held")
+        cancelled_at = time.monotonic()
+        assert http.delete(f"/jobs/{job['id']}").status_code == 200
+        poll.join(10)
+        response = answer["response"]
+        assert response.status_code == 200 and response.json()["state"] == "cancelled"
+        # Woken by the committed transition, not by a timer (generous bound for a shared machine).
+        assert answer["at"] - cancelled_at < 1.0
+        assert http.get(f"/jobs/{job['id']}", params={"wait": 61}).status_code == 400
+
+
+def test_json_feed_pages_in_commit_order_and_long_polls(herald: Deployment) -> None:
+    json_accept = {"Accept": "application/json"}
+    with client(herald.url(), tenant="globex") as http:
+        tail = http.get("/events", params={"limit": 500}, headers=json_accept).json()
+        cursor = tail["next_cursor"]
+        while tail["events"]:
+            tail = http.get("/events", params={"after": cursor, "limit": 500}, headers=json_accept).json()
+            cursor = tail["next_cursor"]
+        job = http.post("/exports", json={"format": "csv", "rows": 20}).json()
+        wait_for_state(http, job["id"], {"succeeded"})
+        seen: list[dict[str, Any]] = []
+        while True:
+            page = http.get("/events", params={"after": cursor, "limit": 2}, headers=json_accept).json()
+            assert isinstance(page["next_cursor"], str)
+            if not page["events"]:
+                break
+            seen += page["events"]
+            cursor = page["next_cursor"]
+        mine = [e for e in seen if e["data"]["id"] == job["id"]]
+        assert [e["data"]["version"] for e in mine] == list(range(1, len(mine) + 1))
+        assert mine[0]["type"] == "job.queued" and mine[-1]["type"] == "job.succeeded"
+        ids = [int(e["id"]) for e in seen]
+        assert ids == sorted(ids)
+
+        started = time.monotonic()
+        empty = http.get("/events", params={"after": cursor, "wait": 1}, headers=json_accept).json()
+        assert empty == {"events": [], "next_cursor": cursor} and time.monotonic() - started >= 0.9
+
+        result: dict[str, Any] = {}
+
+        def hold() -> None:
+            with client(herald.url(), tenant="globex") as other:
+                result["page"] = other.get("/events", params={"after": cursor, "wait": 30}, headers=json_accept).json()
+
+        poll = threading.Thread(target=hold)
+        poll.start()
+        time.sleep(0.2)  # let the poll be held before the event exists (a miss is also correct, just not this test)
+        another = http.post("/exports", json={"format": "csv", "rows": 5}).json()
+        poll.join(15)
+        assert result["page"]["events"][0]["data"]["id"] == another["id"]
+        for bad in ({"after": "x"}, {"limit": 0}, {"limit": 501}, {"wait": 0}, {"wait": 61}):
+            assert http.get("/events", params=bad, headers=json_accept).status_code == 400
+
+
+def test_tenant_stream_via_signed_link(herald: Deployment) -> None:
+    with client(herald.url(), tenant="globex") as http:
+        link = http.post("/events/link")
+        assert link.status_code == 200
+        url = link.json()["url"]
+        received: list[dict[str, Any]] = []
+        job_box: dict[str, str] = {}
+
+        def listen() -> None:
+            with httpx.Client(base_url=herald.url()) as anonymous:
+                with connect_sse(anonymous, "GET", url, timeout=30) as source:
+                    for sse in source.iter_sse():
+                        if not sse.data:
+                            continue
+                        data = json.loads(sse.data)
+                        received.append({"id": sse.id, "event": sse.event, "data": data})
+                        if data["id"] == job_box.get("id") and sse.event == "job.succeeded":
+                            return
+
+        listener = threading.Thread(target=listen)
+        listener.start()
+        wait_until(lambda: b"herald_sse_streams 1.0" in httpx.get(herald.url() + "/metrics").content,
+                   what="stream open")
+        job_box["id"] = http.post("/reports", json={"title": "tenant", "pages": 2}).json()["id"]
+        listener.join(30)
+        mine = [e for e in received if e["data"]["id"] == job_box["id"]]
+        assert [e["data"]["version"] for e in mine] == list(range(1, len(mine) + 1))
+        assert all(e["data"]["id"] == job_box["id"] or e["data"]["kind"] for e in received)
+        with client(herald.url(), tenant="acme") as acme:
+            assert job_box["id"] not in {i["id"] for i in acme.get("/jobs").json()["items"]}
+        assert httpx.get(herald.url() + url.replace("tenant=globex", "tenant=acme")).status_code == 403
+
+
+def test_two_gateways_each_stream_a_job_started_on_the_other(fresh: Deployment) -> None:
+    first = fresh.start_gateway("gateway-a")
+    second = fresh.start_gateway("gateway-b")
+    fresh.start_worker()
+    with client(first) as http_a, client(second) as http_b:
+        job = http_a.post("/reports", json={"title": "fan", "pages": 6}).json()
+        events = read_job_stream(http_b, f"/jobs/{job['id']}/events")
+        versions = [int(e["id"]) for e in events]
+        assert versions == list(range(versions[0], versions[-1] + 1)) and events[-1]["event"] == "job.succeeded"
+        job2 = http_b.post("/reports", json={"title": "fan back", "pages": 3}).json()
+        assert read_job_stream(http_a, f"/jobs/{job2['id']}/events")[-1]["event"] == "job.succeeded"
+
+
+async def _raw_subscriber(port: int, path: str, key: str, ready: asyncio.Event, counter: list[int]) -> list[int]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nAccept: text/event-stream\r\n\r\n".encode())
+    await writer.drain()
+    versions: list[int] = []
+    try:
+        buffer = b""
+        while True:
+            chunk = await reader.read(65536)
+            if not chunk:
+                return versions
+            buffer += chunk
+            while b"\n\n" in buffer:
+                block, buffer = buffer.split(b"\n\n", 1)
+                for line in block.split(b"\n"):
+                    if line.startswith(b"retry:"):
+                        counter[0] += 1
+                        if counter[0] >= counter[1]:
+                            ready.set()
+                    if line.startswith(b"id: "):
+                        versions.append(int(line[4:]))
+                if b"event: job.succeeded" in block:
+                    return versions
+    finally:
+        writer.close()
+
+
+@pytest.mark.slow
+def test_a_thousand_subscribers_on_one_job_all_get_every_event(fresh: Deployment) -> None:
+    base = fresh.start_gateway()
+    port = fresh.ports["gateway"]
+    with client(base) as http:
+        job = http.post("/reports", json={"title": "crowd", "pages": 5}).json()
+
+    async def crowd() -> list[list[int]]:
+        ready = asyncio.Event()
+        counter = [0, 1000]
+        tasks = [asyncio.create_task(_raw_subscriber(port, f"/jobs/{job['id']}/events", KEYS["acme"], ready, counter))
+                 for _ in range(1000)]
+        await asyncio.wait_for(ready.wait(), 60)
+        fresh.start_worker()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 90)
+
+    results = asyncio.run(crowd())
+    expected = results[0]
+    assert expected[-1] >= 7, "queued, running, 5 progress steps (or fewer), succeeded"
+    assert all(r == list(range(1, expected[-1] + 1)) for r in results), "every subscriber saw every version once"
