@@ -69,6 +69,7 @@ class Settings:
     metrics_port: int | None = None
     workers: int = 2
     worker_concurrency: int = 4
+    worker_grace_s: float = 10.0
     max_queue_age_s: float = 300.0
     max_held_per_tenant: int = 10_000
     log_format: str = "json"
@@ -149,6 +150,7 @@ class Settings:
             metrics_port=int(metrics) if metrics else None,
             workers=max(1, int(num("WORKERS", 2, int))),
             worker_concurrency=max(1, int(num("WORKER_CONCURRENCY", 4, int))),
+            worker_grace_s=num("WORKER_GRACE_S", 10.0),
             max_queue_age_s=num("MAX_QUEUE_AGE_S", 300.0),
             max_held_per_tenant=int(num("MAX_HELD_PER_TENANT", 10_000, int)),
             log_format=(get("LOG_FORMAT") or "json").lower(),

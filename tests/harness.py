@@ -183,3 +183,19 @@ def wait_for_state(http: httpx.Client, job_id: str, states: set[str], timeout: f
         return body if body["state"] in states else None
 
     return wait_until(reached, timeout=timeout, interval=0.05, what=f"job {job_id} in {states}")
+
+
+def stream_state(nats_url: str, stream: str) -> Any:
+    """The JetStream stream's state (messages, last_seq), read with a real client."""
+    import asyncio
+
+    import nats
+
+    async def read() -> Any:
+        nc = await nats.connect(nats_url)
+        try:
+            return (await nc.jetstream().stream_info(stream)).state
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())

@@ -185,7 +185,7 @@ class Worker:
                 return
 
 
-async def run_worker(settings: Settings, stop: asyncio.Event, *, grace_s: float = 10.0) -> None:
+async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     """The ``herald worker`` process body."""
     store = await Store(settings.db_path, retention_s=settings.retention_s).open()
     store.on_commit(log_transition)
@@ -204,7 +204,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event, *, grace_s: float 
         fetching.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await fetching
-        await worker.shutdown(grace_s)
+        await worker.shutdown(settings.worker_grace_s)
         await relay.publish_pending()
         relay_task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
