@@ -28,9 +28,10 @@ def run_gateway(settings: Settings) -> int:
     import uvicorn
 
     from gateway.app import create_app
+    from gateway.headers import canonical_header_case
 
     config = uvicorn.Config(
-        create_app(settings),
+        canonical_header_case(create_app(settings)),
         host=settings.http_host,
         port=settings.http_port,
         log_config=None,
@@ -38,7 +39,8 @@ def run_gateway(settings: Settings) -> int:
         lifespan="on",
         timeout_graceful_shutdown=3,
         loop="uvloop",
-        http="httptools",
+        # h11 writes header names as given (httptools lower-cases them): see gateway/headers.py.
+        http="h11",
     )
     uvicorn.Server(config).run()
     return 0
