@@ -1,1 +1,88 @@
-"""Herald client library."""
+"""Herald client library: start jobs, wait for them, stream their events, download
+results, cancel, and verify webhook deliveries.
+
+    from herald_client import HeraldClient
+
+    with HeraldClient("http://127.0.0.1:8000", "dev-key") as herald:
+        job = herald.submit("report", {"title": "Q3", "pages": 5})
+        done = herald.wait(job, timeout=60)
+        herald.download(done, "q3.pdf")
+
+``AsyncHeraldClient`` offers the same methods as coroutines (``stream`` as an async
+iterator). Both drive one implementation of the retry, polling and resume logic.
+"""
+
+from herald_client._async import AsyncHeraldClient
+from herald_client._shared import AUTO
+from herald_client._sync import HeraldClient
+from herald_client.errors import (
+    Conflict,
+    Forbidden,
+    Gone,
+    HeraldConnectionError,
+    HeraldError,
+    IdempotencyKeyMismatch,
+    InvalidRequest,
+    JobNotSucceeded,
+    NotFound,
+    ProblemError,
+    ProtocolError,
+    RateLimited,
+    ServerError,
+    Unauthorized,
+    WaitTimeout,
+    WebhookVerificationError,
+)
+from herald_client.models import (
+    TERMINAL_STATES,
+    Download,
+    FieldError,
+    JobEvent,
+    JobLinks,
+    JobList,
+    JobState,
+    JobStatus,
+    Problem,
+    Result,
+    WebhookEvent,
+)
+from herald_client.policy import Backoff, Policy
+from herald_client.webhooks import verify_webhook
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AUTO",
+    "AsyncHeraldClient",
+    "Backoff",
+    "Conflict",
+    "Download",
+    "FieldError",
+    "Forbidden",
+    "Gone",
+    "HeraldClient",
+    "HeraldConnectionError",
+    "HeraldError",
+    "IdempotencyKeyMismatch",
+    "InvalidRequest",
+    "JobEvent",
+    "JobLinks",
+    "JobList",
+    "JobNotSucceeded",
+    "JobState",
+    "JobStatus",
+    "NotFound",
+    "Policy",
+    "Problem",
+    "ProblemError",
+    "ProtocolError",
+    "RateLimited",
+    "Result",
+    "ServerError",
+    "TERMINAL_STATES",
+    "Unauthorized",
+    "WaitTimeout",
+    "WebhookEvent",
+    "WebhookVerificationError",
+    "verify_webhook",
+]

@@ -1,0 +1,224 @@
+"""The asyncio client: the flows of ``_core`` driven by ``httpx.AsyncClient``.
+
+Only the driver differs from ``HeraldClient``: every decision lives in the flows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import tempfile
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from contextlib import aclosing
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Generic, Literal, TypeVar, overload
+
+import httpx
+import msgspec
+
+from herald_client import _core
+from herald_client._core import Call, Context, Emit, Failure, Flow, Open, Read, Reply, Request, Save, Saved, Sleep
+from herald_client._shared import (
+    AUTO,
+    IdempotencyKey,
+    collection_path,
+    describe,
+    encode_params,
+    job_id,
+    reply_headers,
+    resolve_key,
+    url_for,
+)
+from herald_client.models import Download, JobEvent, JobStatus, Result
+from herald_client.policy import Policy
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class _Done(Generic[T]):
+    value: T
+
+
+class AsyncHeraldClient:
+    """An asyncio Herald client. Use it as an async context manager, or ``await close()``.
+
+    ``http``: an ``httpx.AsyncClient`` of your own; you then close it yourself.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        *,
+        timeout: float = 10.0,
+        policy: Policy = Policy(),
+        collections: Mapping[str, str] | None = None,
+        http: httpx.AsyncClient | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._base = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._timeout = httpx.Timeout(timeout)
+        self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
+        self._collections = dict(collections or {})
+        self._ctx = Context(policy=policy, rng=rng or random.Random())
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.AsyncClient()
+
+    # ----- the API (same promises as HeraldClient) ------------------------------------
+
+    async def submit(self, kind: str, params: Mapping[str, Any] | msgspec.Struct, *,
+                     idempotency_key: IdempotencyKey = AUTO) -> JobStatus:
+        """See ``HeraldClient.submit``."""
+        flow = _core.submit(collection_path(kind, self._collections), encode_params(params),
+                            resolve_key(idempotency_key), self._ctx)
+        return await self._run(flow)
+
+    async def status(self, job: JobStatus | str) -> JobStatus:
+        return await self._run(_core.status(job_id(job), self._ctx))
+
+    @overload
+    async def wait(self, job: JobStatus | str, timeout: float | None = ..., *, follow: Literal[False] = ...,
+                   on_update: Callable[[JobStatus], None] | None = ...) -> JobStatus: ...
+
+    @overload
+    async def wait(self, job: JobStatus | str, timeout: float | None = ..., *, follow: Literal[True],
+                   on_update: Callable[[JobStatus], None] | None = ...) -> Result: ...
+
+    async def wait(self, job: JobStatus | str, timeout: float | None = None, *, follow: bool = False,
+                   on_update: Callable[[JobStatus], None] | None = None) -> JobStatus | Result:
+        """See ``HeraldClient.wait``."""
+        return await self._run(_core.wait(job_id(job), timeout, follow, self._ctx), on_emit=on_update)
+
+    async def stream(self, job: JobStatus | str, *, last_event_id: str | None = None) -> AsyncIterator[JobEvent]:
+        """See ``HeraldClient.stream``."""
+        async with aclosing(self._drive(_core.stream(job_id(job), last_event_id, self._ctx))) as driver:
+            async for item in driver:
+                if not isinstance(item, _Done):
+                    yield item
+
+    async def download(self, job: JobStatus | str, path: str | os.PathLike[str] | None = None) -> Download:
+        target = Path(path) if path is not None else None
+        return await self._run(_core.download(job_id(job), target, self._ctx))
+
+    async def cancel(self, job: JobStatus | str) -> JobStatus:
+        return await self._run(_core.cancel(job_id(job), self._ctx))
+
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> AsyncHeraldClient:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    # ----- the driver -------------------------------------------------------------------
+
+    async def _run(self, flow: Flow[T], on_emit: Callable[[Any], None] | None = None) -> T:
+        async with aclosing(self._drive(flow)) as driver:
+            async for item in driver:
+                if isinstance(item, _Done):
+                    return item.value  # type: ignore[no-any-return]
+                if on_emit is not None:
+                    on_emit(item)
+        raise AssertionError("the driver ended without a result")
+
+    async def _drive(self, flow: Flow[T]) -> AsyncGenerator[Any, None]:
+        """Perform the flow's actions; yield what it emits, then ``_Done(result)``."""
+        opened: httpx.Response | None = None
+        chunks: AsyncIterator[bytes] | None = None
+        outcome: Any = None
+        try:
+            while True:
+                try:
+                    action = flow.send(outcome)
+                except StopIteration as stop:
+                    yield _Done(stop.value)
+                    return
+                outcome = None
+                match action:
+                    case Call(request=request):
+                        outcome = await self._call(request)
+                    case Sleep(seconds=seconds):
+                        await asyncio.sleep(seconds)
+                    case Open(request=request):
+                        if opened is not None:
+                            await opened.aclose()
+                        outcome, opened = await self._open(request)
+                        chunks = opened.aiter_bytes() if opened is not None else None
+                    case Read():
+                        outcome = await self._read(chunks)
+                    case Save(request=request, directory=directory):
+                        outcome = await self._save(request, directory)
+                    case Emit(value=value):
+                        yield value
+        finally:
+            if opened is not None:
+                await opened.aclose()
+            flow.close()
+
+    def _build(self, request: Request, timeout: httpx.Timeout) -> httpx.Request:
+        return self._http.build_request(request.method, url_for(self._base, request.path),
+                                        headers={**self._headers, **request.headers}, content=request.body,
+                                        timeout=timeout)
+
+    async def _call(self, request: Request) -> Reply | Failure:
+        try:
+            response = await self._http.send(self._build(request, self._timeout), follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))  # type: ignore[arg-type]
+        return Reply(response.status_code, reply_headers(response.headers), response.content)
+
+    async def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
+        try:
+            response = await self._http.send(self._build(request, self._stream_timeout), stream=True,
+                                             follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None  # type: ignore[arg-type]
+        headers = reply_headers(response.headers)
+        if response.status_code == 200:
+            return Reply(200, headers), response
+        try:
+            body = await response.aread()
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None  # type: ignore[arg-type]
+        finally:
+            await response.aclose()
+        return Reply(response.status_code, headers, body), None
+
+    @staticmethod
+    async def _read(chunks: AsyncIterator[bytes] | None) -> bytes | Failure:
+        if chunks is None:
+            return b""
+        try:
+            return await anext(chunks, b"")
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))  # type: ignore[arg-type]
+
+    async def _save(self, request: Request, directory: Path) -> Saved | Failure:
+        # File writes are small and local; they run on the loop (as aiofiles would, per chunk).
+        try:
+            async with self._http.stream(request.method, url_for(self._base, request.path),
+                                         headers={**self._headers, **request.headers},
+                                         timeout=self._stream_timeout, follow_redirects=False) as response:
+                reply = Reply(response.status_code, reply_headers(response.headers))
+                if response.status_code != 200:
+                    return Saved(Reply(reply.status, reply.headers, await response.aread()), None)
+                fd, name = tempfile.mkstemp(dir=directory, prefix=".herald-", suffix=".part")
+                size = 0
+                try:
+                    with os.fdopen(fd, "wb") as file:
+                        async for chunk in response.aiter_bytes():
+                            file.write(chunk)
+                            size += len(chunk)
+                except BaseException:
+                    os.unlink(name)
+                    raise
+                return Saved(reply, Path(name), size)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))  # type: ignore[arg-type]

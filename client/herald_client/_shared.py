@@ -1,0 +1,56 @@
+"""What both client shells share besides the flows: arguments in, requests out."""
+
+from __future__ import annotations
+
+import enum
+import uuid
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import msgspec
+
+from herald_client.models import JobStatus
+
+
+class _Auto(enum.Enum):
+    AUTO = "auto"
+
+
+AUTO = _Auto.AUTO
+"""``submit(..., idempotency_key=AUTO)``: a fresh UUID key, so a lost answer can be retried safely."""
+
+IdempotencyKey = str | None | _Auto
+
+
+def job_id(job: JobStatus | str) -> str:
+    return job.id if isinstance(job, JobStatus) else job
+
+
+def collection_path(kind: str, collections: Mapping[str, str]) -> str:
+    """The start path of a kind: given explicitly (``/reports``), configured, or ``/<kind>s``."""
+    if kind.startswith("/"):
+        return kind
+    return collections.get(kind, f"/{kind}s")
+
+
+def encode_params(params: Mapping[str, Any] | msgspec.Struct) -> bytes:
+    return msgspec.json.encode(params)
+
+
+def resolve_key(idempotency_key: IdempotencyKey) -> str | None:
+    return str(uuid.uuid4()) if idempotency_key is AUTO else idempotency_key  # type: ignore[return-value]
+
+
+def url_for(base_url: str, path: str) -> str:
+    if path.startswith(("http://", "https://")):
+        return path
+    return base_url.rstrip("/") + path
+
+
+def reply_headers(headers: httpx.Headers) -> dict[str, str]:
+    return {name.lower(): value for name, value in headers.items()}
+
+
+def describe(exc: httpx.TransportError) -> str:
+    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

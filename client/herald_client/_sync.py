@@ -1,0 +1,225 @@
+"""The blocking client: the flows of ``_core`` driven by ``httpx.Client``."""
+
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+from collections.abc import Callable, Generator, Iterator, Mapping
+from pathlib import Path
+from typing import Any, Literal, TypeVar, overload
+
+import httpx
+import msgspec
+
+from herald_client import _core
+from herald_client._core import Call, Context, Emit, Failure, Flow, Open, Read, Reply, Request, Save, Saved, Sleep
+from herald_client._shared import (
+    AUTO,
+    IdempotencyKey,
+    collection_path,
+    describe,
+    encode_params,
+    job_id,
+    reply_headers,
+    resolve_key,
+    url_for,
+)
+from herald_client.models import Download, JobEvent, JobStatus, Result
+from herald_client.policy import Policy
+
+T = TypeVar("T")
+
+
+class HeraldClient:
+    """A blocking Herald client. Use it as a context manager, or call ``close()``.
+
+    ``http``: an ``httpx.Client`` of your own (proxies, TLS, event hooks); you then close
+    it yourself. Every call sends the key and a timeout of its own, so any client will do.
+    """
+
+    def __init__(
+        self,
+        url: str,
+        api_key: str,
+        *,
+        timeout: float = 10.0,
+        policy: Policy = Policy(),
+        collections: Mapping[str, str] | None = None,
+        http: httpx.Client | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._base = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {api_key}"}
+        self._timeout = httpx.Timeout(timeout)
+        self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
+        self._collections = dict(collections or {})
+        self._ctx = Context(policy=policy, rng=rng or random.Random())
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.Client()
+
+    # ----- the API ----------------------------------------------------------------------
+
+    def submit(self, kind: str, params: Mapping[str, Any] | msgspec.Struct, *,
+               idempotency_key: IdempotencyKey = AUTO) -> JobStatus:
+        """Start a job of ``kind`` (``"report"``, ``"export"``, or a path like ``"/reports"``).
+
+        With a key (by default a fresh UUID), a lost answer — no reply, a 5xx, a 429/503 —
+        is retried with the same key, so the job is started exactly once. With
+        ``idempotency_key=None`` only answers that prove nothing was started (429/503)
+        are retried.
+        """
+        flow = _core.submit(collection_path(kind, self._collections), encode_params(params),
+                            resolve_key(idempotency_key), self._ctx)
+        return self._run(flow)
+
+    def status(self, job: JobStatus | str) -> JobStatus:
+        """The job's current status (one ``GET /jobs/{id}``, not following the 303)."""
+        return self._run(_core.status(job_id(job), self._ctx))
+
+    @overload
+    def wait(self, job: JobStatus | str, timeout: float | None = ..., *, follow: Literal[False] = ...,
+             on_update: Callable[[JobStatus], None] | None = ...) -> JobStatus: ...
+
+    @overload
+    def wait(self, job: JobStatus | str, timeout: float | None = ..., *, follow: Literal[True],
+             on_update: Callable[[JobStatus], None] | None = ...) -> Result: ...
+
+    def wait(self, job: JobStatus | str, timeout: float | None = None, *, follow: bool = False,
+             on_update: Callable[[JobStatus], None] | None = None) -> JobStatus | Result:
+        """Poll until the job ends; return its terminal status, or with ``follow`` its result.
+
+        Raises ``WaitTimeout`` after ``timeout`` seconds (None: no limit), and with
+        ``follow`` ``JobNotSucceeded`` when it failed or was cancelled. ``on_update`` is
+        called with every new version seen.
+        """
+        return self._run(_core.wait(job_id(job), timeout, follow, self._ctx), on_emit=on_update)
+
+    def stream(self, job: JobStatus | str, *, last_event_id: str | None = None) -> Iterator[JobEvent]:
+        """The job's server-sent events until its terminal one, resuming after dropped connections."""
+        return self._drive(_core.stream(job_id(job), last_event_id, self._ctx))
+
+    def download(self, job: JobStatus | str, path: str | os.PathLike[str] | None = None) -> Download:
+        """Save a succeeded job's result to ``path`` (a file or a directory; default: the cwd)."""
+        target = Path(path) if path is not None else None
+        return self._run(_core.download(job_id(job), target, self._ctx))
+
+    def cancel(self, job: JobStatus | str) -> JobStatus:
+        """Cancel (queued: at once; running: requested, the worker stops between steps)."""
+        return self._run(_core.cancel(job_id(job), self._ctx))
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> HeraldClient:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # ----- the driver -------------------------------------------------------------------
+
+    def _run(self, flow: Flow[T], on_emit: Callable[[Any], None] | None = None) -> T:
+        driver = self._drive(flow)
+        while True:
+            try:
+                value = next(driver)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            if on_emit is not None:
+                on_emit(value)
+
+    def _drive(self, flow: Flow[T]) -> Generator[Any, None, T]:
+        """Perform the flow's actions; yield what it emits; return what it returns."""
+        opened: httpx.Response | None = None
+        chunks: Iterator[bytes] | None = None
+        outcome: Any = None
+        try:
+            while True:
+                try:
+                    action = flow.send(outcome)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                outcome = None
+                match action:
+                    case Call(request=request):
+                        outcome = self._call(request)
+                    case Sleep(seconds=seconds):
+                        time.sleep(seconds)
+                    case Open(request=request):
+                        if opened is not None:
+                            opened.close()
+                        outcome, opened = self._open(request)
+                        chunks = opened.iter_bytes() if opened is not None else None
+                    case Read():
+                        outcome = self._read(chunks)
+                    case Save(request=request, directory=directory):
+                        outcome = self._save(request, directory)
+                    case Emit(value=value):
+                        yield value
+        finally:
+            if opened is not None:
+                opened.close()
+            flow.close()
+
+    def _build(self, request: Request, timeout: httpx.Timeout) -> httpx.Request:
+        return self._http.build_request(request.method, url_for(self._base, request.path),
+                                        headers={**self._headers, **request.headers}, content=request.body,
+                                        timeout=timeout)
+
+    def _call(self, request: Request) -> Reply | Failure:
+        try:
+            response = self._http.send(self._build(request, self._timeout), follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))  # type: ignore[arg-type]
+        return Reply(response.status_code, reply_headers(response.headers), response.content)
+
+    def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
+        try:
+            response = self._http.send(self._build(request, self._stream_timeout), stream=True,
+                                       follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None  # type: ignore[arg-type]
+        headers = reply_headers(response.headers)
+        if response.status_code == 200:
+            return Reply(200, headers), response
+        try:
+            body = response.read()
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None  # type: ignore[arg-type]
+        finally:
+            response.close()
+        return Reply(response.status_code, headers, body), None
+
+    @staticmethod
+    def _read(chunks: Iterator[bytes] | None) -> bytes | Failure:
+        if chunks is None:
+            return b""
+        try:
+            return next(chunks, b"")
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))  # type: ignore[arg-type]
+
+    def _save(self, request: Request, directory: Path) -> Saved | Failure:
+        try:
+            with self._http.stream(request.method, url_for(self._base, request.path),
+                                   headers={**self._headers, **request.headers}, timeout=self._stream_timeout,
+                                   follow_redirects=False) as response:
+                reply = Reply(response.status_code, reply_headers(response.headers))
+                if response.status_code != 200:
+                    return Saved(Reply(reply.status, reply.headers, response.read()), None)
+                fd, name = tempfile.mkstemp(dir=directory, prefix=".herald-", suffix=".part")
+                size = 0
+                try:
+                    with os.fdopen(fd, "wb") as file:
+                        for chunk in response.iter_bytes():
+                            file.write(chunk)
+                            size += len(chunk)
+                except BaseException:
+                    os.unlink(name)
+                    raise
+                return Saved(reply, Path(name), size)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))  # type: ignore[arg-type]

@@ -1,0 +1,103 @@
+"""The wire shapes a client reads, as msgspec Structs (SPEC §4, §7, §8).
+
+These mirror the server's ``schemas`` package field for field but are the client's own
+(see client/README.md for why): they accept unknown fields, since the contract allows
+the server to add fields, and they carry nothing the client does not read.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+
+JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
+TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+
+
+class FieldError(msgspec.Struct, kw_only=True):
+    field: str
+    message: str
+
+
+class Problem(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """An RFC 9457 problem: a job's ``error``, or the body of any 4xx/5xx answer."""
+
+    type: str = "about:blank"
+    title: str = ""
+    status: int | None = None
+    detail: str | None = None
+    errors: list[FieldError] | None = None
+
+
+class JobLinks(msgspec.Struct, kw_only=True):
+    self: str
+    events: str
+    result: str | None = None
+
+
+class JobStatus(msgspec.Struct, kw_only=True):
+    """The status resource ``GET /jobs/{id}``: the source of truth about a job."""
+
+    id: str
+    kind: str
+    state: JobState
+    progress: int | None
+    version: int
+    attempt: int
+    created_at: str
+    updated_at: str
+    expires_at: str | None
+    cancel_requested: bool
+    result: str | None
+    error: Problem | None
+    links: JobLinks
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+
+class JobList(msgspec.Struct, kw_only=True):
+    items: list[JobStatus]
+    next_cursor: str | None
+
+
+class JobEvent(msgspec.Struct, kw_only=True, frozen=True):
+    """One server-sent event of a job stream: ``id`` is the job version as a string."""
+
+    id: str | None
+    type: str
+    data: JobStatus
+
+
+class WebhookEvent(msgspec.Struct, kw_only=True):
+    """The payload of a verified webhook delivery (Standard Webhooks, SPEC §7)."""
+
+    type: str
+    timestamp: str
+    data: JobStatus
+
+
+class Result(msgspec.Struct, kw_only=True):
+    """A finished job's result, fetched by ``wait(..., follow=True)``."""
+
+    status: JobStatus
+    content: bytes
+    media_type: str
+    filename: str | None
+
+
+class Download(msgspec.Struct, kw_only=True):
+    """Where ``download`` wrote a result."""
+
+    status: JobStatus
+    path: Path
+    media_type: str
+    size: int
+
+
+status_decoder = msgspec.json.Decoder(JobStatus)
+problem_decoder = msgspec.json.Decoder(Problem)
+webhook_decoder = msgspec.json.Decoder(WebhookEvent)
