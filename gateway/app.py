@@ -15,6 +15,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 
 import herald
 from gateway.hub import Hub
+from gateway.middleware import bind_job_context, instrument
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.ratelimit import TenantLimits
 from gateway.routes import events, health, jobs
@@ -109,7 +110,7 @@ def create_app(settings: Settings) -> Litestar:
             yield
 
     kinds = registry.kinds().values()
-    return Litestar(
+    app = Litestar(
         route_handlers=[
             health.healthz,
             health.readyz,
@@ -124,6 +125,7 @@ def create_app(settings: Settings) -> Litestar:
             *(result_route(kind) for kind in kinds),
         ],
         lifespan=[lifespan],
+        before_request=bind_job_context,
         exception_handlers={HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(
@@ -140,3 +142,4 @@ def create_app(settings: Settings) -> Litestar:
         logging_config=None,  # herald.logs configures logging once per process
         debug=False,
     )
+    return instrument(app)

@@ -1,17 +1,43 @@
 """Logging: JSON lines on stderr (or console text), one event per line, context as fields.
 
 Code logs with the standard library (``log.info("job started", extra={"job_id": ...})``);
-structlog renders every record, including third-party ones, the same way.
+structlog renders every record, including third-party ones (uvicorn's, warnings), the
+same way. Context bound with ``structlog.contextvars`` (the gateway binds ``request_id``
+and ``job_id`` per request) is merged into every line. Secrets never reach a line: fields
+named like credentials are redacted, and so is any ``Bearer`` token inside a value.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from collections.abc import MutableMapping
+from typing import Any
 
 import structlog
 
 from herald.settings import Settings
+
+REDACTED = "[redacted]"
+_SECRET_FIELDS = frozenset({
+    "authorization", "api_key", "api_keys", "key", "keys", "secret", "secrets", "password", "token",
+    "signature", "sig", "public_key", "private_key",
+})
+_BEARER = re.compile(r"(?i)\bbearer\s+[^\s\"',;]+")
+_DROPPED_FIELDS = ("color_message",)  # uvicorn's ANSI-coloured copy of the message
+
+
+def redact_secrets(_logger: object, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    """Processor: no key, secret or bearer token is ever written to a log line."""
+    for name in _DROPPED_FIELDS:
+        event.pop(name, None)
+    for name, value in event.items():
+        if name.lower() in _SECRET_FIELDS:
+            event[name] = REDACTED
+        elif isinstance(value, str) and "earer" in value:
+            event[name] = _BEARER.sub(f"Bearer {REDACTED}", value)
+    return event
 
 
 def configure_logging(settings: Settings, component: str) -> None:
@@ -21,6 +47,7 @@ def configure_logging(settings: Settings, component: str) -> None:
         structlog.stdlib.add_logger_name,
         structlog.stdlib.ExtraAdder(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
+        redact_secrets,
     ]
 
     def add_component(_logger: object, _name: str, event: dict) -> dict:  # type: ignore[type-arg]
@@ -48,6 +75,11 @@ def configure_logging(settings: Settings, component: str) -> None:
     root.setLevel(settings.log_level.upper())
     for noisy in ("uvicorn.access", "nats"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "litestar"):
+        framework = logging.getLogger(name)  # whatever configured them, they go through our handler
+        framework.handlers = []
+        framework.propagate = True
+    logging.captureWarnings(True)  # warnings become log events, not free text on stderr
     structlog.configure(
         processors=[*shared, structlog.stdlib.ProcessorFormatter.wrap_for_formatter],
         logger_factory=structlog.stdlib.LoggerFactory(),

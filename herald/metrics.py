@@ -37,7 +37,12 @@ class Metrics:
         )
         self.sse_streams = Gauge("herald_sse_streams", "Open server-sent-event streams", multiprocess_mode="livesum")
         self.long_polls = Gauge("herald_long_polls", "Held long polls", multiprocess_mode="livesum")
-        self.http_requests = Counter("herald_http_requests_total", "HTTP requests", ["route", "method", "status"])
+        self.http_requests = Counter("herald_http_requests_total", "HTTP requests by route template, method and status",
+                                     ["route", "method", "status"])
+        self.http_request_seconds = Histogram(
+            "herald_http_request_seconds", "Time to answer an HTTP request (streams: until they end)",
+            ["route", "method"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+        )
         self.transitions_rejected = Counter("herald_transitions_rejected_total", "Stale or duplicate transitions refused")
         self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading")
 
@@ -74,15 +79,35 @@ class _StoreGauges:
                                 value=self._outbox_pending())
 
 
-def exposition(oldest_queued: Callable[[], float] | None = None, outbox_pending: Callable[[], int] | None = None) -> bytes:
-    registry = CollectorRegistry()
-    if os.environ.get(MULTIPROC_ENV):  # noqa: the prometheus client itself is configured by this variable
-        MultiProcessCollector(registry)
-    else:
-        from prometheus_client import REGISTRY
+def multiprocess_dir() -> str | None:
+    """The shared directory of multiprocess mode, if this process runs in it.
 
-        registry = REGISTRY  # type: ignore[assignment]
-    output = generate_latest(registry)
+    The prometheus client itself is configured by this variable (read when it is first
+    imported), so it is read here rather than passed in through Settings.
+    """
+    return os.environ.get(MULTIPROC_ENV) or None  # noqa: see above
+
+
+def process_registry() -> CollectorRegistry:
+    """What this process should expose: every process's samples in multiprocess mode, else its own."""
+    if multiprocess_dir() is not None:
+        registry = CollectorRegistry()
+        MultiProcessCollector(registry)
+        return registry
+    from prometheus_client import REGISTRY
+
+    return REGISTRY
+
+
+def mark_process_dead(pid: int, directory: str) -> None:
+    """Forget a dead process's live gauges (its counters and histograms keep counting)."""
+    from prometheus_client import multiprocess
+
+    multiprocess.mark_process_dead(pid, directory)
+
+
+def exposition(oldest_queued: Callable[[], float] | None = None, outbox_pending: Callable[[], int] | None = None) -> bytes:
+    output = generate_latest(process_registry())
     if oldest_queued is not None and outbox_pending is not None:
         extra = CollectorRegistry()
         extra.register(_StoreGauges(oldest_queued, outbox_pending))  # type: ignore[arg-type]

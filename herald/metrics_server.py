@@ -7,6 +7,7 @@ from contextlib import asynccontextmanager
 
 from prometheus_client import start_http_server
 
+from herald.metrics import process_registry
 from herald.settings import Settings
 
 
@@ -15,7 +16,7 @@ async def serve_metrics(settings: Settings) -> AsyncIterator[None]:
     if settings.metrics_port is None:
         yield
         return
-    server, thread = start_http_server(settings.metrics_port, addr=settings.http_host)
+    server, thread = start_http_server(settings.metrics_port, addr=settings.http_host, registry=process_registry())
     try:
         yield
     finally:

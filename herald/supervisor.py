@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from herald import jetstream
-from herald.metrics import MULTIPROC_ENV
+from herald.metrics import MULTIPROC_ENV, mark_process_dead
 from herald.settings import Settings
 
 STOP_TIMEOUT_S = 15.0
@@ -183,6 +183,7 @@ class Supervisor:
                     continue
                 now = time.monotonic()
                 if child.next_start == 0.0:
+                    self.forget_metrics(process)
                     if now - child.started_at > 30:
                         child.restarts = 0
                     delay = min(10.0, 0.5 * 2**child.restarts)
@@ -193,6 +194,12 @@ class Supervisor:
                     child.restarts += 1
                     child.next_start = 0.0
                     self.spawn(child)
+
+    def forget_metrics(self, process: subprocess.Popen[bytes]) -> None:
+        """A child exited: drop its live gauges from the shared metrics directory."""
+        directory = self.env.get(MULTIPROC_ENV)
+        if directory:
+            mark_process_dead(process.pid, directory)
 
     def stop(self) -> None:
         live = [c.process for c in self.children if c.process is not None and c.process.poll() is None]

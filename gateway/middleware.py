@@ -1,0 +1,102 @@
+"""Every HTTP request gets a request id, a metrics sample and one access-log line.
+
+Two pieces, because Litestar runs app-level middleware only for requests that matched a
+route, while an unknown path (404) or a wrong method (405) must be counted and traced too:
+
+* ``instrument(app)`` wraps the whole ASGI handler (as Litestar itself wraps it for
+  CORS): it takes a sane incoming ``X-Request-ID`` or makes one, binds it to the
+  structlog context for every line logged while the request runs, answers it in the
+  ``X-Request-ID`` header, counts ``herald_http_requests_total{route,method,status}``
+  by the route *template* (``/jobs/{job_id}``, never the raw path, so the label set
+  stays bounded), and logs the access line with ``job_id`` when the route has one.
+* ``bind_job_context`` is the app's ``before_request`` hook: once the route is known it
+  binds ``job_id`` so that every line a handler logs about a job carries it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+import uuid
+
+import structlog
+from litestar import Litestar, Request
+from litestar.types import ASGIApp, Message, Receive, Scope, Send
+
+from herald.metrics import Metrics
+from herald.metrics import metrics as process_metrics
+
+log = logging.getLogger("herald.http")
+
+REQUEST_ID_HEADER = b"x-request-id"
+_SANE_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,127}")
+UNMATCHED_ROUTE = "unmatched"  # 404 for an unknown path, 405 for a known path with a wrong method
+_QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes: debug level
+
+
+def request_id_from(scope: Scope) -> str:
+    """The client's ``X-Request-ID`` when it is sane (1..128 safe characters), else a new one."""
+    for name, value in scope.get("headers", ()):
+        if name == REQUEST_ID_HEADER:
+            if _SANE_REQUEST_ID.fullmatch(value):
+                return value.decode()
+            break
+    return uuid.uuid4().hex
+
+
+class RequestContext:
+    """The outermost ASGI layer of the gateway (see the module docstring)."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = request_id_from(scope)
+        header = (REQUEST_ID_HEADER, request_id.encode())
+        status = 500  # if no answer starts, the server failed
+        started = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message["headers"] = [*message.get("headers", ()), header]  # type: ignore[typeddict-unknown-key]
+            await send(message)
+
+        with structlog.contextvars.bound_contextvars(request_id=request_id):
+            try:
+                await self.app(scope, receive, send_with_id)
+            finally:
+                self._record(scope, status, time.perf_counter() - started)
+                structlog.contextvars.unbind_contextvars("job_id")  # bound by bind_job_context
+
+    def _record(self, scope: Scope, status: int, elapsed: float) -> None:
+        # The router writes the matched template into this same scope dict.
+        route = scope.get("path_template") or UNMATCHED_ROUTE
+        method = scope.get("method", "")
+        self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
+        self.metrics.http_request_seconds.labels(route=route, method=method).observe(elapsed)
+        fields = {"method": method, "route": route, "path": scope.get("path", ""), "status": status,
+                  "duration_ms": round(elapsed * 1000, 1)}
+        job_id = (scope.get("path_params") or {}).get("job_id")
+        if job_id is not None:
+            fields["job_id"] = job_id
+        log.log(logging.DEBUG if route in _QUIET_ROUTES else logging.INFO, "request", extra=fields)
+
+
+async def bind_job_context(request: Request) -> None:
+    """``before_request`` hook: bind the route's ``job_id`` for the handler's log lines."""
+    job_id = request.path_params.get("job_id")
+    if job_id is not None:
+        structlog.contextvars.bind_contextvars(job_id=job_id)
+
+
+def instrument(app: Litestar, metrics: Metrics | None = None) -> Litestar:
+    """Wrap ``app``'s ASGI handler in ``RequestContext``; returns ``app`` for chaining."""
+    app.asgi_handler = RequestContext(app.asgi_handler, metrics or process_metrics())
+    return app
