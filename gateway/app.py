@@ -18,7 +18,7 @@ from gateway.hub import Hub
 from gateway.middleware import bind_job_context, instrument
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.ratelimit import TenantLimits
-from gateway.routes import events, health, jobs
+from gateway.routes import events, health, jobs, page
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
 from gateway.services import Services
@@ -123,6 +123,8 @@ def create_app(settings: Settings) -> Litestar:
             events.events_link,
             *(accept_route(kind) for kind in kinds),
             *(result_route(kind) for kind in kinds),
+            page.index,
+            page.asset,
         ],
         lifespan=[lifespan],
         before_request=bind_job_context,

@@ -129,8 +129,9 @@ class Deployment:
         self.processes[name] = process
         return process
 
-    def start_gateway(self, name: str = "gateway", **extra: str) -> str:
-        port = free_port()
+    def start_gateway(self, name: str = "gateway", port: int | None = None, **extra: str) -> str:
+        """Start a gateway (on ``port``, e.g. a killed one's, so clients reconnect to it; else a free one)."""
+        port = port or free_port()
         self.ports[name] = port
         self._spawn(name, ["gateway"], self.env(HERALD_HTTP_PORT=str(port), **extra))
         base = f"http://127.0.0.1:{port}"
