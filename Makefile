@@ -14,11 +14,19 @@ $(STAMP): pyproject.toml
 up: $(STAMP)
 	$(VENV)/bin/herald up
 
-# Headless Chromium for the browser test (Debian package; skipped where apt is unavailable).
+# Headless Chromium for the browser test: Debian's package, which Playwright drives (it
+# downloads no browser). Where apt-get is missing or not allowed the test skips, except
+# under CI, where it fails. No stdin in CI: apt must never ask; a busy dpkg lock is waited
+# for; stale package lists (a .deb gone from the mirror) are refreshed and tried again.
+APT_GET  := DEBIAN_FRONTEND=noninteractive apt-get -y -q -o DPkg::Lock::Timeout=300
+APT_LOG  := /tmp/herald-browser-deps.log
+
 browser-deps:
-	@command -v chromium >/dev/null 2>&1 || ( command -v apt-get >/dev/null 2>&1 && \
-	  (apt-get install -y -q chromium >/dev/null 2>&1 || (apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) ) || \
-	  echo "note: chromium not installed; the browser test will be skipped"
+	@command -v chromium >/dev/null 2>&1 || { command -v apt-get >/dev/null 2>&1 && \
+	  { $(APT_GET) install chromium >$(APT_LOG) 2>&1 || \
+	    { $(APT_GET) update >>$(APT_LOG) 2>&1 && $(APT_GET) install chromium >>$(APT_LOG) 2>&1; }; } && \
+	  echo "chromium installed (apt-get)"; } || \
+	  { echo "note: chromium not installed (see $(APT_LOG)); the browser test will be skipped"; tail -n 5 $(APT_LOG) 2>/dev/null || true; }
 
 test: $(STAMP) browser-deps
 	$(VENV)/bin/pytest
