@@ -68,6 +68,29 @@ def test_page_and_assets_need_no_key_and_stay_out_of_the_schema(herald: Deployme
         assert "/" not in paths and not [p for p in paths if p.startswith("/static")]
 
 
+def test_page_says_when_the_key_or_the_request_is_wrong(browser: sync_api.Browser, herald: Deployment) -> None:
+    expect = sync_api.expect
+    page = browser.new_page()
+    page.goto(herald.url() + "/")
+    key = page.get_by_role("textbox", name="API key")
+    key.fill("not-a-key")
+    page.get_by_role("button", name="Connect").click()
+    expect(page.get_by_role("status")).to_have_text("API key not accepted")
+    key.fill(KEYS["acme"])
+    page.get_by_role("button", name="Connect").click()
+    expect(page.get_by_role("status")).to_have_text("Live")
+    # The key survives a reload (localStorage) and the page reconnects by itself.
+    page.reload()
+    expect(page.get_by_role("status")).to_have_text("Live")
+    # A problem from the API is shown, field by field (past the form's own maxlength).
+    title = page.get_by_label("Title")
+    title.evaluate("input => input.removeAttribute('maxlength')")
+    title.fill("x" * 201)
+    page.get_by_role("button", name="Start report").click()
+    expect(page.get_by_role("alert")).to_contain_text("title:")
+    page.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("first_link_ttl", "screenshot"),

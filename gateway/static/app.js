@@ -252,9 +252,9 @@ function renderRow({ status, resultUrl, row }) {
 
   const result = row.cells[3];
   if (status.state === "succeeded" && resultUrl) {
-    if (!result.querySelector("a") || result.querySelector("a").href !== new URL(resultUrl, location.href).href) {
-      result.replaceChildren(resultLink(status, resultUrl));
-    }
+    const link = result.querySelector("a");
+    if (link) link.href = resultUrl;  // freshly signed; updated in place so focus stays
+    else result.replaceChildren(resultLink(status, resultUrl));
   } else if (status.state === "succeeded") {
     result.textContent = "preparing link…";
   } else {
