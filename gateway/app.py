@@ -21,6 +21,7 @@ from gateway.ratelimit import TenantLimits
 from gateway.routes import events, health, jobs, page
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
+from gateway.routes.webhooks import WebhooksController, webhooks_lifespan
 from gateway.services import Services
 from herald import jetstream
 from herald.logs import log_transition
@@ -123,10 +124,11 @@ def create_app(settings: Settings) -> Litestar:
             events.events_link,
             *(accept_route(kind) for kind in kinds),
             *(result_route(kind) for kind in kinds),
+            WebhooksController,
             page.index,
             page.asset,
         ],
-        lifespan=[lifespan],
+        lifespan=[lifespan, webhooks_lifespan],
         before_request=bind_job_context,
         exception_handlers={HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=MAX_BODY_BYTES,

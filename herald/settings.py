@@ -65,6 +65,7 @@ class Settings:
     require_idempotency_key: bool = False
     webhook_allow_private: bool = False
     webhook_retry_schedule: tuple[float, ...] = (5, 300, 1800, 7200, 18000, 36000, 36000)
+    webhook_min_backoff_s: float = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
     report_page_ms: float = 200.0
     metrics_port: int | None = None
     workers: int = 2
@@ -146,6 +147,7 @@ class Settings:
             require_idempotency_key=flag("REQUIRE_IDEMPOTENCY_KEY"),
             webhook_allow_private=flag("WEBHOOK_ALLOW_PRIVATE"),
             webhook_retry_schedule=_schedule(get("WEBHOOK_RETRY_SCHEDULE") or "5,300,1800,7200,18000,36000,36000"),
+            webhook_min_backoff_s=num("WEBHOOK_MIN_BACKOFF_S", 60.0),
             report_page_ms=num("REPORT_PAGE_MS", 200.0),
             metrics_port=int(metrics) if metrics else None,
             workers=max(1, int(num("WORKERS", 2, int))),

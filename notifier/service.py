@@ -1,11 +1,138 @@
-"""The ``herald notifier`` process body."""
+"""The ``herald notifier`` process: committed job events in, signed webhook deliveries out.
+
+Two loops share one store and one HTTP client:
+
+* the fan-out reads the HERALD_EVENTS stream through the durable ``herald-notifier``
+  consumer (every notifier process binds the same one, so they share the messages),
+  records every delivery of a batch in one transaction and only then acks the
+  messages, so a crash before the commit means NATS delivers them again, and a crash
+  after it finds the rows already there;
+* the scheduler sends whatever is due, whoever recorded it.
+
+The scheduler starts before NATS is reachable: retries already in the store do not
+wait for it.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import logging
+from contextlib import AsyncExitStack
 
+import msgspec
+from nats.aio.client import Client as NATS
+from nats.aio.msg import Msg
+from nats.errors import TimeoutError as NatsTimeout
+
+from herald import jetstream
+from herald.constants import EVENTS_STREAM, NOTIFIER_CONSUMER
+from herald.metrics import metrics as process_metrics
 from herald.settings import Settings
+from herald.store import Store
+from notifier.delivery import Sender
+from notifier.queue import DeliveryQueue
+from notifier.retry import RetryPolicy
+from notifier.scheduler import Scheduler
+from notifier.store import WebhookStore
+from schemas import JobEvent
+
+log = logging.getLogger("herald.notifier")
+
+FETCH_BATCH = 128
+_event_decoder = msgspec.json.Decoder(JobEvent)
+
+
+async def _connect(settings: Settings, stop: asyncio.Event) -> NATS | None:
+    """Connect, retrying until NATS is there; None if asked to stop first."""
+    while not stop.is_set():
+        try:
+            return await jetstream.connect(settings, name="herald-notifier")
+        except Exception as exc:
+            log.warning("NATS not reachable yet, retrying: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+    return None
+
+
+async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Scheduler) -> None:
+    events: list[JobEvent] = []
+    decoded: list[Msg] = []
+    for message in messages:
+        try:
+            events.append(_event_decoder.decode(message.data))
+            decoded.append(message)
+        except msgspec.DecodeError:
+            log.error("undecodable job event dropped", extra={"subject": message.subject})
+            await message.term()
+    try:
+        pending = await queue.fan_out(events)
+    except Exception as exc:  # store busy or away: NATS gives the messages back shortly
+        log.warning("recording webhook deliveries failed, will retry: %s", exc)
+        for message in decoded:
+            with contextlib.suppress(Exception):
+                await message.nak(delay=1.0)
+        return
+    for message in decoded:
+        await message.ack()
+    if pending:
+        scheduler.kick()
+
+
+async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Scheduler, stop: asyncio.Event) -> None:
+    fetch = subscription.fetch  # type: ignore[attr-defined]
+    while not stop.is_set():
+        try:
+            messages: list[Msg] = await fetch(batch=FETCH_BATCH, timeout=1.0)
+        except (NatsTimeout, asyncio.TimeoutError):
+            continue
+        except Exception as exc:  # NATS reconnecting: wait and fetch again
+            log.warning("fetching job events failed: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            continue
+        await _fan_out(messages, queue, scheduler)
 
 
 async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
-    await stop.wait()
+    """Run until ``stop`` is set; then stop fetching, finish or hand back attempts, drain NATS."""
+    async with AsyncExitStack() as stack:
+        store = await Store(settings.db_path, retention_s=settings.retention_s).open()
+        stack.push_async_callback(store.close)
+        await WebhookStore(store.db).ensure_schema()
+        queue = DeliveryQueue(store.db)
+        sender = await stack.enter_async_context(Sender(allow_private=settings.webhook_allow_private))
+        scheduler = Scheduler(
+            queue,
+            sender,
+            RetryPolicy(schedule=settings.webhook_retry_schedule, min_backoff_s=settings.webhook_min_backoff_s),
+            process_metrics(),
+            idle_poll_s=min(1.0, settings.sweep_interval_s),
+            retention_s=settings.retention_s,
+        )
+        scheduler_task = asyncio.create_task(scheduler.run(), name="webhook-scheduler")
+
+        async def stop_scheduler() -> None:
+            scheduler.stop()
+            await scheduler_task
+
+        stack.push_async_callback(stop_scheduler)
+        nc = await _connect(settings, stop)
+        if nc is None:
+            return
+
+        async def drain() -> None:
+            with contextlib.suppress(Exception):
+                await nc.drain()
+
+        stack.push_async_callback(drain)
+        js = nc.jetstream()
+        await jetstream.ensure_topology(js, settings)
+        subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)
+        log.info("notifier ready", extra={"owner": scheduler.owner})
+        consumer = asyncio.create_task(_consume(subscription, queue, scheduler, stop), name="event-consumer")
+        await stop.wait()
+        log.info("notifier stopping")
+        await consumer  # it checks ``stop`` at least once a second
+        with contextlib.suppress(Exception):
+            await subscription.unsubscribe()

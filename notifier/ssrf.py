@@ -68,3 +68,8 @@ async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
         raise UnsafeUrl(f"host does not resolve: {exc}") from exc
     if not infos or not all(_is_public(str(info[4][0])) for info in infos):
         raise UnsafeUrl("must resolve to a public address")
+
+
+def is_public_address(address: str) -> bool:
+    """True for a globally routable unicast address (the rule every resolved address must pass)."""
+    return _is_public(address)

@@ -1,0 +1,327 @@
+"""Webhook endpoints, their delivery log and the tenant's callback secret (SPEC §7).
+
+Bodies are read and checked here field by field (like start requests), so every invalid
+body is answered the same way: ``400 /problems/invalid-request`` naming each bad field.
+Another tenant's endpoint or delivery is answered exactly like a missing one: ``404``.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+import msgspec
+from litestar import Controller, Litestar, Request, Response, delete, get, patch, post
+
+from gateway.auth import require_tenant
+from gateway.problems import ProblemError, invalid_request, not_found
+from gateway.services import services
+from herald.timefmt import rfc3339
+from notifier.ssrf import UnsafeUrl, check_url_resolves_public
+from notifier.store import AttemptRow, DeliveryRow, EndpointRow, WebhookStore
+from schemas import FieldError
+from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
+from schemas.webhooks import (
+    DEFAULT_EVENT_TYPES,
+    DELIVERY_STATUSES,
+    Attempt,
+    CreatedEndpoint,
+    Delivery,
+    DeliveryList,
+    Endpoint,
+    EndpointCreate,
+    EndpointList,
+    EndpointPatch,
+    SigningSecret,
+)
+from workers import registry
+
+B = TypeVar("B", EndpointCreate, EndpointPatch)
+
+DEFAULT_LIMIT = 20
+MAX_LIMIT = 100
+
+
+@asynccontextmanager
+async def webhooks_lifespan(app: Litestar) -> AsyncIterator[None]:
+    """After the app's main lifespan opened the store: create the webhook tables, keep their store."""
+    app.state.webhooks = await WebhookStore(app.state.services.store.db).ensure_schema()
+    yield
+
+
+def _webhooks(request: Request) -> WebhookStore:
+    return request.app.state.webhooks  # type: ignore[no-any-return]
+
+
+# ----- reading requests ---------------------------------------------------------------
+
+
+async def _body(request: Request, body_type: type[B]) -> B:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+        raise ProblemError(415, "/problems/unsupported-media-type", "Unsupported media type",
+                           "send the body as JSON with Content-Type: application/json")
+    try:
+        document = decode_json(await request.body())
+        return validate_params(body_type, document)  # type: ignore[type-var]
+    except MalformedBody as exc:
+        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON", f"the body is not valid JSON: {exc}") from exc
+    except InvalidBody as exc:
+        raise invalid_request(exc.errors) from exc
+
+
+def _kind_errors(kinds: list[str] | None) -> list[FieldError]:
+    known = registry.kinds()
+    unknown = sorted({k for k in kinds or () if k not in known})
+    if unknown:
+        return [FieldError(field="kinds", message=f"unknown kind(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")]
+    return []
+
+
+async def _url_errors(request: Request, url: str) -> list[FieldError]:
+    try:
+        await check_url_resolves_public(url, allow_private=services(request).settings.webhook_allow_private)
+    except UnsafeUrl as exc:
+        return [FieldError(field="url", message=str(exc))]
+    return []
+
+
+def _unique(values: list[str]) -> list[str]:
+    return list(dict.fromkeys(values))
+
+
+def _limit(request: Request, errors: list[FieldError]) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return DEFAULT_LIMIT
+    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+        errors.append(FieldError(field="limit", message=f"must be an integer from 1 to {MAX_LIMIT}"))
+        return DEFAULT_LIMIT
+    return int(raw)
+
+
+def _encode_cursor(value: str) -> str:
+    return base64.urlsafe_b64encode(value.encode()).decode().rstrip("=")
+
+
+def _decode_cursor(request: Request) -> str | None:
+    raw = request.query_params.get("cursor")
+    if raw is None:
+        return None
+    try:
+        return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode()
+    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
+        raise _bad_cursor() from exc
+
+
+def _bad_cursor() -> ProblemError:
+    return ProblemError(400, "/problems/invalid-cursor", "Invalid cursor", "cursor is not one this server gave out")
+
+
+def _endpoint(request: Request, tenant: str, endpoint_id: str) -> EndpointRow:
+    try:
+        uuid.UUID(endpoint_id)
+    except ValueError:
+        raise not_found("webhook endpoint") from None
+    endpoint = _webhooks(request).get_endpoint(tenant, endpoint_id)
+    if endpoint is None:
+        raise not_found("webhook endpoint")
+    return endpoint
+
+
+# ----- views ----------------------------------------------------------------------------
+
+
+def endpoint_view(row: EndpointRow) -> dict[str, Any]:
+    return {
+        "id": row.id,
+        "url": row.url,
+        "event_types": list(row.event_types),
+        "kinds": list(row.kinds) if row.kinds is not None else None,
+        "signature": row.signature,
+        "status": row.status,
+        "created_at": rfc3339(row.created_at) or "",
+    }
+
+
+def _attempt_view(row: AttemptRow) -> Attempt:
+    return Attempt(
+        at=rfc3339(row.at) or "",
+        status_code=row.status_code,
+        latency_ms=round(row.latency_ms) if row.latency_ms is not None else None,
+        error=row.error,
+        response=bytes(row.response).decode("utf-8", errors="replace") if row.response else None,
+    )
+
+
+def delivery_view(row: DeliveryRow, attempts: list[AttemptRow]) -> Delivery:
+    return Delivery(
+        id=row.id,
+        event_id=row.event_id,
+        type=row.type,
+        job_id=row.job_id,
+        version=row.version,
+        status=row.status,  # type: ignore[arg-type]
+        next_attempt_at=rfc3339(row.next_attempt_at) if row.status == "pending" else None,
+        created_at=rfc3339(row.created_at) or "",
+        attempts=[_attempt_view(a) for a in attempts],
+    )
+
+
+# ----- the API --------------------------------------------------------------------------
+
+
+class WebhooksController(Controller):
+    path = "/webhooks"
+    tags = ["webhooks"]
+
+    @post("/", operation_id="create_webhook", status_code=201, summary="Register a webhook endpoint")
+    async def create(self, request: Request) -> Response[CreatedEndpoint]:
+        """201 with the endpoint and, this once, its ``secret`` (HMAC) or ``public_key`` (Ed25519)."""
+        svc = services(request)
+        tenant = require_tenant(request, svc.settings)
+        body = await _body(request, EndpointCreate)
+        errors = _kind_errors(body.kinds) + await _url_errors(request, body.url)
+        if errors:
+            raise invalid_request(errors)
+        row, key = await _webhooks(request).create_endpoint(
+            tenant,
+            url=body.url,
+            event_types=_unique(list(body.event_types)) if body.event_types else list(DEFAULT_EVENT_TYPES),
+            kinds=_unique(body.kinds) if body.kinds is not None else None,
+            signature=body.signature,
+        )
+        created = CreatedEndpoint(**endpoint_view(row), **key.shown())
+        return Response(created, status_code=201, headers={"Location": f"/webhooks/{row.id}",
+                                                           "Cache-Control": "no-store"})
+
+    @get("/", operation_id="list_webhooks", summary="The tenant's webhook endpoints, newest first")
+    async def list_endpoints(self, request: Request) -> EndpointList:
+        tenant = require_tenant(request, services(request).settings)
+        errors: list[FieldError] = []
+        limit = _limit(request, errors)
+        if errors:
+            raise invalid_request(errors)
+        before = None
+        if (cursor := _decode_cursor(request)) is not None:
+            created, _, endpoint_id = cursor.partition("|")
+            try:
+                before = (float(created), endpoint_id)
+            except ValueError as exc:
+                raise _bad_cursor() from exc
+        rows = _webhooks(request).list_endpoints(tenant, before=before, limit=limit + 1)
+        page = rows[:limit]
+        more = len(rows) > limit
+        return EndpointList(
+            items=[Endpoint(**endpoint_view(r)) for r in page],
+            next_cursor=_encode_cursor(f"{page[-1].created_at!r}|{page[-1].id}") if more else None,
+        )
+
+    @get("/callback-secret", operation_id="get_callback_secret",
+         summary="The secret that signs deliveries to jobs' callback_url")
+    async def callback_secret(self, request: Request) -> SigningSecret:
+        tenant = require_tenant(request, services(request).settings)
+        key = await _webhooks(request).callback_key(tenant)
+        return SigningSecret(**key.shown())
+
+    @post("/callback-secret/rotate", operation_id="rotate_callback_secret", status_code=200,
+          summary="A new callback secret; the old one keeps signing for 24 h")
+    async def rotate_callback_secret(self, request: Request) -> SigningSecret:
+        tenant = require_tenant(request, services(request).settings)
+        key = await _webhooks(request).rotate_callback_key(tenant)
+        return SigningSecret(**key.shown())
+
+    @get("/{endpoint_id:str}", operation_id="get_webhook", summary="One webhook endpoint")
+    async def get_endpoint(self, request: Request, endpoint_id: str) -> Endpoint:
+        tenant = require_tenant(request, services(request).settings)
+        return Endpoint(**endpoint_view(_endpoint(request, tenant, endpoint_id)))
+
+    @patch("/{endpoint_id:str}", operation_id="update_webhook",
+           summary="Change url, event_types, kinds or status (enabled/disabled)")
+    async def update(self, request: Request, endpoint_id: str) -> Endpoint:
+        tenant = require_tenant(request, services(request).settings)
+        _endpoint(request, tenant, endpoint_id)
+        body = await _body(request, EndpointPatch)
+        changes: dict[str, Any] = {}
+        errors: list[FieldError] = []
+        if body.url is not msgspec.UNSET:
+            errors += await _url_errors(request, body.url)
+            changes["url"] = body.url
+        if body.event_types is not msgspec.UNSET:
+            changes["event_types"] = _unique(list(body.event_types))
+        if body.kinds is not msgspec.UNSET:
+            errors += _kind_errors(body.kinds)
+            changes["kinds"] = _unique(body.kinds) if body.kinds is not None else None
+        if body.status is not msgspec.UNSET:
+            changes["status"] = body.status
+        if errors:
+            raise invalid_request(errors)
+        row = await _webhooks(request).update_endpoint(tenant, endpoint_id, changes)
+        if row is None:  # deleted meanwhile
+            raise not_found("webhook endpoint")
+        return Endpoint(**endpoint_view(row))
+
+    @delete("/{endpoint_id:str}", operation_id="delete_webhook", status_code=204,
+            summary="Delete the endpoint with its delivery log")
+    async def remove(self, request: Request, endpoint_id: str) -> None:
+        tenant = require_tenant(request, services(request).settings)
+        _endpoint(request, tenant, endpoint_id)
+        if not await _webhooks(request).delete_endpoint(tenant, endpoint_id):
+            raise not_found("webhook endpoint")
+
+    @post("/{endpoint_id:str}/rotate-secret", operation_id="rotate_webhook_secret", status_code=200,
+          summary="A new secret (or key pair); the old one keeps signing for 24 h")
+    async def rotate(self, request: Request, endpoint_id: str) -> SigningSecret:
+        tenant = require_tenant(request, services(request).settings)
+        _endpoint(request, tenant, endpoint_id)
+        key = await _webhooks(request).rotate_endpoint_key(tenant, endpoint_id)
+        if key is None:
+            raise not_found("webhook endpoint")
+        return SigningSecret(**key.shown())
+
+    @get("/{endpoint_id:str}/deliveries", operation_id="list_webhook_deliveries",
+         summary="The endpoint's deliveries with their attempts, newest first (?status=)")
+    async def deliveries(self, request: Request, endpoint_id: str) -> DeliveryList:
+        tenant = require_tenant(request, services(request).settings)
+        endpoint = _endpoint(request, tenant, endpoint_id)
+        errors: list[FieldError] = []
+        limit = _limit(request, errors)
+        status = request.query_params.get("status")
+        if status is not None and status not in DELIVERY_STATUSES:
+            errors.append(FieldError(field="status", message=f"must be one of {', '.join(DELIVERY_STATUSES)}"))
+        if errors:
+            raise invalid_request(errors)
+        before = None
+        if (cursor := _decode_cursor(request)) is not None:
+            if not cursor.isdigit():
+                raise _bad_cursor()
+            before = int(cursor)
+        store = _webhooks(request)
+        rows = store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=limit + 1)
+        page = rows[:limit]
+        attempts = store.attempts([r.id for r in page])
+        return DeliveryList(
+            items=[delivery_view(r, attempts[r.id]) for r in page],
+            next_cursor=_encode_cursor(str(page[-1].seq)) if len(rows) > limit else None,
+        )
+
+    @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
+          status_code=202, summary="Send the delivery again now, with the same webhook-id, whatever its status")
+    async def retry(self, request: Request, endpoint_id: str, delivery_id: str) -> Response[Delivery]:
+        tenant = require_tenant(request, services(request).settings)
+        endpoint = _endpoint(request, tenant, endpoint_id)
+        store = _webhooks(request)
+        if len(delivery_id) > 64 or store.get_delivery(endpoint.id, delivery_id) is None:
+            raise not_found("delivery")
+        if endpoint.status != "enabled":
+            raise ProblemError(409, "/problems/endpoint-disabled", "Endpoint disabled",
+                               "enable the endpoint (PATCH status: enabled) before retrying its deliveries")
+        row = await store.retry_now(endpoint.id, delivery_id)
+        if row is None:
+            raise not_found("delivery")
+        return Response(delivery_view(row, store.attempts([row.id])[row.id]), status_code=202,
+                        headers={"Cache-Control": "no-store"})

@@ -1,0 +1,301 @@
+"""The durable delivery queue: webhook deliveries are rows, their schedule is ``next_attempt_at``.
+
+* ``fan_out`` turns committed job events into deliveries, one per matching endpoint and
+  one for the job's ``callback_url``, idempotently (one row per target and event), so a
+  NATS message delivered twice creates nothing twice.
+* ``claim`` leases due deliveries to one notifier process, so any number of them share
+  the work and a killed one's deliveries come back when its lease runs out.
+* ``finish`` records an attempt and its consequence in one transaction.
+
+Order per job and target: a delivery is claimable only while no older version of the
+same job is pending for the same target, an event arriving after a newer one of its job
+is recorded ``superseded`` at once, and a failed delivery with a newer one behind it is
+``superseded`` instead of retried (every payload carries the whole status). A target is
+an endpoint id, or ``callback:<url>`` for a job's callback URL.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import msgspec
+
+from herald.db import Database
+from herald.timefmt import now
+from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
+from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
+from notifier.signing import SigningKey
+from notifier.store import (
+    DeliveryRow,
+    EndpointRow,
+    callback_owner,
+    current_callback_key,
+    fail_pending,
+    live_keys,
+)
+from schemas import JobEvent
+from schemas.webhooks import WebhookPayload
+
+PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
+CALLBACK_PREFIX = "callback:"
+
+_payload_encoder = msgspec.json.Encoder()
+
+_CLAIM_SQL = """
+SELECT * FROM (
+    SELECT d.*, e.url AS endpoint_url, m.body AS body,
+           ROW_NUMBER() OVER (PARTITION BY d.target ORDER BY d.next_attempt_at, d.seq) AS rank
+    FROM webhook_deliveries d
+    JOIN webhook_messages m ON m.event_id = d.event_id
+    LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
+    WHERE d.status = 'pending' AND d.next_attempt_at <= :now
+      AND (d.lease_until IS NULL OR d.lease_until <= :now)
+      AND (d.endpoint_id IS NULL OR e.status = 'enabled')
+      AND NOT EXISTS (
+          SELECT 1 FROM webhook_deliveries o
+          WHERE o.target = d.target AND o.job_id = d.job_id AND o.status = 'pending' AND o.version < d.version)
+) WHERE rank <= :per_target ORDER BY next_attempt_at LIMIT :limit
+"""
+
+
+def event_id(event: JobEvent) -> str:
+    """The ``webhook-id``: one per event, the same for every endpoint and every retry."""
+    return f"evt_{event.job_id}.{event.version}"
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A leased delivery with everything needed to send it."""
+
+    delivery: DeliveryRow
+    url: str
+    body: bytes
+    keys: tuple[SigningKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    status: str  # delivered, pending (retry), failed, superseded
+    next_attempt_at: float | None
+    endpoint_disabled: bool
+
+
+def _targets(conn: sqlite3.Connection, event: JobEvent, endpoints: Sequence[EndpointRow]) -> list[tuple[str, str | None, str | None]]:
+    """(target, endpoint_id, callback url) for every receiver of ``event``."""
+    targets: list[tuple[str, str | None, str | None]] = [
+        (e.id, e.id, None) for e in endpoints if e.wants(event.type, event.kind)
+    ]
+    if event.type != "job.progress":
+        row = conn.execute("SELECT callback_url FROM jobs WHERE id = ?", (event.job_id,)).fetchone()
+        if row is not None and row["callback_url"]:
+            targets.append((CALLBACK_PREFIX + row["callback_url"], None, row["callback_url"]))
+    return targets
+
+
+def _add_delivery(
+    conn: sqlite3.Connection, event: JobEvent, target: str, endpoint_id: str | None, url: str | None, ts: float
+) -> bool:
+    eid = event_id(event)
+    if conn.execute("SELECT 1 FROM webhook_deliveries WHERE target = ? AND event_id = ?", (target, eid)).fetchone():
+        return False  # a redelivered NATS message: already fanned out
+    newer = conn.execute(
+        "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ? LIMIT 1",
+        (target, event.job_id, event.version),
+    ).fetchone()
+    status, due = "pending", ts
+    if newer:
+        status = "superseded"  # arrived late: sending it now would go back in time
+    else:
+        # Older deliveries waiting for a retry (or a progress slot) say less than this one.
+        conn.execute(
+            "UPDATE webhook_deliveries SET status = 'superseded', next_attempt_at = NULL, updated_at = ?"
+            " WHERE target = ? AND job_id = ? AND version < ? AND status = 'pending'"
+            " AND (lease_until IS NULL OR lease_until <= ?) AND (attempts > 0 OR type = 'job.progress')",
+            (ts, target, event.job_id, event.version, ts),
+        )
+        if event.type == "job.progress":
+            (last,) = conn.execute(
+                "SELECT MAX(scheduled_at) FROM webhook_deliveries WHERE target = ? AND job_id = ?"
+                " AND type = 'job.progress' AND status != 'superseded'",
+                (target, event.job_id),
+            ).fetchone()
+            if last is not None:
+                due = max(ts, last + PROGRESS_INTERVAL_S)
+    conn.execute(
+        "INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,"
+        " status, scheduled_at, next_attempt_at, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        (str(uuid.uuid4()), event.tenant, target, endpoint_id, url, eid, event.job_id, event.version, event.type,
+         status, due, due if status == "pending" else None, ts, ts),
+    )
+    return status == "pending"
+
+
+class DeliveryQueue:
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def fan_out(self, events: Sequence[JobEvent]) -> int:
+        """Record the deliveries of ``events`` in one transaction; returns how many are pending."""
+
+        def tx(conn: sqlite3.Connection) -> int:
+            ts = now()
+            endpoints: dict[str, list[EndpointRow]] = {}
+            pending = 0
+            for event in events:
+                if event.tenant not in endpoints:
+                    rows = conn.execute("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'",
+                                        (event.tenant,)).fetchall()
+                    endpoints[event.tenant] = [EndpointRow.from_row(r) for r in rows]
+                targets = _targets(conn, event, endpoints[event.tenant])
+                if not targets:
+                    continue
+                body = _payload_encoder.encode(WebhookPayload(type=event.type, timestamp=event.at, data=event.data))
+                conn.execute("INSERT OR IGNORE INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
+                             (event_id(event), body, ts))
+                for target, endpoint_id, url in targets:
+                    pending += _add_delivery(conn, event, target, endpoint_id, url, ts)
+            return pending
+
+        return await self.db.write(tx)
+
+    def anything_due(self) -> bool:
+        """Cheap read on the loop: is a claim transaction worth taking the write lock for?"""
+        ts = now()
+        return bool(self.db.read(
+            "SELECT 1 FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= ?"
+            " AND (lease_until IS NULL OR lease_until <= ?) LIMIT 1",
+            (ts, ts),
+        ))
+
+    def next_due_after(self, at: float) -> float | None:
+        rows = self.db.read(
+            "SELECT MIN(next_attempt_at) AS t FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at > ?",
+            (at,),
+        )
+        return rows[0]["t"] if rows else None
+
+    async def claim(
+        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
+    ) -> list[Claimed]:
+        """Lease up to ``limit`` due deliveries, at most ``per_target`` in flight per target."""
+
+        def tx(conn: sqlite3.Connection) -> list[Claimed]:
+            ts = now()
+            rows = conn.execute(_CLAIM_SQL, {"now": ts, "per_target": per_target, "limit": limit * 2}).fetchall()
+            taken: dict[str, int] = {}
+            claimed: list[Claimed] = []
+            for row in rows:
+                target = row["target"]
+                if in_flight.get(target, 0) + taken.get(target, 0) >= per_target:
+                    continue
+                conn.execute("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
+                             (owner, ts + lease_s, row["id"]))
+                taken[target] = taken.get(target, 0) + 1
+                if row["endpoint_id"] is not None:
+                    keys = live_keys(conn, row["endpoint_id"], ts)
+                else:
+                    current_callback_key(conn, row["tenant"], ts)  # created on first use
+                    keys = live_keys(conn, callback_owner(row["tenant"]), ts)
+                delivery = DeliveryRow.from_row(row)
+                url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
+                claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=tuple(keys)))
+                if len(claimed) >= limit:
+                    break
+            return claimed
+
+        return await self.db.write(tx)
+
+    async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
+        """Log the attempt and apply its plan: delivered, retry later, superseded, or failed."""
+        d = claimed.delivery
+
+        def tx(conn: sqlite3.Connection) -> Finished:
+            ts = now()
+            (n,) = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM webhook_attempts WHERE delivery_id = ?",
+                                (d.id,)).fetchone()
+            conn.execute(
+                "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)"
+                " VALUES (?,?,?,?,?,?,?)",
+                (d.id, n, started_at, outcome.status_code, round(outcome.latency_s * 1000, 3), outcome.error,
+                 outcome.response[:RESPONSE_KEEP_BYTES] or None),
+            )
+            status, next_at = _status_after(conn, d, plan, ts)
+            disabled = False
+            if d.endpoint_id is not None:
+                disabled = _endpoint_health(conn, d.endpoint_id, ok=outcome.ok, gone=plan.disable_endpoint, at=ts)
+                if disabled and status == "pending":
+                    status, next_at = "failed", None
+            conn.execute(
+                "UPDATE webhook_deliveries SET status = ?, attempts = ?, next_attempt_at = ?, lease_owner = NULL,"
+                " lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
+                (status, n, next_at, ts, d.id, owner),
+            )
+            return Finished(status=status, next_attempt_at=next_at, endpoint_disabled=disabled)
+
+        return await self.db.write(tx)
+
+    async def release(self, delivery_ids: Sequence[str], owner: str) -> None:
+        """Hand leases back (shutdown), so another notifier need not wait for them to run out."""
+
+        def tx(conn: sqlite3.Connection) -> None:
+            conn.executemany(
+                "UPDATE webhook_deliveries SET lease_owner = NULL, lease_until = NULL WHERE id = ? AND lease_owner = ?",
+                [(i, owner) for i in delivery_ids],
+            )
+
+        await self.db.write(tx)
+
+    async def prune(self, finished_before: float, limit: int = 1000) -> int:
+        """Forget finished deliveries (with their attempts) older than the retention period."""
+
+        def tx(conn: sqlite3.Connection) -> int:
+            ids = [r["id"] for r in conn.execute(
+                "SELECT id FROM webhook_deliveries WHERE status != 'pending' AND updated_at < ? LIMIT ?",
+                (finished_before, limit),
+            ).fetchall()]
+            conn.executemany("DELETE FROM webhook_attempts WHERE delivery_id = ?", [(i,) for i in ids])
+            conn.executemany("DELETE FROM webhook_deliveries WHERE id = ?", [(i,) for i in ids])
+            conn.execute(
+                "DELETE FROM webhook_messages WHERE created_at < ? AND NOT EXISTS"
+                " (SELECT 1 FROM webhook_deliveries d WHERE d.event_id = webhook_messages.event_id)",
+                (finished_before,),
+            )
+            return len(ids)
+
+        return await self.db.write(tx)
+
+
+def _status_after(conn: sqlite3.Connection, d: DeliveryRow, plan: Plan, ts: float) -> tuple[str, float | None]:
+    if plan.status == "delivered":
+        return "delivered", None
+    if plan.status == "failed":
+        return "failed", None
+    newer = conn.execute(
+        "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ? LIMIT 1",
+        (d.target, d.job_id, d.version),
+    ).fetchone()
+    if newer:
+        return "superseded", None  # the newer one carries the whole status; no need to retry this one
+    assert plan.delay_s is not None
+    return "pending", ts + plan.delay_s
+
+
+def _endpoint_health(conn: sqlite3.Connection, endpoint_id: str, *, ok: bool, gone: bool, at: float) -> bool:
+    """Track continuous failure; disable on 410 or after 5 days of it. True if now disabled."""
+    if ok:
+        conn.execute("UPDATE webhook_endpoints SET failing_since = NULL WHERE id = ? AND failing_since IS NOT NULL",
+                     (endpoint_id,))
+        return False
+    conn.execute("UPDATE webhook_endpoints SET failing_since = COALESCE(failing_since, ?) WHERE id = ?",
+                 (at, endpoint_id))
+    row = conn.execute("SELECT status, failing_since FROM webhook_endpoints WHERE id = ?", (endpoint_id,)).fetchone()
+    if row is None or row["status"] != "enabled":
+        return row is not None
+    if gone or at - row["failing_since"] >= ENDPOINT_DISABLE_AFTER_S:
+        conn.execute("UPDATE webhook_endpoints SET status = 'disabled', updated_at = ? WHERE id = ?", (at, endpoint_id))
+        fail_pending(conn, endpoint_id, at)
+        return True
+    return False

@@ -1,0 +1,163 @@
+"""The delivery loop of one notifier process: claim due deliveries, send them, record the outcome.
+
+Work is bounded twice: at most ``MAX_IN_FLIGHT`` attempts per process and at most
+``PER_TARGET`` per endpoint (or callback URL), so one slow or dead endpoint holds a few
+slots and never the loop: everything else keeps flowing. The loop sleeps until the next
+delivery is due, until the fan-out or a finished attempt wakes it, or at most
+``idle_poll_s`` (other processes' work: a retry requested through the API, a lease left
+behind by a killed notifier).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import random
+import socket
+import time
+import uuid
+from collections import Counter
+
+from herald.metrics import Metrics
+from herald.timefmt import now
+from notifier.delivery import SUCCESS_WITHIN_S, Sender
+from notifier.queue import Claimed, DeliveryQueue
+from notifier.retry import RetryPolicy
+from notifier.signing import signature_header
+
+log = logging.getLogger("herald.notifier")
+
+MAX_IN_FLIGHT = 64
+PER_TARGET = 8
+LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
+PRUNE_EVERY_S = 60.0
+SHUTDOWN_GRACE_S = 5.0
+
+
+class Scheduler:
+    def __init__(
+        self,
+        queue: DeliveryQueue,
+        sender: Sender,
+        policy: RetryPolicy,
+        metrics: Metrics,
+        *,
+        idle_poll_s: float,
+        retention_s: float,
+    ) -> None:
+        self.queue = queue
+        self.sender = sender
+        self.policy = policy
+        self.metrics = metrics
+        self.idle_poll_s = idle_poll_s
+        self.retention_s = retention_s
+        self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        self._rng = random.Random()
+        self._wake = asyncio.Event()
+        self._stopping = False
+        self._tasks: dict[asyncio.Task[None], Claimed] = {}
+        self._in_flight: Counter[str] = Counter()
+
+    def kick(self) -> None:
+        """New deliveries were recorded, or a slot came free: look again now."""
+        self._wake.set()
+
+    def stop(self) -> None:
+        self._stopping = True
+        self._wake.set()
+
+    async def run(self) -> None:
+        """Deliver until ``stop()``; then let attempts in flight finish briefly and hand back the rest."""
+        next_prune = time.monotonic()
+        try:
+            while not self._stopping:
+                self._wake.clear()
+                await self._claim_and_start()
+                if time.monotonic() >= next_prune:
+                    next_prune = time.monotonic() + PRUNE_EVERY_S
+                    await self._prune()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout=self._sleep_s())
+        finally:
+            await self._shutdown()
+
+    async def _claim_and_start(self) -> None:
+        free = MAX_IN_FLIGHT - len(self._tasks)
+        if free <= 0 or not self.queue.anything_due():
+            return
+        try:
+            claimed = await self.queue.claim(
+                self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
+            )
+        except Exception as exc:  # the store is busy or away: the deliveries stay due
+            log.warning("claiming webhook deliveries failed: %s", exc)
+            return
+        for item in claimed:
+            task = asyncio.create_task(self._attempt(item), name=f"webhook-{item.delivery.id}")
+            self._tasks[task] = item
+            self._in_flight[item.delivery.target] += 1
+            task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        item = self._tasks.pop(task)
+        self._in_flight[item.delivery.target] -= 1
+        if self._in_flight[item.delivery.target] <= 0:
+            del self._in_flight[item.delivery.target]
+        if not task.cancelled() and task.exception() is not None:
+            log.error("webhook attempt crashed", exc_info=task.exception(),
+                      extra={"job_id": item.delivery.job_id, "endpoint_id": item.delivery.endpoint_id})
+        self._wake.set()
+
+    def _sleep_s(self) -> float:
+        ts = now()
+        due = self.queue.next_due_after(ts)
+        return self.idle_poll_s if due is None else max(0.0, min(self.idle_poll_s, due - ts))
+
+    async def _attempt(self, item: Claimed) -> None:
+        d = item.delivery
+        context = {"job_id": d.job_id, "endpoint_id": d.endpoint_id, "delivery_id": d.id, "event_id": d.event_id,
+                   "attempt": d.attempts + 1}
+        timestamp = int(time.time())
+        headers = {
+            "webhook-id": d.event_id,
+            "webhook-timestamp": str(timestamp),
+            "webhook-signature": signature_header(item.keys, d.event_id, timestamp, item.body),
+        }
+        started_at = now()
+        outcome = await self.sender.send(item.url, item.body, headers)
+        plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
+        finished = await self.queue.finish(item, self.owner, started_at, outcome, plan)
+        label = "retry" if finished.status == "pending" else finished.status
+        self.metrics.webhook_deliveries.labels(outcome=label).inc()
+        self.metrics.webhook_delivery_seconds.observe(outcome.latency_s)
+        log.info(
+            "webhook attempt",
+            extra={**context, "event_type": d.type, "status_code": outcome.status_code, "outcome": label,
+                   "latency_ms": round(outcome.latency_s * 1000, 1), "error": outcome.error,
+                   "retry_in_s": round(finished.next_attempt_at - now(), 3) if finished.next_attempt_at else None},
+        )
+        if finished.endpoint_disabled:
+            log.warning("webhook endpoint disabled", extra={**context, "status_code": outcome.status_code})
+
+    async def _prune(self) -> None:
+        try:
+            await self.queue.prune(now() - self.retention_s)
+        except Exception as exc:
+            log.warning("pruning the delivery log failed: %s", exc)
+
+    async def _shutdown(self) -> None:
+        if not self._tasks:
+            return
+        _done, pending = await asyncio.wait(set(self._tasks), timeout=SHUTDOWN_GRACE_S)
+        cancelled = [self._tasks[t].delivery.id for t in pending]
+        for task in pending:
+            task.cancel()
+        if pending:
+            await asyncio.wait(pending)
+        if cancelled:
+            # The receiver may have had them: sending again is allowed (at-least-once,
+            # receivers de-duplicate by webhook-id); waiting out the lease is not needed.
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.queue.release(cancelled, self.owner))

@@ -1,0 +1,382 @@
+"""Webhook tables in the job store's SQLite file: endpoints, signing keys, deliveries, attempts.
+
+The gateway (the endpoints API) and every notifier process use these tables through
+the same ``herald.db.Database`` the job store opened, so each function below is one
+transaction on the writer thread, or one indexed read on the loop. The delivery queue
+itself (fan-out, claiming, outcomes) is in ``notifier.queue``.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+
+from herald.db import Database
+from herald.timefmt import now
+from notifier.signing import ROTATION_OVERLAP_S, SigningKey, new_key
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS webhook_endpoints (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    url TEXT NOT NULL,
+    event_types TEXT NOT NULL,
+    kinds TEXT,
+    signature TEXT NOT NULL,
+    status TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    failing_since REAL
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS webhook_endpoints_by_tenant ON webhook_endpoints (tenant, created_at DESC, id DESC);
+
+CREATE TABLE IF NOT EXISTS webhook_keys (
+    owner TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    algorithm TEXT NOT NULL,
+    secret BLOB NOT NULL,
+    public_key BLOB,
+    retire_at REAL,
+    PRIMARY KEY (owner, created_at)
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS webhook_messages (
+    event_id TEXT PRIMARY KEY,
+    body BLOB NOT NULL,
+    created_at REAL NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS webhook_deliveries (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT,
+    id TEXT NOT NULL UNIQUE,
+    tenant TEXT NOT NULL,
+    target TEXT NOT NULL,
+    endpoint_id TEXT,
+    url TEXT,
+    event_id TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    status TEXT NOT NULL,
+    attempts INTEGER NOT NULL DEFAULT 0,
+    scheduled_at REAL NOT NULL,
+    next_attempt_at REAL,
+    lease_owner TEXT,
+    lease_until REAL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    UNIQUE (target, event_id)
+);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_due ON webhook_deliveries (next_attempt_at) WHERE status = 'pending';
+CREATE INDEX IF NOT EXISTS webhook_deliveries_order ON webhook_deliveries (target, job_id, version);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_by_endpoint ON webhook_deliveries (endpoint_id, seq);
+CREATE INDEX IF NOT EXISTS webhook_deliveries_finished ON webhook_deliveries (updated_at) WHERE status != 'pending';
+
+CREATE TABLE IF NOT EXISTS webhook_attempts (
+    delivery_id TEXT NOT NULL,
+    n INTEGER NOT NULL,
+    at REAL NOT NULL,
+    status_code INTEGER,
+    latency_ms REAL,
+    error TEXT,
+    response BLOB,
+    PRIMARY KEY (delivery_id, n)
+) WITHOUT ROWID;
+"""
+
+
+def callback_owner(tenant: str) -> str:
+    """The key owner for a tenant's ``callback_url`` deliveries (endpoints own keys by id)."""
+    return f"callback:{tenant}"
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRow:
+    id: str
+    tenant: str
+    url: str
+    event_types: tuple[str, ...]
+    kinds: tuple[str, ...] | None
+    signature: str
+    status: str
+    created_at: float
+    updated_at: float
+    failing_since: float | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> EndpointRow:
+        values = dict(row)
+        values["event_types"] = tuple(msgspec.json.decode(values["event_types"]))
+        values["kinds"] = tuple(msgspec.json.decode(values["kinds"])) if values["kinds"] is not None else None
+        return cls(**values)
+
+    def wants(self, event_type: str, kind: str) -> bool:
+        return (
+            self.status == "enabled"
+            and event_type in self.event_types
+            and (self.kinds is None or kind in self.kinds)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRow:
+    n: int
+    at: float
+    status_code: int | None
+    latency_ms: float | None
+    error: str | None
+    response: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRow:
+    seq: int
+    id: str
+    tenant: str
+    target: str
+    endpoint_id: str | None
+    url: str | None
+    event_id: str
+    job_id: str
+    version: int
+    type: str
+    status: str
+    attempts: int
+    scheduled_at: float
+    next_attempt_at: float | None
+    lease_owner: str | None
+    lease_until: float | None
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> DeliveryRow:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+def _encode_list(values: Iterable[str] | None) -> str | None:
+    return None if values is None else msgspec.json.encode(list(values)).decode()
+
+
+def _key_from_row(row: sqlite3.Row) -> SigningKey:
+    return SigningKey(algorithm=row["algorithm"], secret=bytes(row["secret"]),
+                      public_key=bytes(row["public_key"]) if row["public_key"] is not None else None)
+
+
+def live_keys(conn: sqlite3.Connection, owner: str, at: float) -> list[SigningKey]:
+    """The keys that sign now: the current one first, then any in their 24 h overlap."""
+    rows = conn.execute(
+        "SELECT * FROM webhook_keys WHERE owner = ? AND (retire_at IS NULL OR retire_at > ?) ORDER BY created_at DESC",
+        (owner, at),
+    ).fetchall()
+    return [_key_from_row(r) for r in rows]
+
+
+def add_key(conn: sqlite3.Connection, owner: str, algorithm: str, at: float) -> SigningKey:
+    """A new current key; the previous current key keeps signing for the overlap, then retires."""
+    conn.execute("DELETE FROM webhook_keys WHERE owner = ? AND retire_at IS NOT NULL AND retire_at <= ?", (owner, at))
+    conn.execute("UPDATE webhook_keys SET retire_at = ? WHERE owner = ? AND retire_at IS NULL",
+                 (at + ROTATION_OVERLAP_S, owner))
+    latest = conn.execute("SELECT MAX(created_at) AS t FROM webhook_keys WHERE owner = ?", (owner,)).fetchone()["t"]
+    created = max(at, latest + 1e-6) if latest is not None else at  # the key's primary key must move forward
+    key = new_key(algorithm)
+    conn.execute(
+        "INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key) VALUES (?,?,?,?,?)",
+        (owner, created, key.algorithm, key.secret, key.public_key),
+    )
+    return key
+
+
+def fail_pending(conn: sqlite3.Connection, endpoint_id: str, at: float) -> None:
+    """An endpoint was disabled: its waiting deliveries end ``failed`` (and are not sent)."""
+    conn.execute(
+        "UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,"
+        " lease_until = NULL, updated_at = ? WHERE endpoint_id = ? AND status = 'pending'",
+        (at, endpoint_id),
+    )
+
+
+class WebhookStore:
+    """Endpoints, keys and the delivery log as the API sees them. One per process."""
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+
+    async def ensure_schema(self) -> WebhookStore:
+        """Create the webhook tables (both the gateway and the notifier call this; it is idempotent)."""
+
+        def tx(conn: sqlite3.Connection) -> None:
+            for statement in SCHEMA.split(";"):
+                if statement.strip():
+                    conn.execute(statement)
+
+        await self.db.write(tx)
+        return self
+
+    # ----- endpoints ----------------------------------------------------------------
+
+    async def create_endpoint(
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
+    ) -> tuple[EndpointRow, SigningKey]:
+        endpoint_id = str(uuid.uuid4())
+
+        def tx(conn: sqlite3.Connection) -> tuple[EndpointRow, SigningKey]:
+            ts = now()
+            conn.execute(
+                "INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,"
+                " created_at, updated_at) VALUES (?,?,?,?,?,?, 'enabled', ?, ?)",
+                (endpoint_id, tenant, url, _encode_list(event_types), _encode_list(kinds), signature, ts, ts),
+            )
+            key = add_key(conn, endpoint_id, signature, ts)
+            row = conn.execute("SELECT * FROM webhook_endpoints WHERE id = ?", (endpoint_id,)).fetchone()
+            return EndpointRow.from_row(row), key
+
+        return await self.db.write(tx)
+
+    def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None:
+        rows = self.db.read("SELECT * FROM webhook_endpoints WHERE id = ? AND tenant = ?", (endpoint_id, tenant))
+        return EndpointRow.from_row(rows[0]) if rows else None
+
+    def list_endpoints(self, tenant: str, *, before: tuple[float, str] | None, limit: int) -> list[EndpointRow]:
+        sql = "SELECT * FROM webhook_endpoints WHERE tenant = ?"
+        params: list[Any] = [tenant]
+        if before is not None:
+            sql += " AND (created_at < ? OR (created_at = ? AND id < ?))"
+            params += [before[0], before[0], before[1]]
+        rows = self.db.read(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", [*params, limit])
+        return [EndpointRow.from_row(r) for r in rows]
+
+    async def update_endpoint(self, tenant: str, endpoint_id: str, changes: dict[str, Any]) -> EndpointRow | None:
+        """Apply ``changes`` (url, event_types, kinds, status). Disabling fails what was waiting."""
+
+        def tx(conn: sqlite3.Connection) -> EndpointRow | None:
+            ts = now()
+            if not conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = ? AND tenant = ?",
+                                (endpoint_id, tenant)).fetchone():
+                return None
+            values: dict[str, Any] = {"updated_at": ts}
+            for name in ("url", "status"):
+                if name in changes:
+                    values[name] = changes[name]
+            for name in ("event_types", "kinds"):
+                if name in changes:
+                    values[name] = _encode_list(changes[name])
+            if changes.get("status") == "enabled":
+                values["failing_since"] = None  # a fresh start: the 5-day clock restarts
+            assignments = ", ".join(f"{column} = ?" for column in values)
+            conn.execute(f"UPDATE webhook_endpoints SET {assignments} WHERE id = ?", (*values.values(), endpoint_id))
+            if changes.get("status") == "disabled":
+                fail_pending(conn, endpoint_id, ts)
+            return EndpointRow.from_row(conn.execute("SELECT * FROM webhook_endpoints WHERE id = ?",
+                                                     (endpoint_id,)).fetchone())
+
+        return await self.db.write(tx)
+
+    async def delete_endpoint(self, tenant: str, endpoint_id: str) -> bool:
+        """The endpoint, its keys, its deliveries and their attempts go together."""
+
+        def tx(conn: sqlite3.Connection) -> bool:
+            deleted = conn.execute("DELETE FROM webhook_endpoints WHERE id = ? AND tenant = ?", (endpoint_id, tenant))
+            if not deleted.rowcount:
+                return False
+            conn.execute("DELETE FROM webhook_keys WHERE owner = ?", (endpoint_id,))
+            conn.execute(
+                "DELETE FROM webhook_attempts WHERE delivery_id IN"
+                " (SELECT id FROM webhook_deliveries WHERE endpoint_id = ?)",
+                (endpoint_id,),
+            )
+            conn.execute("DELETE FROM webhook_deliveries WHERE endpoint_id = ?", (endpoint_id,))
+            return True
+
+        return await self.db.write(tx)
+
+    async def rotate_endpoint_key(self, tenant: str, endpoint_id: str) -> SigningKey | None:
+        def tx(conn: sqlite3.Connection) -> SigningKey | None:
+            row = conn.execute("SELECT signature FROM webhook_endpoints WHERE id = ? AND tenant = ?",
+                               (endpoint_id, tenant)).fetchone()
+            return add_key(conn, endpoint_id, row["signature"], now()) if row else None
+
+        return await self.db.write(tx)
+
+    # ----- the tenant's callback secret ---------------------------------------------------
+
+    async def callback_key(self, tenant: str) -> SigningKey:
+        """The current callback secret, created on first use."""
+
+        def tx(conn: sqlite3.Connection) -> SigningKey:
+            return current_callback_key(conn, tenant, now())
+
+        rows = self.db.read(
+            "SELECT * FROM webhook_keys WHERE owner = ? AND retire_at IS NULL ORDER BY created_at DESC LIMIT 1",
+            (callback_owner(tenant),),
+        )
+        return _key_from_row(rows[0]) if rows else await self.db.write(tx)
+
+    async def rotate_callback_key(self, tenant: str) -> SigningKey:
+        def tx(conn: sqlite3.Connection) -> SigningKey:
+            return add_key(conn, callback_owner(tenant), "hmac-sha256", now())
+
+        return await self.db.write(tx)
+
+    # ----- the delivery log ----------------------------------------------------------------
+
+    def list_deliveries(
+        self, endpoint_id: str, *, status: str | None, before_seq: int | None, limit: int
+    ) -> list[DeliveryRow]:
+        """Newest first. The caller has already checked that the endpoint is the tenant's."""
+        sql = "SELECT * FROM webhook_deliveries WHERE endpoint_id = ?"
+        params: list[Any] = [endpoint_id]
+        if status is not None:
+            sql += " AND status = ?"
+            params.append(status)
+        if before_seq is not None:
+            sql += " AND seq < ?"
+            params.append(before_seq)
+        rows = self.db.read(sql + " ORDER BY seq DESC LIMIT ?", [*params, limit])
+        return [DeliveryRow.from_row(r) for r in rows]
+
+    def attempts(self, delivery_ids: Sequence[str]) -> dict[str, list[AttemptRow]]:
+        found: dict[str, list[AttemptRow]] = {d: [] for d in delivery_ids}
+        if not delivery_ids:
+            return found
+        marks = ",".join("?" * len(delivery_ids))
+        rows = self.db.read(f"SELECT * FROM webhook_attempts WHERE delivery_id IN ({marks}) ORDER BY delivery_id, n",
+                            list(delivery_ids))
+        for r in rows:
+            found[r["delivery_id"]].append(AttemptRow(n=r["n"], at=r["at"], status_code=r["status_code"],
+                                                      latency_ms=r["latency_ms"], error=r["error"],
+                                                      response=r["response"]))
+        return found
+
+    def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
+        rows = self.db.read("SELECT * FROM webhook_deliveries WHERE id = ? AND endpoint_id = ?",
+                            (delivery_id, endpoint_id))
+        return DeliveryRow.from_row(rows[0]) if rows else None
+
+    async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
+        """Make the delivery due now, whatever its status; it keeps its id and webhook-id."""
+
+        def tx(conn: sqlite3.Connection) -> DeliveryRow | None:
+            ts = now()
+            conn.execute(
+                "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = ?, updated_at = ?"
+                " WHERE id = ? AND endpoint_id = ?",
+                (ts, ts, delivery_id, endpoint_id),
+            )
+            row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ?", (delivery_id,)).fetchone()
+            return DeliveryRow.from_row(row) if row else None
+
+        return await self.db.write(tx)
+
+
+def current_callback_key(conn: sqlite3.Connection, tenant: str, at: float) -> SigningKey:
+    owner = callback_owner(tenant)
+    row = conn.execute(
+        "SELECT * FROM webhook_keys WHERE owner = ? AND retire_at IS NULL ORDER BY created_at DESC LIMIT 1", (owner,)
+    ).fetchone()
+    return _key_from_row(row) if row else add_key(conn, owner, "hmac-sha256", at)

@@ -1,0 +1,567 @@
+"""Webhooks end to end (SPEC §7): real nats-server, gateway, worker and notifier processes,
+and a real HTTP receiver on 127.0.0.1 that verifies every delivery it gets — HMAC with the
+reference ``standardwebhooks`` library, Ed25519 (``v1a``) with ``cryptography``."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import json
+import signal
+import socket
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from cryptography.exceptions import InvalidSignature
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+from standardwebhooks.webhooks import Webhook, WebhookVerificationError
+
+import herald
+from notifier.delivery import Sender
+from notifier.ssrf import is_public_address
+from tests.harness import Deployment, client, free_port, wait_for_state, wait_until
+
+SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
+MIN_BACKOFF_S = 1.0  # HERALD_WEBHOOK_MIN_BACKOFF_S: 60 s in production
+TERMINAL = {"job.succeeded", "job.failed", "job.cancelled"}
+
+
+# ----- a real receiver ---------------------------------------------------------------------
+
+
+@dataclass
+class Hit:
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    at: float
+    answered: int = 0
+
+    @property
+    def payload(self) -> dict[str, Any]:
+        return json.loads(self.body)
+
+    @property
+    def webhook_id(self) -> str:
+        return self.headers["webhook-id"]
+
+    @property
+    def job_id(self) -> str:
+        return str(self.payload["data"]["id"])
+
+    @property
+    def version(self) -> int:
+        return int(self.payload["data"]["version"])
+
+    @property
+    def type(self) -> str:
+        return str(self.payload["type"])
+
+
+# (hit, how many times this webhook-id reached this path, this one included) -> (status, headers)
+Behaviour = Callable[[Hit, int], tuple[int, dict[str, str]]]
+
+
+def ok(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+    return 200, {}
+
+
+@dataclass
+class Route:
+    behaviour: Behaviour = ok
+    hmac: list[str] = field(default_factory=list)
+    ed25519: list[str] = field(default_factory=list)
+    seen: Counter[str] = field(default_factory=Counter)
+
+
+def _ed25519_verifies(public_key: str, hit: Hit) -> bool:
+    key = Ed25519PublicKey.from_public_bytes(base64.b64decode(public_key.removeprefix("whpk_")))
+    content = f"{hit.webhook_id}.{hit.headers['webhook-timestamp']}.".encode() + hit.body
+    for item in hit.headers["webhook-signature"].split():
+        version, _, signature = item.partition(",")
+        if version != "v1a":
+            continue
+        try:
+            key.verify(base64.b64decode(signature), content)
+            return True
+        except InvalidSignature:
+            continue
+    return False
+
+
+class Receiver:
+    """An HTTP server in a thread. Each path is one endpoint with its behaviour and keys;
+    every request is checked against *all* keys of its path (so a rotation test proves that
+    old and new both sign), and any failure is kept for the fixture to report."""
+
+    def __init__(self, port: int = 0) -> None:
+        self.hits: list[Hit] = []
+        self.problems: list[str] = []
+        self.routes: dict[str, Route] = {}
+        self._lock = threading.Lock()
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"  # keep-alive: the notifier pools connections
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self.rfile.read(int(self.headers.get("content-length", "0")))
+                hit = Hit(path=self.path, headers={k.lower(): v for k, v in self.headers.items()}, body=body,
+                          at=time.monotonic())
+                status, headers = receiver._handle(hit)
+                answer = b"nope" if status >= 300 else b"thanks"
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(answer)))
+                self.end_headers()
+                self.wfile.write(answer)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def start(self) -> Receiver:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+    def route(self, path: str, behaviour: Behaviour = ok) -> str:
+        self.routes[path] = Route(behaviour=behaviour)
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    def _check(self, route: Route, hit: Hit) -> None:
+        h = hit.headers
+        if not route.hmac and not route.ed25519:
+            self.problems.append(f"{hit.path}: a delivery nobody can verify")
+        for secret in route.hmac:
+            try:
+                Webhook(secret).verify(hit.body, h)
+            except WebhookVerificationError as exc:
+                self.problems.append(f"{hit.path}: HMAC with {secret[:12]}…: {exc}")
+        for key in route.ed25519:
+            if not _ed25519_verifies(key, hit):
+                self.problems.append(f"{hit.path}: Ed25519 with {key[:12]}… does not verify")
+        if h.get("user-agent") != f"Herald/{herald.__version__}" or h.get("content-type") != "application/json":
+            self.problems.append(f"{hit.path}: headers {h}")
+        if set(hit.payload) != {"type", "timestamp", "data"}:
+            self.problems.append(f"{hit.path}: payload {hit.payload}")
+
+    def _handle(self, hit: Hit) -> tuple[int, dict[str, str]]:
+        with self._lock:
+            route = self.routes.get(hit.path)
+            if route is None:
+                self.problems.append(f"unexpected path {hit.path}")
+                return 404, {}
+            self._check(route, hit)
+            route.seen[hit.headers.get("webhook-id", "")] += 1
+            n = route.seen[hit.headers.get("webhook-id", "")]
+            self.hits.append(hit)
+        status, headers = route.behaviour(hit, n)  # outside the lock: a behaviour may block
+        hit.answered = status
+        return status, headers
+
+    def hits_for(self, path: str, job_ids: set[str] | None = None) -> list[Hit]:
+        with self._lock:
+            return [h for h in self.hits if h.path == path and (job_ids is None or h.job_id in job_ids)]
+
+
+# ----- fixtures ----------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def receiver() -> Iterator[Receiver]:
+    server = Receiver().start()
+    try:
+        yield server
+    finally:
+        server.stop()
+    assert not server.problems, "\n".join(server.problems)
+
+
+@pytest.fixture(scope="module")
+def herald_wh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+    deployment = Deployment(
+        tmp_path_factory.mktemp("webhooks"),
+        env_overrides={"HERALD_WEBHOOK_RETRY_SCHEDULE": SCHEDULE, "HERALD_WEBHOOK_MIN_BACKOFF_S": str(MIN_BACKOFF_S)},
+    )
+    deployment.nats.start()
+    try:
+        deployment.start_gateway()
+        deployment.start_worker()
+        deployment.start_notifier()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+@pytest.fixture()
+def http(herald_wh: Deployment) -> Iterator[httpx.Client]:
+    """The acme tenant's client; endpoints it registered are deleted after the test."""
+    with client(herald_wh.url()) as c:
+        yield c
+        for item in c.get("/webhooks", params={"limit": 100}).json()["items"]:
+            c.delete(f"/webhooks/{item['id']}")
+
+
+def register(http: httpx.Client, receiver: Receiver, path: str, behaviour: Behaviour = ok,
+             **fields: Any) -> dict[str, Any]:
+    url = receiver.route(path, behaviour)
+    response = http.post("/webhooks", json={"url": url, **fields})
+    assert response.status_code == 201, response.text
+    endpoint = response.json()
+    if endpoint["signature"] == "ed25519":
+        receiver.routes[path].ed25519.append(endpoint["public_key"])
+    else:
+        receiver.routes[path].hmac.append(endpoint["secret"])
+    return endpoint
+
+
+def export(http: httpx.Client, **fields: Any) -> dict[str, Any]:
+    response = http.post("/exports", json={"format": "csv", "rows": 10, **fields})
+    assert response.status_code == 202, response.text
+    return response.json()
+
+
+def deliveries(http: httpx.Client, endpoint_id: str, **params: Any) -> list[dict[str, Any]]:
+    response = http.get(f"/webhooks/{endpoint_id}/deliveries", params={"limit": 100, **params})
+    assert response.status_code == 200, response.text
+    return list(response.json()["items"])
+
+
+def terminal_hit(receiver: Receiver, path: str, job_id: str, status: int = 200) -> Hit | None:
+    return next((h for h in receiver.hits_for(path, {job_id}) if h.type in TERMINAL and h.answered == status), None)
+
+
+# ----- the endpoints API -------------------------------------------------------------------
+
+
+def test_endpoint_api_shapes_validation_and_tenancy(http: httpx.Client, herald_wh: Deployment) -> None:
+    created = http.post("/webhooks", json={"url": "https://hooks.example.com/a"})
+    assert created.status_code == 201 and created.headers["location"] == f"/webhooks/{created.json()['id']}"
+    endpoint = created.json()
+    assert set(endpoint) == {"id", "url", "event_types", "kinds", "signature", "status", "created_at", "secret"}
+    assert endpoint["event_types"] == ["job.queued", "job.running", "job.cancel_requested", "job.succeeded",
+                                       "job.failed", "job.cancelled"]  # all but job.progress
+    assert endpoint["kinds"] is None and endpoint["signature"] == "hmac-sha256" and endpoint["status"] == "enabled"
+    assert endpoint["secret"].startswith("whsec_") and len(base64.b64decode(endpoint["secret"][6:])) >= 24
+    ed = http.post("/webhooks", json={"url": "https://hooks.example.com/b", "signature": "ed25519",
+                                      "event_types": ["job.progress"], "kinds": ["report"]}).json()
+    assert ed["public_key"].startswith("whpk_") and "secret" not in ed
+    assert len(base64.b64decode(ed["public_key"][5:])) == 32
+
+    shown = http.get(f"/webhooks/{endpoint['id']}").json()
+    assert "secret" not in shown and shown["url"] == "https://hooks.example.com/a"
+    first = http.get("/webhooks", params={"limit": 1}).json()
+    second = http.get("/webhooks", params={"limit": 1, "cursor": first["next_cursor"]}).json()
+    assert [first["items"][0]["id"], second["items"][0]["id"]] == [ed["id"], endpoint["id"]]
+    assert second["next_cursor"] is None
+
+    patched = http.patch(f"/webhooks/{endpoint['id']}", json={"kinds": ["export"], "status": "disabled"})
+    assert patched.status_code == 200 and patched.json()["kinds"] == ["export"]
+    assert patched.json()["status"] == "disabled" and patched.json()["url"] == endpoint["url"]
+    rotated = http.post(f"/webhooks/{ed['id']}/rotate-secret")
+    assert rotated.status_code == 200 and set(rotated.json()) == {"public_key"}
+
+    bad = http.post("/webhooks", json={"url": 5, "event_types": ["job.nope"], "kinds": ["nope"], "colour": "red"})
+    assert bad.status_code == 400 and bad.headers["content-type"] == "application/problem+json"
+    assert bad.json()["type"] == "/problems/invalid-request"
+    assert {e["field"] for e in bad.json()["errors"]} == {"url", "event_types", "colour"}
+    unknown_kind = http.post("/webhooks", json={"url": "https://hooks.example.com/c", "kinds": ["nope"]})
+    assert [e["field"] for e in unknown_kind.json()["errors"]] == ["kinds"]
+    assert http.patch(f"/webhooks/{endpoint['id']}", json={"status": "paused"}).json()["errors"][0]["field"] == "status"
+    assert http.post("/webhooks", content=b"{", headers={"content-type": "application/json"}).status_code == 400
+    assert http.post("/webhooks", content=b"{}", headers={"content-type": "text/plain"}).status_code == 415
+    assert http.get("/webhooks", params={"limit": 0}).json()["errors"][0]["field"] == "limit"
+    listed = http.get(f"/webhooks/{endpoint['id']}/deliveries", params={"status": "lost"})
+    assert listed.status_code == 400 and listed.json()["errors"][0]["field"] == "status"
+
+    with client(herald_wh.url(), tenant="globex") as other:
+        for method, path in (("GET", ""), ("PATCH", ""), ("DELETE", ""), ("POST", "/rotate-secret"),
+                             ("GET", "/deliveries")):
+            kwargs = {"json": {"status": "enabled"}} if method == "PATCH" else {}
+            answer = other.request(method, f"/webhooks/{endpoint['id']}{path}", **kwargs)
+            assert answer.status_code == 404, (method, path)
+            assert answer.json()["type"] == "/problems/not-found"
+        assert endpoint["id"] not in {i["id"] for i in other.get("/webhooks").json()["items"]}
+        assert other.get("/webhooks/callback-secret").json() != http.get("/webhooks/callback-secret").json()
+    assert httpx.get(herald_wh.url() + "/webhooks").status_code == 401
+    assert http.get("/webhooks/not-a-uuid").status_code == 404
+
+    assert http.delete(f"/webhooks/{endpoint['id']}").status_code == 204
+    assert http.get(f"/webhooks/{endpoint['id']}").status_code == 404
+
+
+def test_private_addresses_refused_without_the_flag(herald_wh: Deployment, receiver: Receiver) -> None:
+    strict = herald_wh.start_gateway("strict", HERALD_WEBHOOK_ALLOW_PRIVATE="0")
+    with client(strict) as http:
+        for url in (f"http://127.0.0.1:{receiver.port}/x", "https://127.0.0.1/x", "https://10.1.2.3/x",
+                    "https://[::1]/x", "https://localhost/x", "https://169.254.169.254/latest",
+                    "https://user:pw@hooks.example.com/x", "ftp://hooks.example.com/x"):
+            refused = http.post("/webhooks", json={"url": url})
+            assert refused.status_code == 400, url
+            assert [e["field"] for e in refused.json()["errors"]] == ["url"], url
+        job = http.post("/exports", json={"format": "csv", "rows": 1, "callback_url": "https://192.168.1.1/cb"})
+        assert job.status_code == 400 and job.json()["errors"][0]["field"] == "callback_url"
+    herald_wh.kill("strict", signal.SIGTERM)
+
+
+def test_delivery_time_guard_checks_the_resolved_address(receiver: Receiver) -> None:
+    """Before each delivery the name is resolved again and every address must be public:
+    this machine's own name resolves to a private or loopback address, so it is refused."""
+    host = socket.gethostname()
+    addresses = {str(info[4][0]) for info in socket.getaddrinfo(host, None)}
+    if not addresses or any(is_public_address(a) for a in addresses):
+        pytest.skip(f"{host} does not resolve to a private address here: {addresses}")
+    url = f"https://{host}:{receiver.port}/guarded"
+
+    async def send(allow_private: bool) -> Any:
+        async with Sender(allow_private=allow_private) as sender:
+            return await sender.send(url, b"{}", {})
+
+    outcome = asyncio.run(send(False))
+    assert outcome.status_code is None and "non-public address" in (outcome.error or "")
+    assert receiver.hits_for("/guarded") == []
+
+
+# ----- signatures -------------------------------------------------------------------------
+
+
+def test_deliveries_carry_the_committed_status_in_order(http: httpx.Client, receiver: Receiver) -> None:
+    endpoint = register(http, receiver, "/plain")
+    job = export(http)
+    wait_until(lambda: terminal_hit(receiver, "/plain", job["id"]), what="terminal delivery")
+    hits = receiver.hits_for("/plain", {job["id"]})
+    assert [h.type for h in hits] == ["job.queued", "job.running", "job.succeeded"]
+    assert [h.version for h in hits] == sorted(h.version for h in hits)
+    final = hits[-1].payload
+    status = http.get(f"/jobs/{job['id']}", follow_redirects=False).json()
+    assert final["data"]["state"] == "succeeded" and final["data"]["version"] == status["version"]
+    assert final["data"]["updated_at"] == status["updated_at"] and final["timestamp"] == status["updated_at"]
+    assert abs(int(hits[-1].headers["webhook-timestamp"]) - time.time()) < 60
+    assert len(hits[-1].headers["webhook-signature"].split()) == 1
+
+    logged = wait_until(lambda: (d := deliveries(http, endpoint["id"], status="delivered"))
+                        and len([x for x in d if x["job_id"] == job["id"]]) == 3 and d, what="delivery log")
+    assert {d["event_id"] for d in logged if d["job_id"] == job["id"]} == {h.webhook_id for h in hits}
+    one = logged[0]
+    assert set(one) >= {"id", "event_id", "type", "job_id", "status", "next_attempt_at", "attempts"}
+    assert one["next_attempt_at"] is None and one["attempts"][0]["status_code"] == 200
+    assert set(one["attempts"][0]) >= {"at", "status_code", "latency_ms", "error"}
+    assert deliveries(http, endpoint["id"], status="failed") == []
+
+
+def test_rotation_old_and_new_keys_both_sign(http: httpx.Client, receiver: Receiver) -> None:
+    hmac_ep = register(http, receiver, "/rotated-hmac", event_types=["job.succeeded"])
+    ed_ep = register(http, receiver, "/rotated-ed", signature="ed25519", event_types=["job.succeeded"])
+    new_secret = http.post(f"/webhooks/{hmac_ep['id']}/rotate-secret").json()["secret"]
+    new_key = http.post(f"/webhooks/{ed_ep['id']}/rotate-secret").json()["public_key"]
+    assert new_secret != hmac_ep["secret"] and new_key != ed_ep["public_key"]
+    receiver.routes["/rotated-hmac"].hmac.append(new_secret)  # now both must verify every delivery
+    receiver.routes["/rotated-ed"].ed25519.append(new_key)
+
+    job = export(http)
+    hmac_hit = wait_until(lambda: terminal_hit(receiver, "/rotated-hmac", job["id"]), what="HMAC delivery")
+    ed_hit = wait_until(lambda: terminal_hit(receiver, "/rotated-ed", job["id"]), what="Ed25519 delivery")
+    assert [s.split(",")[0] for s in hmac_hit.headers["webhook-signature"].split()] == ["v1", "v1"]
+    assert [s.split(",")[0] for s in ed_hit.headers["webhook-signature"].split()] == ["v1a", "v1a"]
+    for secret in (hmac_ep["secret"], new_secret):  # each one alone, through the reference library
+        assert Webhook(secret).verify(hmac_hit.body, hmac_hit.headers)["type"] == "job.succeeded"
+    assert _ed25519_verifies(ed_ep["public_key"], ed_hit) and _ed25519_verifies(new_key, ed_hit)
+    assert hmac_hit.webhook_id == ed_hit.webhook_id  # one id per event, whichever endpoint
+
+
+def test_callback_url_deliveries_are_signed_with_the_callback_secret(http: httpx.Client, receiver: Receiver) -> None:
+    first = http.get("/webhooks/callback-secret").json()["secret"]
+    assert http.get("/webhooks/callback-secret").json()["secret"] == first
+    rotated = http.post("/webhooks/callback-secret/rotate")
+    assert rotated.status_code == 200 and rotated.json()["secret"] != first
+    url = receiver.route("/callback")
+    receiver.routes["/callback"].hmac += [first, rotated.json()["secret"]]
+
+    job = http.post("/reports", json={"title": "cb", "pages": 5, "callback_url": url}).json()
+    wait_until(lambda: terminal_hit(receiver, "/callback", job["id"]), what="callback delivery")
+    hits = receiver.hits_for("/callback", {job["id"]})
+    assert [h.type for h in hits] == ["job.queued", "job.running", "job.succeeded"]  # no job.progress
+    assert [h.version for h in hits] == sorted(h.version for h in hits)
+
+
+# ----- retries ---------------------------------------------------------------------------------
+
+
+def test_500_twice_then_200_delivers_on_attempt_3_with_the_same_id(http: httpx.Client, receiver: Receiver) -> None:
+    def flaky(_hit: Hit, n: int) -> tuple[int, dict[str, str]]:
+        return (500, {}) if n <= 2 else (200, {})
+
+    endpoint = register(http, receiver, "/flaky", flaky, event_types=["job.succeeded"])
+    job = export(http)
+    wait_until(lambda: terminal_hit(receiver, "/flaky", job["id"]), what="third attempt")
+    hits = receiver.hits_for("/flaky", {job["id"]})
+    assert [h.answered for h in hits] == [500, 500, 200]
+    assert len({h.webhook_id for h in hits}) == 1
+    gaps = [b.at - a.at for a, b in zip(hits, hits[1:])]
+    assert all(0.15 < g < MIN_BACKOFF_S for g in gaps), gaps  # the schedule (0.2 s ± 20 %), no floor for 5xx
+
+    def settled() -> dict[str, Any] | None:
+        items = deliveries(http, endpoint["id"])
+        return items[0] if items and items[0]["status"] == "delivered" else None
+
+    delivery = wait_until(settled, what="delivered in the log")
+    assert delivery["event_id"] == hits[0].webhook_id and delivery["job_id"] == job["id"]
+    assert [a["status_code"] for a in delivery["attempts"]] == [500, 500, 200]
+    assert delivery["attempts"][0]["response"] == "nope" and delivery["attempts"][0]["latency_ms"] is not None
+
+    again = http.post(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}/retry")
+    assert again.status_code == 202 and again.json()["id"] == delivery["id"]
+    wait_until(lambda: len(receiver.hits_for("/flaky", {job["id"]})) == 4, what="manual resend")
+    assert receiver.hits_for("/flaky", {job["id"]})[-1].webhook_id == delivery["event_id"]
+    assert http.post(f"/webhooks/{endpoint['id']}/deliveries/{endpoint['id']}/retry").status_code == 404
+
+
+def test_429_and_503_retry_after_is_honoured_within_bounds(http: httpx.Client, receiver: Receiver) -> None:
+    answers = {1: (429, {}), 2: (429, {"Retry-After": "2"}), 3: (503, {"Retry-After": "3600"})}
+
+    def busy(_hit: Hit, n: int) -> tuple[int, dict[str, str]]:
+        return answers.get(n, (200, {}))
+
+    register(http, receiver, "/busy", busy, event_types=["job.succeeded"])
+    job = export(http)
+    wait_until(lambda: terminal_hit(receiver, "/busy", job["id"]), timeout=30, what="fourth attempt")
+    hits = receiver.hits_for("/busy", {job["id"]})
+    assert [h.answered for h in hits] == [429, 429, 503, 200]
+    first, second, third = (b.at - a.at for a, b in zip(hits, hits[1:]))
+    assert first >= MIN_BACKOFF_S * 0.95, first  # a 429 waits at least the floor, not 0.2 s
+    assert second >= 2 * MIN_BACKOFF_S * 0.95, second  # Retry-After: 2 honoured (the floor alone: 1 s)
+    assert third < MIN_BACKOFF_S, third  # Retry-After: 3600 clamped to 2 × the scheduled 0.2 s
+
+
+def test_410_fails_the_delivery_and_disables_the_endpoint(http: httpx.Client, receiver: Receiver) -> None:
+    gone = register(http, receiver, "/gone", lambda _h, _n: (410, {}))
+    witness = register(http, receiver, "/witness", event_types=["job.succeeded"])
+    job = export(http)
+    wait_until(lambda: http.get(f"/webhooks/{gone['id']}").json()["status"] == "disabled", what="disabled")
+    logged = wait_until(lambda: [d for d in deliveries(http, gone["id"]) if d["status"] == "failed"], what="failed")
+    assert logged[0]["attempts"][0]["status_code"] == 410 and len(logged[0]["attempts"]) == 1
+    assert [h.answered for h in receiver.hits_for("/gone", {job["id"]})] == [410]  # never retried
+    assert deliveries(http, gone["id"], status="pending") == []
+
+    later = export(http)  # events for a disabled endpoint are dropped, not queued
+    wait_until(lambda: terminal_hit(receiver, "/witness", later["id"]), what="witness delivery")
+    assert not [d for d in deliveries(http, gone["id"]) if d["job_id"] == later["id"]]
+    retry = http.post(f"/webhooks/{gone['id']}/deliveries/{logged[0]['id']}/retry")
+    assert retry.status_code == 409 and retry.json()["type"] == "/problems/endpoint-disabled"
+    assert http.patch(f"/webhooks/{gone['id']}", json={"status": "enabled"}).json()["status"] == "enabled"
+    assert witness["status"] == "enabled"
+
+
+# ----- isolation and order ------------------------------------------------------------------
+
+
+def test_a_slow_endpoint_does_not_delay_a_fast_one(http: httpx.Client, receiver: Receiver) -> None:
+    release = threading.Event()
+
+    def slow(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        release.wait(12)  # answers only when the test says so (within the 15 s limit)
+        return 200, {}
+
+    register(http, receiver, "/slow", slow)
+    register(http, receiver, "/fast")
+    try:
+        jobs = [export(http) for _ in range(3)]
+        ids = {j["id"] for j in jobs}
+        wait_until(lambda: all(terminal_hit(receiver, "/fast", i) for i in ids), what="fast endpoint served")
+        assert not release.is_set()
+        held = receiver.hits_for("/slow", ids)
+        assert held and all(h.answered == 0 for h in held)  # the slow one is still holding its first calls
+    finally:
+        release.set()
+    wait_until(lambda: all(terminal_hit(receiver, "/slow", i) for i in ids), what="slow endpoint caught up")
+
+
+def test_one_jobs_events_never_arrive_out_of_version_order(http: httpx.Client, receiver: Receiver) -> None:
+    failed_first: set[str] = set()
+    lock = threading.Lock()
+
+    def every_other_fails_once(hit: Hit, n: int) -> tuple[int, dict[str, str]]:
+        with lock:
+            if n == 1 and hit.version % 2 == 0:
+                failed_first.add(hit.webhook_id)
+                return 500, {}
+        return 200, {}
+
+    all_types = ["job.queued", "job.running", "job.progress", "job.succeeded"]
+    endpoint = register(http, receiver, "/ordered", every_other_fails_once, event_types=all_types)
+    jobs = [http.post("/reports", json={"title": f"o{i}", "pages": 15}).json() for i in range(3)]
+    for job in jobs:
+        wait_until(lambda: terminal_hit(receiver, "/ordered", job["id"]), timeout=30, what="terminal delivery")
+    assert failed_first, "the receiver should have failed some deliveries"
+    for job in jobs:
+        hits = receiver.hits_for("/ordered", {job["id"]})
+        versions = [h.version for h in hits]
+        assert versions == sorted(versions), versions  # arrival order never goes back
+        assert hits[-1].type == "job.succeeded" and hits[-1].answered == 200
+        progress = [h for h in hits if h.type == "job.progress"]
+        assert len(progress) <= 3, len(progress)  # throttled: ~1 per second per job and endpoint
+    log = deliveries(http, endpoint["id"])
+    assert {d["status"] for d in log} <= {"delivered", "superseded", "pending"}
+    assert any(d["status"] == "superseded" for d in log)
+
+
+# ----- durability ---------------------------------------------------------------------------------
+
+
+def test_receiver_down_notifier_killed_and_restarted_still_delivers(
+    http: httpx.Client, herald_wh: Deployment, tmp_path: Path
+) -> None:
+    port = free_port()  # nothing listens there yet: the endpoint is down (connections refused)
+    url = f"http://127.0.0.1:{port}/late"
+    endpoint = http.post("/webhooks", json={"url": url, "event_types": ["job.succeeded"]}).json()
+
+    # A notifier with a long first retry delay, so that it is killed while the retry waits.
+    herald_wh.kill("notifier", signal.SIGKILL)
+    job = export(http)  # its events wait in the durable consumer meanwhile
+    wait_for_state(http, job["id"], {"succeeded"})
+    # (New names: the harness waits for "notifier ready" in the process's own log file.)
+    herald_wh.start_notifier("notifier-slow-retry", HERALD_WEBHOOK_RETRY_SCHEDULE="3,0.2,0.2")
+
+    def failed_once() -> dict[str, Any] | None:
+        items = [d for d in deliveries(http, endpoint["id"]) if d["job_id"] == job["id"]]
+        return items[0] if items and len(items[0]["attempts"]) == 1 and items[0]["status"] == "pending" else None
+
+    waiting = wait_until(failed_once, what="first attempt failed")
+    assert waiting["attempts"][0]["status_code"] is None and "connect" in waiting["attempts"][0]["error"].lower()
+    herald_wh.kill("notifier-slow-retry", signal.SIGKILL)
+
+    late = Receiver(port).start()
+    late.route("/late")
+    late.routes["/late"].hmac.append(endpoint["secret"])
+    metrics_port = free_port()
+    try:
+        herald_wh.start_notifier("notifier-restarted", HERALD_METRICS_PORT=str(metrics_port))
+        wait_until(lambda: terminal_hit(late, "/late", job["id"]), what="delivery after restart")
+        hits = late.hits_for("/late", {job["id"]})
+        assert len(hits) == 1 and hits[0].webhook_id == waiting["event_id"]
+        done = wait_until(lambda: (d := deliveries(http, endpoint["id"])) and d[0]["status"] == "delivered" and d[0],
+                          what="delivered in the log")
+        assert len(done["attempts"]) == 2 and done["attempts"][1]["status_code"] == 200
+        scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text
+        assert 'herald_webhook_deliveries_total{outcome="delivered"}' in scraped
+        assert "herald_webhook_delivery_seconds_count" in scraped
+    finally:
+        late.stop()
+    assert not late.problems, late.problems
