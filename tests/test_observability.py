@@ -1,0 +1,225 @@
+"""Metrics and logs as an operator sees them, on real processes (SPEC §10)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from herald.logs import REDACTED, redact_secrets
+from herald_client import HeraldClient
+from tests.harness import KEYS, Deployment, free_port, wait_until
+
+KEY = KEYS["acme"]
+SPEC_METRICS = {
+    "herald_jobs_accepted_total", "herald_jobs_finished_total", "herald_queue_oldest_age_seconds",
+    "herald_job_run_seconds", "herald_outbox_pending", "herald_webhook_deliveries_total",
+    "herald_webhook_delivery_seconds", "herald_sse_streams", "herald_long_polls", "herald_http_requests_total",
+}
+
+
+def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    response = httpx.get(url + "/metrics", timeout=5)
+    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    samples = {}
+    for family in text_string_to_metric_families(response.text):
+        for sample in family.samples:
+            samples[(sample.name, frozenset(sample.labels.items()))] = sample.value
+    return samples
+
+
+def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
+    return samples.get((name, frozenset(labels.items())), 0.0)
+
+
+def families(url: str) -> set[str]:
+    """Every metric the endpoint declares, samples or not (counters by their ``_total`` name)."""
+    text = httpx.get(url + "/metrics", timeout=5).text
+    return {family.name + ("_total" if family.type == "counter" else "")
+            for family in text_string_to_metric_families(text)}
+
+
+def log_lines(deployment: Deployment, *names: str) -> list[dict[str, Any]]:
+    lines = []
+    for name in names:
+        for raw in deployment.log_text(name).splitlines():
+            if raw.strip():
+                lines.append(json.loads(raw))  # every line is one JSON event
+    return lines
+
+
+def run_report(base: str, pages: int = 3) -> str:
+    with HeraldClient(base, KEY) as client:
+        job = client.submit("report", {"title": "observed", "pages": pages})
+        assert client.wait(job, 60).state == "succeeded"
+    return job.id
+
+
+# ----- metrics ------------------------------------------------------------------------------
+
+
+def test_http_requests_are_counted_by_route_template(herald: Deployment) -> None:
+    base = herald.url()
+    job_id = run_report(base, pages=1)
+    before = scrape(base)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    for _ in range(3):
+        assert httpx.get(f"{base}/jobs/{job_id}", headers=auth).status_code == 303
+    assert httpx.get(f"{base}/jobs/{uuid.uuid4()}", headers=auth).status_code == 404
+    assert httpx.get(f"{base}/no/such/route/{uuid.uuid4()}").status_code == 404
+    after = scrape(base)
+
+    def delta(**labels: str) -> float:
+        return value(after, "herald_http_requests_total", **labels) - value(before, "herald_http_requests_total", **labels)
+
+    assert delta(route="/jobs/{job_id}", method="GET", status="303") == 3
+    assert delta(route="/jobs/{job_id}", method="GET", status="404") == 1
+    assert delta(route="unmatched", method="GET", status="404") == 1
+    routes = {dict(labels)["route"] for name, labels in after if name == "herald_http_requests_total"}
+    assert not any(job_id in route or "/no/such" in route for route in routes), "templates, never raw paths"
+    assert value(after, "herald_http_request_seconds_count", route="/jobs/{job_id}", method="GET") > 0
+
+
+def test_worker_metrics_port_and_gateway_metrics_change_as_jobs_run(fresh: Deployment) -> None:
+    base = fresh.start_gateway()
+    metrics_port = free_port()
+    fresh.start_worker(HERALD_METRICS_PORT=str(metrics_port))
+    worker = f"http://127.0.0.1:{metrics_port}"
+    gateway_before, worker_before = scrape(base), scrape(worker)
+    run_report(base)
+    run_report(base)
+    gateway_after = scrape(base)
+    worker_after = wait_until(lambda: (s := scrape(worker)) and value(
+        s, "herald_jobs_finished_total", kind="report", state="succeeded") >= 2 and s, what="worker counted")
+
+    assert value(gateway_after, "herald_jobs_accepted_total", kind="report") - \
+        value(gateway_before, "herald_jobs_accepted_total", kind="report") == 2
+    assert value(worker_before, "herald_jobs_finished_total", kind="report", state="succeeded") == 0
+    assert value(worker_after, "herald_jobs_finished_total", kind="report", state="succeeded") == 2
+    assert value(worker_after, "herald_job_run_seconds_count", kind="report") == 2
+    assert value(gateway_after, "herald_outbox_pending") >= 0
+    assert SPEC_METRICS <= families(base), SPEC_METRICS - families(base)
+
+
+def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Path) -> None:
+    port, nats_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "PROMETHEUS_"))}
+    env.update(HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"),
+               HERALD_REPORT_PAGE_MS="20", HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
+    up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log)
+    try:
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        before = scrape(base)
+        run_report(base)
+        run_report(base)
+        # Counted in the worker process, shown by the gateway: the multiprocess registry works.
+        after = wait_until(lambda: (s := scrape(base)) and value(
+            s, "herald_jobs_finished_total", kind="report", state="succeeded") - value(
+            before, "herald_jobs_finished_total", kind="report", state="succeeded") == 2 and s,
+            what="worker-side counters on the API port")
+        assert value(after, "herald_job_run_seconds_count", kind="report") - \
+            value(before, "herald_job_run_seconds_count", kind="report") == 2
+        assert value(after, "herald_jobs_accepted_total", kind="report") - \
+            value(before, "herald_jobs_accepted_total", kind="report") == 2
+        assert value(after, "herald_http_requests_total", route="/reports", method="POST", status="202") == 2
+        # In multiprocess mode a labelled metric appears with its first sample; webhook
+        # deliveries have none without a webhook endpoint.
+        missing = SPEC_METRICS - families(base)
+        assert missing <= {"herald_webhook_deliveries_total"}, missing
+
+        with HeraldClient(base, KEY) as client:  # a live gauge, summed over processes
+            job = client.submit("report", {"title": "watched", "pages": 1000})
+            events = client.stream(job)
+            next(events)
+            wait_until(lambda: value(scrape(base), "herald_sse_streams") == 1, what="one open stream")
+            events.close()
+            client.cancel(job)
+            wait_until(lambda: value(scrape(base), "herald_sse_streams") == 0, what="the stream closed")
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(30)
+        log.close()
+    assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
+
+
+# ----- logs ---------------------------------------------------------------------------------
+
+
+def test_every_line_is_json_and_every_transition_is_logged_with_its_job_id(herald: Deployment) -> None:
+    job_id = run_report(herald.url(), pages=4)
+    with HeraldClient(herald.url(), KEY) as client:
+        final = client.status(job_id).version
+
+    def transitions() -> list[dict[str, Any]]:
+        return [line for line in log_lines(herald, "gateway", "worker")
+                if line["event"] == "transition" and line.get("job_id") == job_id]
+
+    logged = wait_until(lambda: len(transitions()) == final and transitions(), what="a line per transition")
+    assert sorted(line["version"] for line in logged) == list(range(1, final + 1))
+    assert logged[-1]["event_type"] == "job.succeeded" and logged[-1]["state"] == "succeeded"
+    lines = log_lines(herald, "gateway", "worker")
+    for line in lines:
+        assert {"event", "level", "timestamp", "component"} <= line.keys(), line
+        if job_id in json.dumps(line):
+            assert line.get("job_id") == job_id, f"a line about the job without its job_id: {line}"
+    assert any(line.get("logger", "").startswith("uvicorn") for line in lines), "uvicorn's own lines are JSON too"
+    assert not any("color_message" in line for line in lines)
+
+
+def test_each_request_has_an_id_in_the_answer_and_in_the_log(herald: Deployment) -> None:
+    base = herald.url()
+    job_id = run_report(base, pages=1)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    traced = httpx.get(f"{base}/jobs/{job_id}", headers={**auth, "X-Request-ID": "trace-7.a:b"})
+    assert traced.headers["x-request-id"] == "trace-7.a:b", "a sane incoming id is kept"
+    insane = httpx.get(f"{base}/jobs/{job_id}", headers={**auth, "X-Request-ID": "x" * 300})
+    minted = insane.headers["x-request-id"]
+    assert len(minted) == 32 and minted != "x" * 300, "an unusable one is replaced"
+    plain = httpx.get(f"{base}/nowhere")
+    assert plain.status_code == 404 and len(plain.headers["x-request-id"]) == 32, "unknown routes get one too"
+    ids = {response.headers["x-request-id"] for response in (traced, insane, plain)}
+
+    def request_lines() -> dict[str, dict[str, Any]]:
+        return {line["request_id"]: line for line in log_lines(herald, "gateway")
+                if line["event"] == "request" and line.get("request_id") in ids}
+
+    lines = wait_until(lambda: len(r := request_lines()) == 3 and r, what="access lines")
+    assert lines["trace-7.a:b"]["route"] == "/jobs/{job_id}" and lines["trace-7.a:b"]["job_id"] == job_id
+    assert lines["trace-7.a:b"]["status"] == 303 and lines[minted]["status"] == 303
+    assert lines[plain.headers["x-request-id"]]["route"] == "unmatched"
+
+
+def test_keys_never_reach_the_logs(herald: Deployment) -> None:
+    wrong = f"wrong-key-{uuid.uuid4()}"
+    assert httpx.get(herald.url() + "/jobs", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
+    run_report(herald.url(), pages=1)
+    text = herald.log_text("gateway") + herald.log_text("worker")
+    assert KEY not in text and wrong not in text
+    assert KEYS["globex"] not in text
+    event = redact_secrets(None, "info", {"event": "sent Authorization: Bearer abc123", "api_key": "k",
+                                          "secret": "whsec_x", "job_id": "j"})
+    assert event == {"event": f"sent Authorization: Bearer {REDACTED}", "api_key": REDACTED,
+                     "secret": REDACTED, "job_id": "j"}
+
+
+def test_console_format_for_humans(fresh: Deployment) -> None:
+    base = fresh.start_gateway(HERALD_LOG_FORMAT="console")
+    response = httpx.get(base + "/nowhere", headers={"X-Request-ID": "human-1"})
+    assert response.status_code == 404
+
+    def lines() -> list[str]:
+        return [line for line in fresh.log_text("gateway").splitlines() if "request_id=human-1" in line]
+
+    found = wait_until(lines, what="a console access line")
+    assert "request" in found[0] and "route=unmatched" in found[0]
+    assert not found[0].lstrip().startswith("{")
