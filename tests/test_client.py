@@ -16,6 +16,7 @@ import threading
 import time
 import uuid
 from datetime import datetime, timezone
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -504,6 +505,68 @@ def test_verify_ed25519_webhooks() -> None:
     hmac_secret = "whsec_" + base64.b64encode(b"k" * 32).decode()
     with pytest.raises(WebhookVerificationError):
         verify_webhook(headers, body, hmac_secret)  # a v1a signature never passes as v1
+
+
+class Receiver:
+    """A real webhook receiver on 127.0.0.1: answers 200 and keeps every delivery as received."""
+
+    def __init__(self) -> None:
+        self.hits: list[tuple[str, dict[str, str], bytes]] = []
+        hits = self.hits
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802  (http.server's naming)
+                body = self.rfile.read(int(self.headers.get("content-length", 0)))
+                hits.append((self.path, {k.lower(): v for k, v in self.headers.items()}, body))
+                self.send_response(200)
+                self.send_header("content-length", "0")
+                self.end_headers()
+
+            def log_message(self, *_args: object) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(5)
+
+
+def test_verify_real_deliveries_hmac_and_ed25519(fresh: Deployment) -> None:
+    """Deliveries signed by Herald's notifier verify with the client, and tampering is caught."""
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    fresh.start_notifier()
+    receiver = Receiver()
+    try:
+        auth = {"Authorization": f"Bearer {KEY}"}
+        credentials = {}
+        for scheme in ("hmac-sha256", "ed25519"):
+            created = httpx.post(base + "/webhooks", headers=auth, json={
+                "url": f"{receiver.url}/{scheme}", "event_types": ["job.succeeded"], "signature": scheme})
+            assert created.status_code == 201, created.text
+            credentials[scheme] = created.json().get("secret") or created.json()["public_key"]
+        with HeraldClient(base, KEY) as client:
+            job = client.submit("export", {"format": "csv", "rows": 5})
+            wait_until(lambda: len(receiver.hits) >= 2, timeout=30, what="both deliveries")
+        by_path = {path.strip("/"): (headers, body) for path, headers, body in receiver.hits}
+        for scheme, secret in credentials.items():
+            headers, body = by_path[scheme]
+            event = verify_webhook(headers, body, secret)
+            assert event.type == "job.succeeded" and event.data.id == job.id and event.data.state == "succeeded"
+            with pytest.raises(WebhookVerificationError):
+                verify_webhook(headers, body.replace(b"succeeded", b"cancelled"), secret)
+            with pytest.raises(WebhookVerificationError):
+                verify_webhook({**headers, "webhook-timestamp": str(int(headers["webhook-timestamp"]) + 1)}, body,
+                               secret)
+        with pytest.raises(WebhookVerificationError):  # the other endpoint's credential does not verify
+            verify_webhook(*by_path["ed25519"], credentials["hmac-sha256"])
+    finally:
+        receiver.close()
 
 
 # ----- the CLI ----------------------------------------------------------------------------------
