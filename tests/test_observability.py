@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from herald.logs import REDACTED, redact_secrets
 from herald_client import HeraldClient
 from tests.harness import KEYS, Deployment, free_port, wait_until
+from tests.test_client import Receiver  # a real webhook receiver on 127.0.0.1
 
 KEY = KEYS["acme"]
 SPEC_METRICS = {
@@ -88,17 +89,38 @@ def test_http_requests_are_counted_by_route_template(herald: Deployment) -> None
     assert value(after, "herald_http_request_seconds_count", route="/jobs/{job_id}", method="GET") > 0
 
 
-def test_worker_metrics_port_and_gateway_metrics_change_as_jobs_run(fresh: Deployment) -> None:
+def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str) -> float:
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def register_webhook(base: str, url: str) -> None:
+    created = httpx.post(base + "/webhooks", headers={"Authorization": f"Bearer {KEY}"},
+                         json={"url": url, "event_types": ["job.succeeded"]})
+    assert created.status_code == 201, created.text
+
+
+def test_worker_and_notifier_metrics_ports_and_gateway_metrics_change_as_jobs_run(fresh: Deployment) -> None:
     base = fresh.start_gateway()
-    metrics_port = free_port()
-    fresh.start_worker(HERALD_METRICS_PORT=str(metrics_port))
-    worker = f"http://127.0.0.1:{metrics_port}"
-    gateway_before, worker_before = scrape(base), scrape(worker)
-    run_report(base)
-    run_report(base)
+    worker_port, notifier_port = free_port(), free_port()
+    fresh.start_worker(HERALD_METRICS_PORT=str(worker_port))
+    fresh.start_notifier(HERALD_METRICS_PORT=str(notifier_port))
+    worker, notifier = f"http://127.0.0.1:{worker_port}", f"http://127.0.0.1:{notifier_port}"
+    receiver = Receiver()
+    register_webhook(base, receiver.url)
+    gateway_before, worker_before, notifier_before = scrape(base), scrape(worker), scrape(notifier)
+    try:
+        run_report(base)
+        run_report(base)
+        wait_until(lambda: len(receiver.hits) == 2, what="two deliveries")
+    finally:
+        receiver.close()
     gateway_after = scrape(base)
     worker_after = wait_until(lambda: (s := scrape(worker)) and value(
         s, "herald_jobs_finished_total", kind="report", state="succeeded") >= 2 and s, what="worker counted")
+    notifier_after = wait_until(lambda: (s := scrape(notifier)) and total(
+        s, "herald_webhook_deliveries_total") >= 2 and s, what="notifier counted")
+    assert total(notifier_before, "herald_webhook_deliveries_total") == 0
+    assert total(notifier_after, "herald_webhook_delivery_seconds_count") >= 2
 
     assert value(gateway_after, "herald_jobs_accepted_total", kind="report") - \
         value(gateway_before, "herald_jobs_accepted_total", kind="report") == 2
@@ -114,14 +136,23 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "PROMETHEUS_"))}
     env.update(HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"),
-               HERALD_REPORT_PAGE_MS="20", HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}")
+               HERALD_REPORT_PAGE_MS="20", HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}",
+               HERALD_WEBHOOK_ALLOW_PRIVATE="1")
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
     up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log)
     try:
         wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        receiver = Receiver()
+        register_webhook(base, receiver.url)
         before = scrape(base)
-        run_report(base)
-        run_report(base)
+        try:
+            run_report(base)
+            run_report(base)
+            wait_until(lambda: len(receiver.hits) == 2, what="two deliveries")
+        finally:
+            receiver.close()
+        # Counted in the notifier process, shown by the gateway.
+        wait_until(lambda: total(scrape(base), "herald_webhook_deliveries_total") >= 2, what="notifier-side counters")
         # Counted in the worker process, shown by the gateway: the multiprocess registry works.
         after = wait_until(lambda: (s := scrape(base)) and value(
             s, "herald_jobs_finished_total", kind="report", state="succeeded") - value(
@@ -132,10 +163,7 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
         assert value(after, "herald_jobs_accepted_total", kind="report") - \
             value(before, "herald_jobs_accepted_total", kind="report") == 2
         assert value(after, "herald_http_requests_total", route="/reports", method="POST", status="202") == 2
-        # In multiprocess mode a labelled metric appears with its first sample; webhook
-        # deliveries have none without a webhook endpoint.
-        missing = SPEC_METRICS - families(base)
-        assert missing <= {"herald_webhook_deliveries_total"}, missing
+        assert SPEC_METRICS <= families(base), SPEC_METRICS - families(base)
 
         with HeraldClient(base, KEY) as client:  # a live gauge, summed over processes
             job = client.submit("report", {"title": "watched", "pages": 1000})
