@@ -96,6 +96,9 @@ async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Schedu
 
 async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
     """Run until ``stop`` is set; then stop fetching, finish or hand back attempts, drain NATS."""
+    # Every attempt is logged once, with its context, by the scheduler; httpx's own line
+    # per request would only repeat it without job_id or endpoint_id.
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     async with AsyncExitStack() as stack:
         store = await Store(settings.db_path, retention_s=settings.retention_s).open()
         stack.push_async_callback(store.close)

@@ -12,18 +12,22 @@ import binascii
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Controller, Litestar, Request, Response, delete, get, patch, post
+from litestar.openapi import ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, Operation, RequestBody
+from litestar.params import Parameter
 
 from gateway.auth import require_tenant
-from gateway.problems import ProblemError, invalid_request, not_found
+from gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError, invalid_request, not_found
 from gateway.services import services
 from herald.timefmt import rfc3339
 from notifier.ssrf import UnsafeUrl, check_url_resolves_public
 from notifier.store import AttemptRow, DeliveryRow, EndpointRow, WebhookStore
-from schemas import FieldError
+from schemas import FieldError, Problem
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
 from schemas.webhooks import (
     DEFAULT_EVENT_TYPES,
@@ -55,6 +59,32 @@ async def webhooks_lifespan(app: Litestar) -> AsyncIterator[None]:
 
 def _webhooks(request: Request) -> WebhookStore:
     return request.app.state.webhooks  # type: ignore[no-any-return]
+
+
+# ----- the OpenAPI document -----------------------------------------------------------------
+# Bodies are read by hand (to name every bad field), so Litestar cannot see them: the
+# operations below carry their request body schema, taken from the same Structs.
+
+
+def _with_body(struct: type[msgspec.Struct], description: str) -> type[Operation]:
+    _refs, components = msgspec.json.schema_components([struct])
+    schema = components[struct.__name__]
+
+    @dataclass
+    class WithBody(Operation):
+        def __post_init__(self) -> None:
+            self.request_body = RequestBody(
+                required=True,
+                description=description,
+                content={"application/json": OpenAPIMediaType(schema=schema)},  # type: ignore[arg-type]
+            )
+
+    return WithBody
+
+
+def _problems(*codes: int) -> dict[int, ResponseSpec]:
+    return {code: ResponseSpec(data_container=Problem, description="Problem", media_type=PROBLEM_MEDIA_TYPE,
+                               generate_examples=False) for code in codes}
 
 
 # ----- reading requests ---------------------------------------------------------------
@@ -94,8 +124,14 @@ def _unique(values: list[str]) -> list[str]:
     return list(dict.fromkeys(values))
 
 
-def _limit(request: Request, errors: list[FieldError]) -> int:
-    raw = request.query_params.get("limit")
+# Query parameters are declared as plain strings (for the OpenAPI document) and checked
+# here, so that a bad one is answered like a bad body field.
+Limit = Annotated[str | None, Parameter(query="limit", description=f"1..{MAX_LIMIT}, default {DEFAULT_LIMIT}")]
+Cursor = Annotated[str | None, Parameter(query="cursor", description="next_cursor of the previous page")]
+StatusFilter = Annotated[str | None, Parameter(query="status", description=" or ".join(DELIVERY_STATUSES))]
+
+
+def _limit(raw: str | None, errors: list[FieldError]) -> int:
     if raw is None:
         return DEFAULT_LIMIT
     if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
@@ -108,8 +144,7 @@ def _encode_cursor(value: str) -> str:
     return base64.urlsafe_b64encode(value.encode()).decode().rstrip("=")
 
 
-def _decode_cursor(request: Request) -> str | None:
-    raw = request.query_params.get("cursor")
+def _decode_cursor(raw: str | None) -> str | None:
     if raw is None:
         return None
     try:
@@ -179,7 +214,8 @@ class WebhooksController(Controller):
     path = "/webhooks"
     tags = ["webhooks"]
 
-    @post("/", operation_id="create_webhook", status_code=201, summary="Register a webhook endpoint")
+    @post("/", operation_id="create_webhook", status_code=201, summary="Register a webhook endpoint",
+          operation_class=_with_body(EndpointCreate, "The endpoint"), responses=_problems(400, 401, 413, 415))
     async def create(self, request: Request) -> Response[CreatedEndpoint]:
         """201 with the endpoint and, this once, its ``secret`` (HMAC) or ``public_key`` (Ed25519)."""
         svc = services(request)
@@ -199,49 +235,52 @@ class WebhooksController(Controller):
         return Response(created, status_code=201, headers={"Location": f"/webhooks/{row.id}",
                                                            "Cache-Control": "no-store"})
 
-    @get("/", operation_id="list_webhooks", summary="The tenant's webhook endpoints, newest first")
-    async def list_endpoints(self, request: Request) -> EndpointList:
+    @get("/", operation_id="list_webhooks", summary="The tenant's webhook endpoints, newest first",
+         responses=_problems(400, 401))
+    async def list_endpoints(self, request: Request, limit: Limit = None, cursor: Cursor = None) -> EndpointList:
         tenant = require_tenant(request, services(request).settings)
         errors: list[FieldError] = []
-        limit = _limit(request, errors)
+        size = _limit(limit, errors)
         if errors:
             raise invalid_request(errors)
         before = None
-        if (cursor := _decode_cursor(request)) is not None:
-            created, _, endpoint_id = cursor.partition("|")
+        if (position := _decode_cursor(cursor)) is not None:
+            created, _, endpoint_id = position.partition("|")
             try:
                 before = (float(created), endpoint_id)
             except ValueError as exc:
                 raise _bad_cursor() from exc
-        rows = _webhooks(request).list_endpoints(tenant, before=before, limit=limit + 1)
-        page = rows[:limit]
-        more = len(rows) > limit
+        rows = _webhooks(request).list_endpoints(tenant, before=before, limit=size + 1)
+        page = rows[:size]
+        more = len(rows) > size
         return EndpointList(
             items=[Endpoint(**endpoint_view(r)) for r in page],
             next_cursor=_encode_cursor(f"{page[-1].created_at!r}|{page[-1].id}") if more else None,
         )
 
     @get("/callback-secret", operation_id="get_callback_secret",
-         summary="The secret that signs deliveries to jobs' callback_url")
+         summary="The secret that signs deliveries to jobs' callback_url", responses=_problems(401))
     async def callback_secret(self, request: Request) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         key = await _webhooks(request).callback_key(tenant)
         return SigningSecret(**key.shown())
 
     @post("/callback-secret/rotate", operation_id="rotate_callback_secret", status_code=200,
-          summary="A new callback secret; the old one keeps signing for 24 h")
+          summary="A new callback secret; the old one keeps signing for 24 h", responses=_problems(401))
     async def rotate_callback_secret(self, request: Request) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         key = await _webhooks(request).rotate_callback_key(tenant)
         return SigningSecret(**key.shown())
 
-    @get("/{endpoint_id:str}", operation_id="get_webhook", summary="One webhook endpoint")
+    @get("/{endpoint_id:str}", operation_id="get_webhook", summary="One webhook endpoint",
+         responses=_problems(401, 404))
     async def get_endpoint(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
         return Endpoint(**endpoint_view(_endpoint(request, tenant, endpoint_id)))
 
     @patch("/{endpoint_id:str}", operation_id="update_webhook",
-           summary="Change url, event_types, kinds or status (enabled/disabled)")
+           summary="Change url, event_types, kinds or status (enabled/disabled)",
+           operation_class=_with_body(EndpointPatch, "The fields to change"), responses=_problems(400, 401, 404, 415))
     async def update(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
         _endpoint(request, tenant, endpoint_id)
@@ -266,7 +305,7 @@ class WebhooksController(Controller):
         return Endpoint(**endpoint_view(row))
 
     @delete("/{endpoint_id:str}", operation_id="delete_webhook", status_code=204,
-            summary="Delete the endpoint with its delivery log")
+            summary="Delete the endpoint with its delivery log", responses=_problems(401, 404))
     async def remove(self, request: Request, endpoint_id: str) -> None:
         tenant = require_tenant(request, services(request).settings)
         _endpoint(request, tenant, endpoint_id)
@@ -274,7 +313,7 @@ class WebhooksController(Controller):
             raise not_found("webhook endpoint")
 
     @post("/{endpoint_id:str}/rotate-secret", operation_id="rotate_webhook_secret", status_code=200,
-          summary="A new secret (or key pair); the old one keeps signing for 24 h")
+          summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=_problems(401, 404))
     async def rotate(self, request: Request, endpoint_id: str) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         _endpoint(request, tenant, endpoint_id)
@@ -284,33 +323,36 @@ class WebhooksController(Controller):
         return SigningSecret(**key.shown())
 
     @get("/{endpoint_id:str}/deliveries", operation_id="list_webhook_deliveries",
-         summary="The endpoint's deliveries with their attempts, newest first (?status=)")
-    async def deliveries(self, request: Request, endpoint_id: str) -> DeliveryList:
+         summary="The endpoint's deliveries with their attempts, newest first (?status=)",
+         responses=_problems(400, 401, 404))
+    async def deliveries(
+        self, request: Request, endpoint_id: str, status: StatusFilter = None, limit: Limit = None, cursor: Cursor = None
+    ) -> DeliveryList:
         tenant = require_tenant(request, services(request).settings)
         endpoint = _endpoint(request, tenant, endpoint_id)
         errors: list[FieldError] = []
-        limit = _limit(request, errors)
-        status = request.query_params.get("status")
+        size = _limit(limit, errors)
         if status is not None and status not in DELIVERY_STATUSES:
             errors.append(FieldError(field="status", message=f"must be one of {', '.join(DELIVERY_STATUSES)}"))
         if errors:
             raise invalid_request(errors)
         before = None
-        if (cursor := _decode_cursor(request)) is not None:
-            if not cursor.isdigit():
+        if (position := _decode_cursor(cursor)) is not None:
+            if not position.isdigit():
                 raise _bad_cursor()
-            before = int(cursor)
+            before = int(position)
         store = _webhooks(request)
-        rows = store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=limit + 1)
-        page = rows[:limit]
+        rows = store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=size + 1)
+        page = rows[:size]
         attempts = store.attempts([r.id for r in page])
         return DeliveryList(
             items=[delivery_view(r, attempts[r.id]) for r in page],
-            next_cursor=_encode_cursor(str(page[-1].seq)) if len(rows) > limit else None,
+            next_cursor=_encode_cursor(str(page[-1].seq)) if len(rows) > size else None,
         )
 
     @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
-          status_code=202, summary="Send the delivery again now, with the same webhook-id, whatever its status")
+          status_code=202, summary="Send the delivery again now, with the same webhook-id, whatever its status",
+          responses=_problems(401, 404, 409))
     async def retry(self, request: Request, endpoint_id: str, delivery_id: str) -> Response[Delivery]:
         tenant = require_tenant(request, services(request).settings)
         endpoint = _endpoint(request, tenant, endpoint_id)
