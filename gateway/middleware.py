@@ -19,9 +19,11 @@ import logging
 import re
 import time
 import uuid
+from typing import Any
 
 import structlog
 from litestar import Litestar, Request
+from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from herald.metrics import Metrics
@@ -53,7 +55,7 @@ class RequestContext:
         self.metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != ScopeType.HTTP:
             await self.app(scope, receive, send)
             return
         request_id = request_id_from(scope)
@@ -65,7 +67,7 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), header]  # type: ignore[typeddict-unknown-key]
+                message["headers"] = [*message.get("headers", ()), header]
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -89,7 +91,7 @@ class RequestContext:
         log.log(logging.DEBUG if route in _QUIET_ROUTES else logging.INFO, "request", extra=fields)
 
 
-async def bind_job_context(request: Request) -> None:
+async def bind_job_context(request: Request[Any, Any, Any]) -> None:
     """``before_request`` hook: bind the route's ``job_id`` for the handler's log lines."""
     job_id = request.path_params.get("job_id")
     if job_id is not None:

@@ -50,7 +50,7 @@ def configure_logging(settings: Settings, component: str) -> None:
         redact_secrets,
     ]
 
-    def add_component(_logger: object, _name: str, event: dict) -> dict:  # type: ignore[type-arg]
+    def add_component(_logger: object, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         event.setdefault("component", component)
         return event
 

@@ -171,7 +171,7 @@ class AsyncHeraldClient:
         try:
             response = await self._http.send(self._build(request, self._timeout), follow_redirects=False)
         except httpx.RequestError as exc:
-            return Failure(describe(exc))  # type: ignore[arg-type]
+            return Failure(describe(exc))
         return Reply(response.status_code, reply_headers(response.headers), response.content)
 
     async def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
@@ -179,14 +179,14 @@ class AsyncHeraldClient:
             response = await self._http.send(self._build(request, self._stream_timeout), stream=True,
                                              follow_redirects=False)
         except httpx.RequestError as exc:
-            return Failure(describe(exc)), None  # type: ignore[arg-type]
+            return Failure(describe(exc)), None
         headers = reply_headers(response.headers)
         if response.status_code == 200:
             return Reply(200, headers), response
         try:
             body = await response.aread()
         except httpx.RequestError as exc:
-            return Failure(describe(exc)), None  # type: ignore[arg-type]
+            return Failure(describe(exc)), None
         finally:
             await response.aclose()
         return Reply(response.status_code, headers, body), None
@@ -198,7 +198,7 @@ class AsyncHeraldClient:
         try:
             return await anext(chunks, b"")
         except httpx.RequestError as exc:
-            return Failure(describe(exc))  # type: ignore[arg-type]
+            return Failure(describe(exc))
 
     async def _save(self, request: Request, directory: Path) -> Saved | Failure:
         # File writes are small and local; they run on the loop (as aiofiles would, per chunk).
@@ -221,4 +221,4 @@ class AsyncHeraldClient:
                     raise
                 return Saved(reply, Path(name), size)
         except httpx.RequestError as exc:
-            return Failure(describe(exc))  # type: ignore[arg-type]
+            return Failure(describe(exc))

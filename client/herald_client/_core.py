@@ -220,9 +220,9 @@ def media_type(headers: Mapping[str, str]) -> str:
 
 def call(request: Request, ctx: Context, *, replay_safe: bool, retry_conflict: bool = False) -> Flow[Reply]:
     """Send ``request`` until it gets a final answer (which may be an error answer)."""
-    attempts = ctx.policy.attempts
+    attempts = max(1, ctx.policy.attempts)
     for attempt in range(attempts):
-        outcome = yield Call(request)
+        outcome: Reply | Failure = yield Call(request)
         delay = retry_delay(outcome, attempt, ctx, replay_safe=replay_safe, retry_conflict=retry_conflict)
         if delay is None or attempt == attempts - 1:
             break
@@ -411,10 +411,11 @@ def stream(job_id: str, last_event_id: str | None, ctx: Context) -> Flow[None]:
                 delay = max(retry_s or 0.0, ctx.policy.retry.delay(failures - 1, ctx.rng))
         else:
             failures += 1
-            delay = retry_delay(outcome, failures, ctx, replay_safe=True)
-            if delay is None:
-                raise problem_from(outcome)  # type: ignore[arg-type]  (a Failure always gets a delay)
-            delay = max(delay, retry_s or 0.0)
+            hinted = retry_delay(outcome, failures, ctx, replay_safe=True)
+            if hinted is None:
+                assert isinstance(outcome, Reply)  # a Failure always gets a delay
+                raise problem_from(outcome)
+            delay = max(hinted, retry_s or 0.0)
         if failures >= ctx.policy.attempts:
             if isinstance(outcome, Reply) and outcome.status != 200:
                 raise problem_from(outcome)

@@ -39,7 +39,7 @@ def encode_params(params: Mapping[str, Any] | msgspec.Struct) -> bytes:
 
 
 def resolve_key(idempotency_key: IdempotencyKey) -> str | None:
-    return str(uuid.uuid4()) if idempotency_key is AUTO else idempotency_key  # type: ignore[return-value]
+    return str(uuid.uuid4()) if idempotency_key is AUTO else idempotency_key
 
 
 def url_for(base_url: str, path: str) -> str:
@@ -52,5 +52,5 @@ def reply_headers(headers: httpx.Headers) -> dict[str, str]:
     return {name.lower(): value for name, value in headers.items()}
 
 
-def describe(exc: httpx.TransportError) -> str:
+def describe(exc: httpx.RequestError) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

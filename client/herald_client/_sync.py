@@ -173,7 +173,7 @@ class HeraldClient:
         try:
             response = self._http.send(self._build(request, self._timeout), follow_redirects=False)
         except httpx.RequestError as exc:
-            return Failure(describe(exc))  # type: ignore[arg-type]
+            return Failure(describe(exc))
         return Reply(response.status_code, reply_headers(response.headers), response.content)
 
     def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
@@ -181,14 +181,14 @@ class HeraldClient:
             response = self._http.send(self._build(request, self._stream_timeout), stream=True,
                                        follow_redirects=False)
         except httpx.RequestError as exc:
-            return Failure(describe(exc)), None  # type: ignore[arg-type]
+            return Failure(describe(exc)), None
         headers = reply_headers(response.headers)
         if response.status_code == 200:
             return Reply(200, headers), response
         try:
             body = response.read()
         except httpx.RequestError as exc:
-            return Failure(describe(exc)), None  # type: ignore[arg-type]
+            return Failure(describe(exc)), None
         finally:
             response.close()
         return Reply(response.status_code, headers, body), None
@@ -200,7 +200,7 @@ class HeraldClient:
         try:
             return next(chunks, b"")
         except httpx.RequestError as exc:
-            return Failure(describe(exc))  # type: ignore[arg-type]
+            return Failure(describe(exc))
 
     def _save(self, request: Request, directory: Path) -> Saved | Failure:
         try:
@@ -222,4 +222,4 @@ class HeraldClient:
                     raise
                 return Saved(reply, Path(name), size)
         except httpx.RequestError as exc:
-            return Failure(describe(exc))  # type: ignore[arg-type]
+            return Failure(describe(exc))
