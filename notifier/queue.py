@@ -8,10 +8,11 @@
 * ``finish`` records an attempt and its consequence in one transaction.
 
 Order per job and target: a delivery is claimable only while no older version of the
-same job is pending for the same target, an event arriving after a newer one of its job
-is recorded ``superseded`` at once, and a failed delivery with a newer one behind it is
-``superseded`` instead of retried (every payload carries the whole status). A target is
-an endpoint id, or ``callback:<url>`` for a job's callback URL.
+same job is pending for the same target; an event reaching the notifier after a newer
+one of its job was already sent is recorded ``superseded`` at once; and a failed delivery
+with a newer one behind it is ``superseded`` instead of retried (every payload carries
+the whole status). A target is an endpoint id, or ``callback:<url>`` for a job's
+callback URL.
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ SELECT * FROM (
     WHERE d.status = 'pending' AND d.next_attempt_at <= :now
       AND (d.lease_until IS NULL OR d.lease_until <= :now)
       AND (d.endpoint_id IS NULL OR e.status = 'enabled')
+      AND d.target NOT IN (SELECT value FROM json_each(:full))
       AND NOT EXISTS (
           SELECT 1 FROM webhook_deliveries o
           WHERE o.target = d.target AND o.job_id = d.job_id AND o.status = 'pending' AND o.version < d.version)
@@ -78,7 +80,7 @@ class Claimed:
 
 @dataclass(frozen=True, slots=True)
 class Finished:
-    status: str  # delivered, pending (retry), failed, superseded
+    status: str  # delivered, pending (retry), failed, superseded; dropped: deleted meanwhile
     next_attempt_at: float | None
     endpoint_disabled: bool
 
@@ -101,13 +103,17 @@ def _add_delivery(
     eid = event_id(event)
     if conn.execute("SELECT 1 FROM webhook_deliveries WHERE target = ? AND event_id = ?", (target, eid)).fetchone():
         return False  # a redelivered NATS message: already fanned out
-    newer = conn.execute(
-        "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ? LIMIT 1",
-        (target, event.job_id, event.version),
+    # A newer event of this job can reach us first (several notifiers, redelivery). If a
+    # newer delivery was already sent or is being sent, this one would go back in time;
+    # otherwise it goes first, since the newer one waits behind it (see ``claim``).
+    newer_sent = conn.execute(
+        "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ?"
+        " AND (attempts > 0 OR lease_until > ?) LIMIT 1",
+        (target, event.job_id, event.version, ts),
     ).fetchone()
     status, due = "pending", ts
-    if newer:
-        status = "superseded"  # arrived late: sending it now would go back in time
+    if newer_sent:
+        status = "superseded"
     else:
         # Older deliveries waiting for a retry (or a progress slot) say less than this one.
         conn.execute(
@@ -184,7 +190,10 @@ class DeliveryQueue:
 
         def tx(conn: sqlite3.Connection) -> list[Claimed]:
             ts = now()
-            rows = conn.execute(_CLAIM_SQL, {"now": ts, "per_target": per_target, "limit": limit * 2}).fetchall()
+            # Targets with no slot left here are skipped in SQL, so they cannot crowd out the rest.
+            full = [target for target, n in in_flight.items() if n >= per_target]
+            params = {"now": ts, "per_target": per_target, "limit": limit, "full": msgspec.json.encode(full).decode()}
+            rows = conn.execute(_CLAIM_SQL, params).fetchall()
             taken: dict[str, int] = {}
             claimed: list[Claimed] = []
             for row in rows:
@@ -214,6 +223,8 @@ class DeliveryQueue:
 
         def tx(conn: sqlite3.Connection) -> Finished:
             ts = now()
+            if not conn.execute("SELECT 1 FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone():
+                return Finished(status="dropped", next_attempt_at=None, endpoint_disabled=False)  # endpoint deleted
             (n,) = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM webhook_attempts WHERE delivery_id = ?",
                                 (d.id,)).fetchone()
             conn.execute(

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import random
+import uuid
 import json
 import signal
 import socket
@@ -25,8 +27,12 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 import herald
-from notifier.delivery import Sender
+from herald.store import Change, NewJob, Store
+from notifier.delivery import Outcome, Sender
+from notifier.queue import DeliveryQueue
+from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
 from notifier.ssrf import is_public_address
+from notifier.store import WebhookStore
 from tests.harness import Deployment, client, free_port, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
@@ -213,7 +219,8 @@ def herald_wh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 @pytest.fixture()
 def http(herald_wh: Deployment) -> Iterator[httpx.Client]:
     """The acme tenant's client; endpoints it registered are deleted after the test."""
-    with client(herald_wh.url()) as c:
+    # Idle connections are dropped before uvicorn's 5 s keep-alive can close them under us.
+    with client(herald_wh.url(), limits=httpx.Limits(keepalive_expiry=2.0)) as c:
         yield c
         for item in c.get("/webhooks", params={"limit": 100}).json()["items"]:
             c.delete(f"/webhooks/{item['id']}")
@@ -246,6 +253,105 @@ def deliveries(http: httpx.Client, endpoint_id: str, **params: Any) -> list[dict
 
 def terminal_hit(receiver: Receiver, path: str, job_id: str, status: int = 200) -> Hit | None:
     return next((h for h in receiver.hits_for(path, {job_id}) if h.type in TERMINAL and h.answered == status), None)
+
+
+# ----- policy and store, in process (real SQLite) ---------------------------------------------
+
+
+def test_retry_policy_is_the_table_of_spec_7() -> None:
+    policy = RetryPolicy(schedule=(5.0, 300.0), min_backoff_s=60.0)
+    rng = random.Random(7)
+
+    def delay(outcome: Outcome, attempts: int = 1) -> float | None:
+        return policy.plan(outcome, attempts, rng).delay_s
+
+    def answer(status: int | None, retry_after: float | None = None, timed_out: bool = False) -> Outcome:
+        return Outcome(status_code=status, latency_s=0.1, retry_after_s=retry_after, timed_out=timed_out)
+
+    assert policy.plan(answer(204), 1, rng) == Plan("delivered")
+    assert policy.plan(answer(410), 1, rng) == Plan("failed", disable_endpoint=True)
+    assert policy.plan(answer(500), 3, rng) == Plan("failed")  # schedule used up: 1 + 2 retries
+    for _ in range(200):
+        assert 4.0 <= (delay(answer(500)) or 0) <= 6.0  # ±20 % jitter
+        assert 240.0 <= (delay(answer(302), 2) or 0) <= 360.0  # a redirect is a failure
+        assert delay(answer(429)) == 60.0 and delay(answer(None, timed_out=True)) == 60.0  # the floor
+        assert delay(answer(429, retry_after=90)) == 90.0  # honoured inside [60, 120]
+        assert delay(answer(429, retry_after=10_000)) == 120.0  # at most twice the scheduled delay
+        assert delay(answer(429, retry_after=1)) == 60.0  # at least the scheduled delay
+        assert 4.0 <= (delay(answer(503, retry_after=1)) or 0) <= 6.0  # 503: no floor, RA kept in bounds
+        assert 8.0 <= (delay(answer(503, retry_after=3600)) or 0) <= 12.0
+        assert 4.0 <= (delay(answer(None)) or 0) <= 6.0  # connection refused: the plain schedule
+
+
+async def _two_jobs(store: Store) -> list[Any]:
+    events = []
+    for _ in range(2):
+        job = NewJob(id=str(uuid.uuid4()), tenant="acme", kind="export", collection="/exports", params=b"{}",
+                     deadline_s=60)
+        events.append((await store.accept(job)).event)
+    return events
+
+
+async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_path: Path) -> None:
+    store = await Store(tmp_path / "herald.db", retention_s=60).open()
+    try:
+        webhooks = await WebhookStore(store.db).ensure_schema()
+        queue = DeliveryQueue(store.db)
+        endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
+                                                        event_types=["job.queued", "job.running"], kinds=None,
+                                                        signature="hmac-sha256")
+        queued, other = await _two_jobs(store)
+        running = (await store.transition(queued.job_id, Change(expect={"queued"}, to="running", claim=True))).event
+        done = (await store.transition(queued.job_id, Change(expect={"running"}, to="cancelled"))).event
+        assert await queue.fan_out([running]) == 1
+        # running is not sent yet, so queued (late) still goes first, and running waits behind it
+        assert await queue.fan_out([queued, running, other]) == 2
+        assert await queue.fan_out([queued, running, other]) == 0  # a redelivered batch creates nothing
+        claimed = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
+        assert sorted((c.delivery.job_id == queued.job_id, c.delivery.version) for c in claimed) == [
+            (False, 1), (True, 1)]
+        for item in claimed:
+            await queue.finish(item, "test", time.time(), Outcome(status_code=200, latency_s=0.01), Plan("delivered"))
+        sent = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
+        assert [(c.delivery.version, c.delivery.type) for c in sent] == [(2, "job.running")]
+        # job.cancelled was not subscribed; a late copy of running's predecessor is now history
+        assert await queue.fan_out([done]) == 0
+        await store.db.write(lambda conn: conn.execute("DELETE FROM webhook_deliveries WHERE version = 1"))
+        assert await queue.fan_out([queued]) == 0  # running was sent meanwhile: queued would go back in time
+        rows = webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
+        assert sorted((r.version, r.status) for r in rows if r.job_id == queued.job_id) == [
+            (1, "superseded"), (2, "pending")]
+    finally:
+        await store.close()
+
+
+async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> None:
+    store = await Store(tmp_path / "herald.db", retention_s=60).open()
+    try:
+        webhooks = await WebhookStore(store.db).ensure_schema()
+        queue = DeliveryQueue(store.db)
+        endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
+                                                        event_types=["job.queued"], kinds=None, signature="ed25519")
+        assert await queue.fan_out(await _two_jobs(store)) == 2
+
+        def failing_long_ago(conn: Any) -> None:
+            conn.execute("UPDATE webhook_endpoints SET failing_since = ?",
+                         (time.time() - ENDPOINT_DISABLE_AFTER_S - 1,))
+
+        await store.db.write(failing_long_ago)
+        claimed = await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={})
+        assert len(claimed) == 1  # one slot per target here
+        assert claimed[0].keys and claimed[0].keys[0].algorithm == "ed25519"
+        failure = Outcome(status_code=500, latency_s=0.01)
+        finished = await queue.finish(claimed[0], "test", time.time(), failure, Plan("retry", delay_s=5))
+        assert finished.status == "failed" and finished.endpoint_disabled
+        assert webhooks.get_endpoint("acme", endpoint.id).status == "disabled"  # type: ignore[union-attr]
+        rows = webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
+        assert [r.status for r in rows] == ["failed", "failed"]  # the waiting one too: dropped, not queued
+        assert [a.status_code for a in webhooks.attempts([claimed[0].delivery.id])[claimed[0].delivery.id]] == [500]
+        assert await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={}) == []
+    finally:
+        await store.close()
 
 
 # ----- the endpoints API -------------------------------------------------------------------
@@ -467,6 +573,49 @@ def test_410_fails_the_delivery_and_disables_the_endpoint(http: httpx.Client, re
     assert retry.status_code == 409 and retry.json()["type"] == "/problems/endpoint-disabled"
     assert http.patch(f"/webhooks/{gone['id']}", json={"status": "enabled"}).json()["status"] == "enabled"
     assert witness["status"] == "enabled"
+
+
+def test_a_redirect_is_not_followed(http: httpx.Client, receiver: Receiver) -> None:
+    target = receiver.route("/redirect-target")
+
+    def moved(_hit: Hit, n: int) -> tuple[int, dict[str, str]]:
+        return (302, {"Location": target}) if n == 1 else (200, {})
+
+    endpoint = register(http, receiver, "/moved", moved, event_types=["job.succeeded"])
+    job = export(http)
+    wait_until(lambda: terminal_hit(receiver, "/moved", job["id"]), what="delivery after the redirect")
+    assert [h.answered for h in receiver.hits_for("/moved", {job["id"]})] == [302, 200]
+    assert receiver.hits_for("/redirect-target") == []
+    logged = wait_until(lambda: (d := deliveries(http, endpoint["id"], status="delivered")) and d, what="log")
+    assert [a["status_code"] for a in logged[0]["attempts"]] == [302, 200]
+
+
+def test_two_notifiers_share_the_work_without_doubles(http: httpx.Client, herald_wh: Deployment,
+                                                      receiver: Receiver) -> None:
+    herald_wh.start_notifier("notifier-b")
+    try:
+        endpoint = register(http, receiver, "/shared")
+        jobs = [export(http) for _ in range(8)]
+        ids = {j["id"] for j in jobs}
+        wait_until(lambda: all(terminal_hit(receiver, "/shared", i) for i in ids), what="all delivered")
+        hits = receiver.hits_for("/shared", ids)
+        assert len({h.webhook_id for h in hits}) == len(hits)  # nothing sent twice
+        for job_id in ids:
+            versions = [h.version for h in hits if h.job_id == job_id]
+            assert versions == sorted(versions)
+        # Each event was delivered, or (when its job's next event reached the other notifier
+        # and was sent first) superseded: never both, never left behind.
+        def settled() -> list[dict[str, Any]] | None:
+            log = [d for d in deliveries(http, endpoint["id"]) if d["job_id"] in ids]
+            return log if all(d["status"] != "pending" for d in log) else None
+
+        log = wait_until(settled, what="every delivery settled")
+        assert len(log) == 3 * len(jobs) and {d["status"] for d in log} <= {"delivered", "superseded"}
+        assert len([d for d in log if d["status"] == "delivered"]) == len(hits)
+        notifier_logs = herald_wh.log_text("notifier") + herald_wh.log_text("notifier-b")
+        assert notifier_logs.count('"webhook attempt"') >= len(hits)
+    finally:
+        herald_wh.kill("notifier-b", signal.SIGTERM)
 
 
 # ----- isolation and order ------------------------------------------------------------------
