@@ -34,12 +34,17 @@ class SigningKey:
     secret: bytes
     public_key: bytes | None = None
 
-    def shown(self) -> dict[str, str]:
-        """What the API shows its owner once: the secret, or for Ed25519 the public key."""
-        if self.algorithm == ED25519:
-            assert self.public_key is not None
-            return {"public_key": PUBLIC_KEY_PREFIX + base64.b64encode(self.public_key).decode()}
-        return {"secret": SECRET_PREFIX + base64.b64encode(self.secret).decode()}
+    @property
+    def shown_secret(self) -> str | None:
+        """``whsec_…`` for an HMAC key (what its owner verifies with); None for Ed25519."""
+        return SECRET_PREFIX + base64.b64encode(self.secret).decode() if self.algorithm == HMAC else None
+
+    @property
+    def shown_public_key(self) -> str | None:
+        """``whpk_…`` for an Ed25519 key; its private half never leaves the server."""
+        if self.algorithm != ED25519 or self.public_key is None:
+            return None
+        return PUBLIC_KEY_PREFIX + base64.b64encode(self.public_key).decode()
 
     def sign(self, content: bytes) -> str:
         if self.algorithm == ED25519:

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, TypeVar
 
 import httpx
 import pytest
@@ -33,11 +33,13 @@ from notifier.queue import DeliveryQueue
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
 from notifier.ssrf import is_public_address
 from notifier.store import WebhookStore
+from schemas import JobEvent
 from tests.harness import Deployment, client, free_port, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
 MIN_BACKOFF_S = 1.5  # HERALD_WEBHOOK_MIN_BACKOFF_S: 60 s in production
 TERMINAL = {"job.succeeded", "job.failed", "job.cancelled"}
+T = TypeVar("T")
 
 
 # ----- a real receiver ---------------------------------------------------------------------
@@ -251,6 +253,13 @@ def deliveries(http: httpx.Client, endpoint_id: str, **params: Any) -> list[dict
     return list(response.json()["items"])
 
 
+def settle(predicate: Callable[[], T | None | Literal[False]], *, timeout: float = 20.0, what: str) -> T:
+    """``wait_until`` for a predicate that answers a value once the condition holds."""
+    found = wait_until(predicate, timeout=timeout, what=what)
+    assert found
+    return found
+
+
 def terminal_hit(receiver: Receiver, path: str, job_id: str, status: int = 200) -> Hit | None:
     return next((h for h in receiver.hits_for(path, {job_id}) if h.type in TERMINAL and h.answered == status), None)
 
@@ -283,13 +292,22 @@ def test_retry_policy_is_the_table_of_spec_7() -> None:
         assert 4.0 <= (delay(answer(None)) or 0) <= 6.0  # connection refused: the plain schedule
 
 
-async def _two_jobs(store: Store) -> list[Any]:
+async def _two_jobs(store: Store) -> list[JobEvent]:
+    """Two accepted jobs: their job.queued events, as the store committed them."""
     events = []
     for _ in range(2):
         job = NewJob(id=str(uuid.uuid4()), tenant="acme", kind="export", collection="/exports", params=b"{}",
                      deadline_s=60)
-        events.append((await store.accept(job)).event)
+        event = (await store.accept(job)).event
+        assert event is not None
+        events.append(event)
     return events
+
+
+async def _move(store: Store, job_id: str, change: Change) -> JobEvent:
+    event = (await store.transition(job_id, change)).event
+    assert event is not None
+    return event
 
 
 async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_path: Path) -> None:
@@ -301,8 +319,8 @@ async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_pa
                                                         event_types=["job.queued", "job.running"], kinds=None,
                                                         signature="hmac-sha256")
         queued, other = await _two_jobs(store)
-        running = (await store.transition(queued.job_id, Change(expect={"queued"}, to="running", claim=True))).event
-        done = (await store.transition(queued.job_id, Change(expect={"running"}, to="cancelled"))).event
+        running = await _move(store, queued.job_id, Change(expect={"queued"}, to="running", claim=True))
+        done = await _move(store, queued.job_id, Change(expect={"running"}, to="cancelled"))
         assert await queue.fan_out([running]) == 1
         # running is not sent yet, so queued (late) still goes first, and running waits behind it
         assert await queue.fan_out([queued, running, other]) == 2
@@ -314,10 +332,12 @@ async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_pa
             await queue.finish(item, "test", time.time(), Outcome(status_code=200, latency_s=0.01), Plan("delivered"))
         sent = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
         assert [(c.delivery.version, c.delivery.type) for c in sent] == [(2, "job.running")]
-        # job.cancelled was not subscribed; a late copy of running's predecessor is now history
-        assert await queue.fan_out([done]) == 0
-        await store.db.write(lambda conn: conn.execute("DELETE FROM webhook_deliveries WHERE version = 1"))
-        assert await queue.fan_out([queued]) == 0  # running was sent meanwhile: queued would go back in time
+        assert await queue.fan_out([done]) == 0  # job.cancelled: not subscribed
+        # queued arrives once more, late, as if never seen (its row forgotten): running was sent
+        # meanwhile, so sending queued now would go back in time
+        await store.db.write(lambda conn: conn.execute(
+            "DELETE FROM webhook_deliveries WHERE job_id = ? AND version = 1", (queued.job_id,)))
+        assert await queue.fan_out([queued]) == 0
         rows = webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
         assert sorted((r.version, r.status) for r in rows if r.job_id == queued.job_id) == [
             (1, "superseded"), (2, "pending")]
@@ -400,8 +420,8 @@ def test_endpoint_api_shapes_validation_and_tenancy(http: httpx.Client, herald_w
     with client(herald_wh.url(), tenant="globex") as other:
         for method, path in (("GET", ""), ("PATCH", ""), ("DELETE", ""), ("POST", "/rotate-secret"),
                              ("GET", "/deliveries")):
-            kwargs = {"json": {"status": "enabled"}} if method == "PATCH" else {}
-            answer = other.request(method, f"/webhooks/{endpoint['id']}{path}", **kwargs)
+            body = {"status": "enabled"} if method == "PATCH" else None
+            answer = other.request(method, f"/webhooks/{endpoint['id']}{path}", json=body)
             assert answer.status_code == 404, (method, path)
             assert answer.json()["type"] == "/problems/not-found"
         assert endpoint["id"] not in {i["id"] for i in other.get("/webhooks").json()["items"]}
@@ -462,8 +482,11 @@ def test_deliveries_carry_the_committed_status_in_order(http: httpx.Client, rece
     assert abs(int(hits[-1].headers["webhook-timestamp"]) - time.time()) < 60
     assert len(hits[-1].headers["webhook-signature"].split()) == 1
 
-    logged = wait_until(lambda: (d := deliveries(http, endpoint["id"], status="delivered"))
-                        and len([x for x in d if x["job_id"] == job["id"]]) == 3 and d, what="delivery log")
+    def logged_all() -> list[dict[str, Any]] | None:
+        items = deliveries(http, endpoint["id"], status="delivered")
+        return items if len([x for x in items if x["job_id"] == job["id"]]) == 3 else None
+
+    logged = settle(logged_all, what="delivery log")
     assert {d["event_id"] for d in logged if d["job_id"] == job["id"]} == {h.webhook_id for h in hits}
     one = logged[0]
     assert set(one) >= {"id", "event_id", "type", "job_id", "status", "next_attempt_at", "attempts"}
@@ -482,8 +505,8 @@ def test_rotation_old_and_new_keys_both_sign(http: httpx.Client, receiver: Recei
     receiver.routes["/rotated-ed"].ed25519.append(new_key)
 
     job = export(http)
-    hmac_hit = wait_until(lambda: terminal_hit(receiver, "/rotated-hmac", job["id"]), what="HMAC delivery")
-    ed_hit = wait_until(lambda: terminal_hit(receiver, "/rotated-ed", job["id"]), what="Ed25519 delivery")
+    hmac_hit = settle(lambda: terminal_hit(receiver, "/rotated-hmac", job["id"]), what="HMAC delivery")
+    ed_hit = settle(lambda: terminal_hit(receiver, "/rotated-ed", job["id"]), what="Ed25519 delivery")
     assert [s.split(",")[0] for s in hmac_hit.headers["webhook-signature"].split()] == ["v1", "v1"]
     assert [s.split(",")[0] for s in ed_hit.headers["webhook-signature"].split()] == ["v1a", "v1a"]
     for secret in (hmac_ep["secret"], new_secret):  # each one alone, through the reference library
@@ -527,7 +550,7 @@ def test_500_twice_then_200_delivers_on_attempt_3_with_the_same_id(http: httpx.C
         items = deliveries(http, endpoint["id"])
         return items[0] if items and items[0]["status"] == "delivered" else None
 
-    delivery = wait_until(settled, what="delivered in the log")
+    delivery = settle(settled, what="delivered in the log")
     assert delivery["event_id"] == hits[0].webhook_id and delivery["job_id"] == job["id"]
     assert [a["status_code"] for a in delivery["attempts"]] == [500, 500, 200]
     assert delivery["attempts"][0]["response"] == "nope" and delivery["attempts"][0]["latency_ms"] is not None
@@ -561,7 +584,7 @@ def test_410_fails_the_delivery_and_disables_the_endpoint(http: httpx.Client, re
     witness = register(http, receiver, "/witness", event_types=["job.succeeded"])
     job = export(http)
     wait_until(lambda: http.get(f"/webhooks/{gone['id']}").json()["status"] == "disabled", what="disabled")
-    logged = wait_until(lambda: [d for d in deliveries(http, gone["id"]) if d["status"] == "failed"], what="failed")
+    logged = settle(lambda: [d for d in deliveries(http, gone["id"]) if d["status"] == "failed"], what="failed")
     assert logged[0]["attempts"][0]["status_code"] == 410 and len(logged[0]["attempts"]) == 1
     assert [h.answered for h in receiver.hits_for("/gone", {job["id"]})] == [410]  # never retried
     assert deliveries(http, gone["id"], status="pending") == []
@@ -586,7 +609,7 @@ def test_a_redirect_is_not_followed(http: httpx.Client, receiver: Receiver) -> N
     wait_until(lambda: terminal_hit(receiver, "/moved", job["id"]), what="delivery after the redirect")
     assert [h.answered for h in receiver.hits_for("/moved", {job["id"]})] == [302, 200]
     assert receiver.hits_for("/redirect-target") == []
-    logged = wait_until(lambda: (d := deliveries(http, endpoint["id"], status="delivered")) and d, what="log")
+    logged = settle(lambda: (d := deliveries(http, endpoint["id"], status="delivered")) and d, what="log")
     assert [a["status_code"] for a in logged[0]["attempts"]] == [302, 200]
 
 
@@ -609,7 +632,7 @@ def test_two_notifiers_share_the_work_without_doubles(http: httpx.Client, herald
             log = [d for d in deliveries(http, endpoint["id"]) if d["job_id"] in ids]
             return log if all(d["status"] != "pending" for d in log) else None
 
-        log = wait_until(settled, what="every delivery settled")
+        log = settle(settled, what="every delivery settled")
         assert len(log) == 3 * len(jobs) and {d["status"] for d in log} <= {"delivered", "superseded"}
         assert len([d for d in log if d["status"] == "delivered"]) == len(hits)
         notifier_logs = herald_wh.log_text("notifier") + herald_wh.log_text("notifier-b")
@@ -694,7 +717,7 @@ def test_receiver_down_notifier_killed_and_restarted_still_delivers(
         items = [d for d in deliveries(http, endpoint["id"]) if d["job_id"] == job["id"]]
         return items[0] if items and len(items[0]["attempts"]) == 1 and items[0]["status"] == "pending" else None
 
-    waiting = wait_until(failed_once, what="first attempt failed")
+    waiting = settle(failed_once, what="first attempt failed")
     assert waiting["attempts"][0]["status_code"] is None and "connect" in waiting["attempts"][0]["error"].lower()
     herald_wh.kill("notifier-slow-retry", signal.SIGKILL)
 
@@ -707,7 +730,7 @@ def test_receiver_down_notifier_killed_and_restarted_still_delivers(
         wait_until(lambda: terminal_hit(late, "/late", job["id"]), what="delivery after restart")
         hits = late.hits_for("/late", {job["id"]})
         assert len(hits) == 1 and hits[0].webhook_id == waiting["event_id"]
-        done = wait_until(lambda: (d := deliveries(http, endpoint["id"])) and d[0]["status"] == "delivered" and d[0],
+        done = settle(lambda: (d := deliveries(http, endpoint["id"])) and d[0]["status"] == "delivered" and d[0],
                           what="delivered in the log")
         assert len(done["attempts"]) == 2 and done["attempts"][1]["status_code"] == 200
         scraped = httpx.get(f"http://127.0.0.1:{metrics_port}/metrics").text

@@ -26,6 +26,7 @@ from gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError, invalid_request, 
 from gateway.services import services
 from herald.timefmt import rfc3339
 from notifier.ssrf import UnsafeUrl, check_url_resolves_public
+from notifier.signing import SigningKey
 from notifier.store import AttemptRow, DeliveryRow, EndpointRow, WebhookStore
 from schemas import FieldError, Problem
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
@@ -97,7 +98,7 @@ async def _body(request: Request, body_type: type[B]) -> B:
                            "send the body as JSON with Content-Type: application/json")
     try:
         document = decode_json(await request.body())
-        return validate_params(body_type, document)  # type: ignore[type-var]
+        return validate_params(body_type, document)  # type: ignore[type-var,unused-ignore]
     except MalformedBody as exc:
         raise ProblemError(400, "/problems/malformed-json", "Malformed JSON", f"the body is not valid JSON: {exc}") from exc
     except InvalidBody as exc:
@@ -171,16 +172,20 @@ def _endpoint(request: Request, tenant: str, endpoint_id: str) -> EndpointRow:
 # ----- views ----------------------------------------------------------------------------
 
 
-def endpoint_view(row: EndpointRow) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "url": row.url,
-        "event_types": list(row.event_types),
-        "kinds": list(row.kinds) if row.kinds is not None else None,
-        "signature": row.signature,
-        "status": row.status,
-        "created_at": rfc3339(row.created_at) or "",
-    }
+def endpoint_view(row: EndpointRow) -> Endpoint:
+    return Endpoint(
+        id=row.id,
+        url=row.url,
+        event_types=list(row.event_types),
+        kinds=list(row.kinds) if row.kinds is not None else None,
+        signature=row.signature,  # type: ignore[arg-type]
+        status=row.status,  # type: ignore[arg-type]
+        created_at=rfc3339(row.created_at) or "",
+    )
+
+
+def secret_view(key: SigningKey) -> SigningSecret:
+    return SigningSecret(secret=key.shown_secret, public_key=key.shown_public_key)
 
 
 def _attempt_view(row: AttemptRow) -> Attempt:
@@ -231,7 +236,8 @@ class WebhooksController(Controller):
             kinds=_unique(body.kinds) if body.kinds is not None else None,
             signature=body.signature,
         )
-        created = CreatedEndpoint(**endpoint_view(row), **key.shown())
+        created = CreatedEndpoint(**msgspec.structs.asdict(endpoint_view(row)), secret=key.shown_secret,
+                                  public_key=key.shown_public_key)
         return Response(created, status_code=201, headers={"Location": f"/webhooks/{row.id}",
                                                            "Cache-Control": "no-store"})
 
@@ -254,7 +260,7 @@ class WebhooksController(Controller):
         page = rows[:size]
         more = len(rows) > size
         return EndpointList(
-            items=[Endpoint(**endpoint_view(r)) for r in page],
+            items=[endpoint_view(r) for r in page],
             next_cursor=_encode_cursor(f"{page[-1].created_at!r}|{page[-1].id}") if more else None,
         )
 
@@ -263,20 +269,20 @@ class WebhooksController(Controller):
     async def callback_secret(self, request: Request) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         key = await _webhooks(request).callback_key(tenant)
-        return SigningSecret(**key.shown())
+        return secret_view(key)
 
     @post("/callback-secret/rotate", operation_id="rotate_callback_secret", status_code=200,
           summary="A new callback secret; the old one keeps signing for 24 h", responses=_problems(401))
     async def rotate_callback_secret(self, request: Request) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         key = await _webhooks(request).rotate_callback_key(tenant)
-        return SigningSecret(**key.shown())
+        return secret_view(key)
 
     @get("/{endpoint_id:str}", operation_id="get_webhook", summary="One webhook endpoint",
          responses=_problems(401, 404))
     async def get_endpoint(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
-        return Endpoint(**endpoint_view(_endpoint(request, tenant, endpoint_id)))
+        return endpoint_view(_endpoint(request, tenant, endpoint_id))
 
     @patch("/{endpoint_id:str}", operation_id="update_webhook",
            summary="Change url, event_types, kinds or status (enabled/disabled)",
@@ -302,7 +308,7 @@ class WebhooksController(Controller):
         row = await _webhooks(request).update_endpoint(tenant, endpoint_id, changes)
         if row is None:  # deleted meanwhile
             raise not_found("webhook endpoint")
-        return Endpoint(**endpoint_view(row))
+        return endpoint_view(row)
 
     @delete("/{endpoint_id:str}", operation_id="delete_webhook", status_code=204,
             summary="Delete the endpoint with its delivery log", responses=_problems(401, 404))
@@ -320,7 +326,7 @@ class WebhooksController(Controller):
         key = await _webhooks(request).rotate_endpoint_key(tenant, endpoint_id)
         if key is None:
             raise not_found("webhook endpoint")
-        return SigningSecret(**key.shown())
+        return secret_view(key)
 
     @get("/{endpoint_id:str}/deliveries", operation_id="list_webhook_deliveries",
          summary="The endpoint's deliveries with their attempts, newest first (?status=)",
