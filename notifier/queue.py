@@ -85,9 +85,16 @@ class Finished:
     endpoint_disabled: bool
 
 
-def _targets(conn: sqlite3.Connection, event: JobEvent, endpoints: Sequence[EndpointRow]) -> list[tuple[str, str | None, str | None]]:
-    """(target, endpoint_id, callback url) for every receiver of ``event``."""
-    targets: list[tuple[str, str | None, str | None]] = [
+Target = tuple[str, str | None, str | None]  # (target, endpoint id, callback URL)
+
+
+def _targets(conn: sqlite3.Connection, event: JobEvent, endpoints: Sequence[EndpointRow]) -> list[Target]:
+    """Every receiver of ``event``: the matching enabled endpoints and the job's callback URL.
+
+    The callback URL is read from the job's row (same store) rather than carried in every
+    event, so it is never copied into the stream's history.
+    """
+    targets: list[Target] = [
         (e.id, e.id, None) for e in endpoints if e.wants(event.type, event.kind)
     ]
     if event.type != "job.progress":

@@ -74,12 +74,17 @@ class Scheduler:
         try:
             while not self._stopping:
                 self._wake.clear()
-                await self._claim_and_start()
-                if time.monotonic() >= next_prune:
-                    next_prune = time.monotonic() + PRUNE_EVERY_S
-                    await self._prune()
+                try:
+                    await self._claim_and_start()
+                    if time.monotonic() >= next_prune:
+                        next_prune = time.monotonic() + PRUNE_EVERY_S
+                        await self.queue.prune(now() - self.retention_s)
+                    sleep_s = self._sleep_s()
+                except Exception as exc:  # the store is busy or away: what is due stays due
+                    log.warning("webhook scheduler pass failed, will retry: %s", exc)
+                    sleep_s = self.idle_poll_s
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), timeout=self._sleep_s())
+                    await asyncio.wait_for(self._wake.wait(), timeout=sleep_s)
         finally:
             await self._shutdown()
 
@@ -87,13 +92,9 @@ class Scheduler:
         free = MAX_IN_FLIGHT - len(self._tasks)
         if free <= 0 or not self.queue.anything_due():
             return
-        try:
-            claimed = await self.queue.claim(
-                self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
-            )
-        except Exception as exc:  # the store is busy or away: the deliveries stay due
-            log.warning("claiming webhook deliveries failed: %s", exc)
-            return
+        claimed = await self.queue.claim(
+            self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
+        )
         for item in claimed:
             task = asyncio.create_task(self._attempt(item), name=f"webhook-{item.delivery.id}")
             self._tasks[task] = item
@@ -140,12 +141,6 @@ class Scheduler:
         )
         if finished.endpoint_disabled:
             log.warning("webhook endpoint disabled", extra={**context, "status_code": outcome.status_code})
-
-    async def _prune(self) -> None:
-        try:
-            await self.queue.prune(now() - self.retention_s)
-        except Exception as exc:
-            log.warning("pruning the delivery log failed: %s", exc)
 
     async def _shutdown(self) -> None:
         if not self._tasks:

@@ -73,10 +73,10 @@ async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Schedul
             with contextlib.suppress(Exception):
                 await message.nak(delay=1.0)
         return
-    for message in decoded:
-        await message.ack()
     if pending:
         scheduler.kick()
+    for message in decoded:  # only now: the deliveries are committed
+        await message.ack()
 
 
 async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Scheduler, stop: asyncio.Event) -> None:
@@ -91,7 +91,10 @@ async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Schedu
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             continue
-        await _fan_out(messages, queue, scheduler)
+        try:
+            await _fan_out(messages, queue, scheduler)
+        except Exception as exc:  # e.g. an ack lost to a reconnect: NATS redelivers, fan-out is idempotent
+            log.warning("handling job events failed: %s", exc)
 
 
 async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:

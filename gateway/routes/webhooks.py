@@ -93,14 +93,17 @@ def _problems(*codes: int) -> dict[int, ResponseSpec]:
 
 async def _body(request: Request, body_type: type[B]) -> B:
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+    is_json = media_type == "application/json" or (
+        media_type.startswith("application/") and media_type.endswith("+json"))
+    if not is_json:
         raise ProblemError(415, "/problems/unsupported-media-type", "Unsupported media type",
                            "send the body as JSON with Content-Type: application/json")
     try:
         document = decode_json(await request.body())
         return validate_params(body_type, document)  # type: ignore[type-var,unused-ignore]
     except MalformedBody as exc:
-        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON", f"the body is not valid JSON: {exc}") from exc
+        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON",
+                           f"the body is not valid JSON: {exc}") from exc
     except InvalidBody as exc:
         raise invalid_request(exc.errors) from exc
 
@@ -109,7 +112,8 @@ def _kind_errors(kinds: list[str] | None) -> list[FieldError]:
     known = registry.kinds()
     unknown = sorted({k for k in kinds or () if k not in known})
     if unknown:
-        return [FieldError(field="kinds", message=f"unknown kind(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}")]
+        message = f"unknown kind(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
+        return [FieldError(field="kinds", message=message)]
     return []
 
 
@@ -332,7 +336,12 @@ class WebhooksController(Controller):
          summary="The endpoint's deliveries with their attempts, newest first (?status=)",
          responses=_problems(400, 401, 404))
     async def deliveries(
-        self, request: Request, endpoint_id: str, status: StatusFilter = None, limit: Limit = None, cursor: Cursor = None
+        self,
+        request: Request,
+        endpoint_id: str,
+        status: StatusFilter = None,
+        limit: Limit = None,
+        cursor: Cursor = None,
     ) -> DeliveryList:
         tenant = require_tenant(request, services(request).settings)
         endpoint = _endpoint(request, tenant, endpoint_id)
