@@ -699,6 +699,25 @@ def test_one_jobs_events_never_arrive_out_of_version_order(http: httpx.Client, r
 # ----- durability ---------------------------------------------------------------------------------
 
 
+def test_deliveries_do_not_depend_on_nats_and_survive_its_restart(http: httpx.Client, herald_wh: Deployment,
+                                                                   receiver: Receiver) -> None:
+    endpoint = register(http, receiver, "/outage", event_types=["job.succeeded"])
+    before = export(http)
+    first = settle(lambda: terminal_hit(receiver, "/outage", before["id"]), what="delivery before the outage")
+    delivery = deliveries(http, endpoint["id"])[0]
+
+    herald_wh.nats.stop()
+    try:
+        # The schedule lives in the store: a resend asked for now goes out while NATS is away.
+        assert http.post(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}/retry").status_code == 202
+        wait_until(lambda: len(receiver.hits_for("/outage", {before["id"]})) == 2, what="resend without NATS")
+        assert receiver.hits_for("/outage", {before["id"]})[-1].webhook_id == first.webhook_id
+        during = export(http)  # accepted into the outbox
+    finally:
+        herald_wh.nats.start()
+    settle(lambda: terminal_hit(receiver, "/outage", during["id"]), timeout=30, what="delivery after the restart")
+
+
 def test_receiver_down_notifier_killed_and_restarted_still_delivers(
     http: httpx.Client, herald_wh: Deployment, tmp_path: Path
 ) -> None:
