@@ -16,8 +16,9 @@ from litestar.openapi.spec import Components, SecurityScheme
 import herald
 from gateway.hub import Hub
 from gateway.middleware import bind_job_context, instrument
+from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
-from gateway.ratelimit import TenantLimits
+from gateway.ratelimit import BacklogGuard, TenantLimits
 from gateway.routes import events, health, jobs, page
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
@@ -92,6 +93,7 @@ def create_app(settings: Settings) -> Litestar:
                 metrics=metrics,
                 limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
                 hub=hub,
+                backlog=BacklogGuard(store.oldest_queued_age, settings.max_queue_age_s),
             )
             app.state.services = svc
             tasks: list[asyncio.Task[None]] = [
@@ -141,9 +143,9 @@ def create_app(settings: Settings) -> Litestar:
             components=Components(
                 security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer", description="API key")}
             ),
-            security=[{"bearer": []}],
         ),
         logging_config=None,  # herald.logs configures logging once per process
         debug=False,
     )
+    complete_document(app, kinds)
     return instrument(app)

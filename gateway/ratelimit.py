@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from gateway.problems import ProblemError
@@ -58,3 +59,32 @@ class TenantLimits:
         self._held[tenant] -= 1
         if self._held[tenant] <= 0:
             del self._held[tenant]
+
+
+class BacklogGuard:
+    """Back-pressure: while the oldest queued job is older than the bound, starts get 503.
+
+    The age is read from the store at most every ``refresh_s`` (a partial index makes the
+    read cheap, but starts are the hot path).
+    """
+
+    def __init__(self, oldest_queued_age: Callable[[], float], max_age_s: float, refresh_s: float = 0.5) -> None:
+        self._oldest_queued_age = oldest_queued_age
+        self.max_age_s = max_age_s
+        self._refresh_s = refresh_s
+        self._age = 0.0
+        self._read_at = -math.inf
+
+    def check(self) -> None:
+        if self.max_age_s <= 0:
+            return
+        now = time.monotonic()
+        if now - self._read_at >= self._refresh_s:
+            self._age, self._read_at = self._oldest_queued_age(), now
+        if self._age > self.max_age_s:
+            raise ProblemError(
+                503, "/problems/overloaded", "Overloaded",
+                f"the oldest queued job has waited {self._age:.0f} s (limit {self.max_age_s:g} s); "
+                "retry later instead of growing the backlog",
+                headers={"Retry-After": "5"},
+            )

@@ -8,7 +8,7 @@ from litestar import Request
 from nats.aio.client import Client as NATS
 
 from gateway.hub import Hub
-from gateway.ratelimit import TenantLimits
+from gateway.ratelimit import BacklogGuard, TenantLimits
 from herald.metrics import Metrics
 from herald.results import FileResultStore
 from herald.settings import Settings
@@ -24,6 +24,7 @@ class Services:
     signer: UrlSigner
     metrics: Metrics
     limiter: TenantLimits
+    backlog: BacklogGuard
     hub: Hub
     nats: NATS | None = field(default=None)
 

@@ -28,10 +28,10 @@ def run_gateway(settings: Settings) -> int:
     import uvicorn
 
     from gateway.app import create_app
-    from gateway.headers import canonical_header_case
+    from gateway.headers import edge
 
     config = uvicorn.Config(
-        canonical_header_case(create_app(settings)),
+        edge(create_app(settings)),
         host=settings.http_host,
         port=settings.http_port,
         log_config=None,

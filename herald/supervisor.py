@@ -69,6 +69,15 @@ def _wait_for_port(port: int, deadline_s: float, alive: subprocess.Popen[bytes])
     return False
 
 
+def _require_free_port(port: int, setting: str) -> None:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            raise SupervisorError(f"port {port} is already in use (another Herald?); choose another with {setting}") from None
+
+
 @dataclass
 class Child:
     name: str
@@ -83,7 +92,7 @@ class Supervisor:
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.stopping = threading.Event()
-        self.nats: subprocess.Popen[bytes] | None = None
+        self.nats: Child | None = None
         self.children: list[Child] = []
         self.env = dict(os.environ)  # noqa: the supervisor builds its children's environment
 
@@ -104,8 +113,11 @@ class Supervisor:
         conf = nats_conf()
         argv += ["-c", str(conf)] if conf is not None else ["-js"]
         argv += ["-a", "127.0.0.1", "-p", str(self.settings.nats_port), "-sd", str(store)]
-        self.nats = subprocess.Popen(argv, preexec_fn=_die_with_parent)  # noqa: PLW1509
-        if not _wait_for_port(self.settings.nats_port, 15, self.nats):
+        _require_free_port(self.settings.nats_port, "HERALD_NATS_PORT (or use HERALD_NATS_URL)")
+        self.nats = Child("nats-server", argv)
+        self.spawn(self.nats)
+        assert self.nats.process is not None
+        if not _wait_for_port(self.settings.nats_port, 15, self.nats.process):
             raise SupervisorError(f"nats-server did not start listening on 127.0.0.1:{self.settings.nats_port}")
         return f"nats://127.0.0.1:{self.settings.nats_port}"
 
@@ -144,6 +156,23 @@ class Supervisor:
         child.process = subprocess.Popen(child.argv, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         child.started_at = time.monotonic()
 
+    def _restart_if_dead(self, child: Child) -> None:
+        process = child.process
+        if process is None or process.poll() is None:
+            return
+        now = time.monotonic()
+        if child.next_start == 0.0:
+            if now - child.started_at > 30:
+                child.restarts = 0
+            delay = min(10.0, 0.5 * 2**child.restarts)
+            child.next_start = now + delay
+            print(f"herald: {child.name} exited ({process.returncode}); restarting in {delay:g} s",
+                  file=sys.stderr, flush=True)
+        elif now >= child.next_start:
+            child.restarts += 1
+            child.next_start = 0.0
+            self.spawn(child)
+
     def wait_ready(self, deadline_s: float = 30) -> bool:
         url = f"http://{self.settings.http_host}:{self.settings.http_port}/healthz"
         end = time.monotonic() + deadline_s
@@ -173,33 +202,8 @@ class Supervisor:
 
     def supervise(self) -> None:
         while not self.stopping.wait(0.2):
-            if self.nats is not None and self.nats.poll() is not None:
-                print("herald: nats-server exited; restarting it", file=sys.stderr, flush=True)
-                self.nats = None
-                self.start_nats()
-            for child in self.children:
-                process = child.process
-                if process is None or process.poll() is None:
-                    continue
-                now = time.monotonic()
-                if child.next_start == 0.0:
-                    self.forget_metrics(process)
-                    if now - child.started_at > 30:
-                        child.restarts = 0
-                    delay = min(10.0, 0.5 * 2**child.restarts)
-                    child.next_start = now + delay
-                    print(f"herald: {child.name} exited ({process.returncode}); restarting in {delay:g} s",
-                          file=sys.stderr, flush=True)
-                elif now >= child.next_start:
-                    child.restarts += 1
-                    child.next_start = 0.0
-                    self.spawn(child)
-
-    def forget_metrics(self, process: subprocess.Popen[bytes]) -> None:
-        """A child exited: drop its live gauges from the shared metrics directory."""
-        directory = self.env.get(MULTIPROC_ENV)
-        if directory:
-            mark_process_dead(process.pid, directory)
+            for child in ([self.nats] if self.nats else []) + self.children:
+                self._restart_if_dead(child)
 
     def stop(self) -> None:
         live = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
@@ -212,13 +216,14 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
-        if self.nats is not None and self.nats.poll() is None:
-            self.nats.send_signal(signal.SIGTERM)
+        nats = self.nats.process if self.nats is not None else None
+        if nats is not None and nats.poll() is None:
+            nats.send_signal(signal.SIGTERM)
             try:
-                self.nats.wait(10)
+                nats.wait(10)
             except subprocess.TimeoutExpired:
-                self.nats.kill()
-                self.nats.wait()
+                nats.kill()
+                nats.wait()
 
 
 def run_up(settings: Settings) -> int:
@@ -231,6 +236,8 @@ def run_up(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        if settings.http_host in ("127.0.0.1", "localhost"):
+            _require_free_port(settings.http_port, "HERALD_HTTP_PORT or --port")
         url = supervisor.start_nats()
         supervisor.ensure_topology(url)
         supervisor.plan_children(url)

@@ -19,3 +19,12 @@ class EventFeed(msgspec.Struct, kw_only=True):
 class EventLink(msgspec.Struct, kw_only=True):
     url: str
     expires_in: int
+
+
+class ServerSentEvent(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One event of a ``text/event-stream`` (documentation of the stream's items)."""
+
+    id: str | None = None
+    event: str | None = None
+    data: str | None = None
+    retry: int | None = None

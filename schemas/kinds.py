@@ -9,7 +9,11 @@ import msgspec
 from schemas.base import Base
 from schemas.problems import FieldError
 
-CallbackUrl = Annotated[str, msgspec.Meta(min_length=8, max_length=2048, description="https URL that receives this job's events")]
+CallbackUrl = Annotated[
+    str,
+    msgspec.Meta(min_length=8, max_length=2048, pattern="^https?://",
+                 description="https URL that receives this job's events (public address)"),
+]
 
 
 class JobParams(Base, kw_only=True):

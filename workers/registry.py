@@ -27,6 +27,7 @@ class JobKind:
     handler: Handler
     media_type: Callable[[Any], str]
     suffix: Callable[[Any], str]
+    media_types: tuple[str, ...]  # every media_type() can answer (for the API reference)
     deadline_s: float | None = None  # None: HERALD_JOB_DEADLINE_S
 
     def __post_init__(self) -> None:

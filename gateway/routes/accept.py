@@ -11,6 +11,7 @@ from litestar import Request, Response, post
 from litestar.handlers import HTTPRouteHandler
 
 from gateway.auth import require_tenant
+from gateway.openapi import problems
 from gateway.problems import ProblemError, invalid_request
 from gateway.render import public_status, retry_after
 from gateway.services import Services, services
@@ -78,7 +79,8 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     except InvalidBody as exc:
         raise invalid_request(exc.errors) from exc
     check_callback_url(svc, params.callback_url)
-    svc.limiter.take_start(tenant)
+    svc.backlog.check()
+    svc.limiter.take_start(tenant)  # last: a request refused for any other reason spends no token
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
@@ -124,4 +126,5 @@ def accept_route(kind: JobKind) -> HTTPRouteHandler:
         summary=f"Start a {kind.name} job",
         tags=["jobs"],
         name=f"start-{kind.name}",
+        responses=problems(400, 401, 413, 415, 422, 429, 503),
     )(start)

@@ -13,10 +13,12 @@ from collections.abc import AsyncIterator
 from typing import Annotated, Any
 
 from litestar import Request, Response, get, post
+from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from gateway.auth import bearer_tenant, require_tenant, unauthorized
 from gateway.hub import RESYNC, Subscriber
+from gateway.openapi import problems
 from gateway.problems import ProblemError
 from gateway.render import EVENTS_PURPOSE
 from gateway.routes.jobs import find_job
@@ -128,7 +130,11 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
 
 
 @get("/jobs/{job_id:str}/events", operation_id="job_events", tags=["events"],
-     summary="Server-sent events of one job", media_type="text/event-stream")
+     summary="Server-sent events of one job", media_type="text/event-stream",
+     responses={
+         204: ResponseSpec(None, description="Finished stream resumed at its terminal event: stop reconnecting"),
+         **problems(400, 401, 403, 404, 410, 429),
+     })
 async def job_events(
     request: Request,
     job_id: str,
@@ -252,7 +258,12 @@ def _wants_json(request: Request) -> bool:
 
 
 @get("/events", operation_id="tenant_events", tags=["events"],
-     summary="The tenant's committed events: SSE, or a JSON page with Accept: application/json")
+     summary="The tenant's committed events: SSE, or a JSON page with Accept: application/json",
+     responses={
+         200: ResponseSpec(EventFeed, description="With Accept: application/json, a page of events; "
+                           "otherwise a text/event-stream", generate_examples=False),
+         **problems(400, 401, 403, 429),
+     })
 async def tenant_events(
     request: Request,
     kind: Annotated[str | None, Parameter(query="kind", max_length=64)] = None,
@@ -272,7 +283,8 @@ async def tenant_events(
 
 
 @post("/events/link", operation_id="events_link", tags=["events"], status_code=200,
-      summary="A signed URL for the tenant's event stream (for EventSource, which cannot send a key)")
+      summary="A signed URL for the tenant's event stream (for EventSource, which cannot send a key)",
+      responses=problems(401))
 async def events_link(request: Request) -> EventLink:
     svc = services(request)
     tenant = require_tenant(request, svc.settings)

@@ -4,17 +4,19 @@ from __future__ import annotations
 
 from litestar import Request, Response, get
 
+from gateway.openapi import problems
 from gateway.problems import ProblemError
 from gateway.services import services
 from herald.metrics import exposition
 
 
-@get("/healthz", operation_id="healthz", tags=["operations"], summary="The process is alive")
+@get("/healthz", operation_id="healthz", tags=["operations"], summary="The process is alive", security=[])
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@get("/readyz", operation_id="readyz", tags=["operations"], summary="Store open and NATS connected")
+@get("/readyz", operation_id="readyz", tags=["operations"], summary="Store open and NATS connected",
+     responses=problems(503), security=[])
 async def readyz(request: Request) -> dict[str, str]:
     svc = services(request)
     try:
@@ -26,7 +28,8 @@ async def readyz(request: Request) -> dict[str, str]:
     return {"status": "ready"}
 
 
-@get("/metrics", operation_id="metrics", tags=["operations"], summary="Prometheus metrics", include_in_schema=True)
+@get("/metrics", operation_id="metrics", tags=["operations"], summary="Prometheus metrics", security=[],
+     media_type="text/plain")
 async def metrics(request: Request) -> Response[bytes]:
     svc = services(request)
     body = exposition(svc.store.oldest_queued_age, svc.store.outbox_pending)

@@ -7,10 +7,12 @@ import binascii
 from typing import Annotated
 
 from litestar import Request, Response, delete, get
+from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.auth import require_tenant
+from gateway.openapi import problems
 from gateway.problems import ProblemError, not_found
 from gateway.render import etag, etag_matches, public_status, retry_after
 from gateway.services import Services, services
@@ -50,7 +52,12 @@ def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Re
 
 
 @get("/jobs/{job_id:str}", operation_id="get_job", tags=["jobs"], summary="Job status (the source of truth)",
-     status_code=200)
+     status_code=200,
+     responses={
+         303: ResponseSpec(JobStatus, description="Succeeded: Location is the result", generate_examples=False),
+         304: ResponseSpec(None, description="Not modified (If-None-Match), or a long poll that timed out"),
+         **problems(400, 401, 404, 410, 429),
+     })
 async def get_job(
     request: Request,
     job_id: str,
@@ -84,7 +91,8 @@ def _decode_cursor(cursor: str) -> tuple[float, str]:
                            "cursor is not one this server gave out") from exc
 
 
-@get("/jobs", operation_id="list_jobs", tags=["jobs"], summary="The tenant's jobs, newest first")
+@get("/jobs", operation_id="list_jobs", tags=["jobs"], summary="The tenant's jobs, newest first",
+     responses=problems(400, 401))
 async def list_jobs(
     request: Request,
     job_state: Annotated[str | None, Parameter(query="state", description="queued, running, succeeded, failed or cancelled")] = None,
@@ -105,7 +113,11 @@ async def list_jobs(
     )
 
 
-@delete("/jobs/{job_id:str}", operation_id="cancel_job", tags=["jobs"], summary="Cancel a job", status_code=200)
+@delete("/jobs/{job_id:str}", operation_id="cancel_job", tags=["jobs"], summary="Cancel a job", status_code=200,
+        responses={
+            202: ResponseSpec(JobStatus, description="Running: cancellation requested", generate_examples=False),
+            **problems(401, 404, 409, 410),
+        })
 async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
     """Queued: cancelled at once (200). Running: cancel requested (202), the worker stops between steps."""
     svc = services(request)

@@ -7,10 +7,12 @@ from typing import Annotated, Any
 from litestar import Request, Response, get
 from litestar.datastructures import ETag
 from litestar.handlers import HTTPRouteHandler
+from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 from litestar.response import File
 
 from gateway.auth import bearer_tenant, unauthorized
+from gateway.openapi import problems
 from gateway.problems import ProblemError, not_found
 from gateway.render import RESULT_PURPOSE, etag_matches
 from gateway.routes.jobs import find_job
@@ -78,4 +80,8 @@ def result_route(kind: JobKind) -> HTTPRouteHandler:
         summary=f"Download a {kind.name} result",
         tags=["results"],
         name=f"result-{kind.name}",
+        responses={
+            304: ResponseSpec(None, description="Not modified"),
+            **problems(400, 401, 403, 404, 410),
+        },
     )(download)

@@ -13,6 +13,7 @@ register(
         handler=run_report,
         media_type=lambda _params: "application/pdf",
         suffix=lambda _params: ".pdf",
+        media_types=("application/pdf",),
     )
 )
 register(
@@ -23,5 +24,6 @@ register(
         handler=run_export,
         media_type=export_media_type,
         suffix=export_suffix,
+        media_types=("text/csv", "application/x-ndjson"),
     )
 )

@@ -1,0 +1,96 @@
+"""What the generated OpenAPI document cannot know by itself, completed in one place.
+
+* Start routes read their body themselves (to name every bad field, SPEC §3), so
+  Litestar sees no ``data`` parameter: their request bodies come from the params Structs.
+* Results have the media types their kind declares; event routes answer
+  ``text/event-stream`` (and ``/events`` also JSON, by ``Accept``).
+* Every operation needs the bearer key except the public ones.
+Problem responses are declared on the handlers with ``problems(...)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import msgspec
+from litestar import Litestar
+from litestar.openapi import ResponseSpec
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Reference, RequestBody, Schema
+
+from gateway.problems import PROBLEM_MEDIA_TYPE
+from schemas import Problem
+from schemas.events import ServerSentEvent
+from workers.registry import JobKind
+
+PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics"})
+BEARER = [{"bearer": []}]
+
+_DESCRIPTIONS = {
+    400: "Invalid request (problem+json; `errors` names each bad field)",
+    401: "Missing or unknown key",
+    403: "Invalid or expired signature",
+    404: "Not found (also another tenant's resource)",
+    409: "Conflict",
+    410: "Gone: the job's retention passed",
+    413: "Body over 1 MiB",
+    415: "Body is not JSON",
+    422: "Idempotency-Key reused with another request",
+    429: "Rate limited (Retry-After)",
+    503: "Overloaded or not ready (Retry-After)",
+}
+
+
+def problems(*codes: int) -> dict[int, ResponseSpec]:
+    return {
+        code: ResponseSpec(data_container=Problem, description=_DESCRIPTIONS.get(code, "Problem"),
+                           media_type=PROBLEM_MEDIA_TYPE, generate_examples=False)
+        for code in codes
+    }
+
+
+def _sse_content() -> OpenAPIMediaType:
+    (ref,), _components = msgspec.json.schema_components([ServerSentEvent], ref_template="#/components/schemas/{name}")
+    return OpenAPIMediaType(schema=Reference(ref=ref["$ref"]))
+
+
+def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
+    openapi = app.openapi_schema
+    kinds = list(kinds)
+    assert openapi.components is not None and openapi.paths is not None
+    refs, components = msgspec.json.schema_components(
+        [*(kind.params for kind in kinds), ServerSentEvent], ref_template="#/components/schemas/{name}"
+    )
+    schemas = openapi.components.schemas if openapi.components.schemas is not None else {}
+    schemas.update(components)  # type: ignore[arg-type]  (plain JSON Schema dicts serialise as they are)
+    openapi.components.schemas = schemas
+    binary = Schema(type=OpenAPIType.STRING, format="binary")  # type: ignore[arg-type]
+
+    for kind, ref in zip(kinds, refs):
+        start = openapi.paths[kind.collection].post
+        assert start is not None
+        start.request_body = RequestBody(
+            required=True,
+            description=f"The {kind.name} parameters",
+            content={"application/json": OpenAPIMediaType(schema=Reference(ref=ref["$ref"]))},
+        )
+        result = openapi.paths[f"{kind.collection}/{{job_id}}"].get
+        assert result is not None and result.responses is not None
+        result.responses["200"] = OpenAPIResponse(
+            description=f"The {kind.name} result",
+            content={media_type: OpenAPIMediaType(schema=binary) for media_type in kind.media_types},
+        )
+
+    sse = _sse_content()
+    job_stream = openapi.paths["/jobs/{job_id}/events"].get
+    tenant_stream = openapi.paths["/events"].get
+    assert job_stream is not None and tenant_stream is not None
+    assert job_stream.responses is not None and tenant_stream.responses is not None
+    job_stream.responses["200"] = OpenAPIResponse(description="The job's events", content={"text/event-stream": sse})
+    feed = tenant_stream.responses["200"]
+    assert isinstance(feed, OpenAPIResponse) and feed.content is not None
+    feed.content["text/event-stream"] = sse
+
+    for item in openapi.paths.values():
+        for operation in (item.get, item.post, item.put, item.patch, item.delete):
+            if operation is not None and operation.operation_id not in PUBLIC_OPERATIONS:
+                operation.security = BEARER  # type: ignore[assignment]
