@@ -132,7 +132,7 @@ def _add_delivery(
         if event.type == "job.progress":
             (last,) = conn.execute(
                 "SELECT MAX(scheduled_at) FROM webhook_deliveries WHERE target = ? AND job_id = ?"
-                " AND type = 'job.progress' AND status != 'superseded'",
+                " AND type = 'job.progress' AND (status != 'superseded' OR attempts > 0)",  # sent, or to be
                 (target, event.job_id),
             ).fetchone()
             if last is not None:
