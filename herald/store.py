@@ -9,6 +9,7 @@ from those rows.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
@@ -18,6 +19,7 @@ from typing import Any
 import msgspec
 
 from herald.constants import event_subject, job_subject
+from herald.metrics import metrics
 from herald.db import Database
 from herald.timefmt import now, rfc3339
 from schemas import JobEvent, JobLinks, JobMessage, JobStatus, Problem, TERMINAL_STATES
@@ -97,6 +99,7 @@ ALLOWED_NEXT: dict[str, frozenset[str]] = {
     "running": frozenset({"running", "queued", "succeeded", "failed", "cancelled"}),
 }
 
+_log = logging.getLogger("herald.store")
 _event_encoder = msgspec.json.Encoder()
 _problem_decoder = msgspec.json.Decoder(Problem)
 
@@ -425,7 +428,13 @@ class Store:
                 _enqueue_work(conn, after)
             return Transition(before=before, after=after, event=event)
 
-        result = await self.db.write(tx)
+        try:
+            result = await self.db.write(tx)
+        except TransitionRejected as exc:
+            # A stale, late or duplicate writer: normal under retries and races, never silent.
+            _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
+            metrics().transitions_rejected.inc()
+            raise
         if result.event is not None:
             self._committed(result.after, result.event)
         return result
@@ -548,34 +557,32 @@ class Store:
 
         return await self.db.read_in_thread(read)
 
-    async def expire(self, at: float, limit: int = 500) -> list[JobRow]:
-        """Delete jobs whose retention has passed (row, history, keys), leave tombstones.
+    async def expired(self, at: float, limit: int = 500) -> list[JobRow]:
+        """Jobs whose retention has passed; the caller removes their results, then ``forget``s them."""
 
-        Returns the deleted rows so the caller can remove their result files.
-        """
+        def read(conn: sqlite3.Connection) -> list[JobRow]:
+            rows = conn.execute(
+                "SELECT * FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?", (at, limit)
+            ).fetchall()
+            return [JobRow.from_row(r) for r in rows]
 
-        def tx(conn: sqlite3.Connection) -> list[JobRow]:
-            rows = [
-                JobRow.from_row(r)
-                for r in conn.execute(
-                    "SELECT * FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?", (at, limit)
-                ).fetchall()
-            ]
-            for job in rows:
+        return await self.db.read_in_thread(read)
+
+    async def forget(self, jobs: Sequence[JobRow], at: float) -> None:
+        """Delete the jobs with their history and keys, leave tombstones (410), drop expired keys."""
+
+        def tx(conn: sqlite3.Connection) -> None:
+            for job in jobs:
                 conn.execute("DELETE FROM events WHERE job_id = ?", (job.id,))
                 conn.execute("DELETE FROM idempotency_keys WHERE job_id = ?", (job.id,))
-                conn.execute("DELETE FROM jobs WHERE id = ?", (job.id,))
+                conn.execute("DELETE FROM jobs WHERE id = ? AND expires_at <= ?", (job.id, at))
                 conn.execute(
                     "INSERT OR REPLACE INTO tombstones (job_id, tenant, deleted_at) VALUES (?,?,?)",
                     (job.id, job.tenant, at),
                 )
             conn.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (at,))
-            return rows
 
-        return await self.db.write(tx)
-
-
-_event_row_decoder = msgspec.json.Decoder(JobStatus)
+        await self.db.write(tx)
 
 
 def _event_from_row(row: sqlite3.Row) -> JobEvent:

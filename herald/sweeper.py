@@ -54,9 +54,12 @@ async def sweep_once(store: Store, results: FileResultStore, settings: Settings)
             log.info("sweep skipped", extra={"job_id": job.id, "reason": exc.reason})
             continue
         log.warning("job swept", extra={"job_id": job.id, "state": done.after.state, "attempt": done.after.attempt})
-    for job in await store.expire(at):
+    expired = await store.expired(at)
+    for job in expired:
+        # The result goes first: once the status answers 410, nothing of the job is left.
         results.delete_job(job.id)
         log.info("job expired", extra={"job_id": job.id})
+    await store.forget(expired, at)
 
 
 async def run_sweeper(store: Store, results: FileResultStore, settings: Settings) -> None:
