@@ -1,7 +1,8 @@
 """What the generated OpenAPI document cannot know by itself, completed in one place.
 
-* Start routes read their body themselves (to name every bad field, SPEC §3), so
-  Litestar sees no ``data`` parameter: their request bodies come from the params Structs.
+* Routes that read their body themselves (to name every bad field, SPEC §3) have no
+  ``data`` parameter for Litestar to see: ``with_body`` gives their operations the
+  request body schema of the same Struct.
 * Results have the media types their kind declares; event routes answer
   ``text/event-stream`` (and ``/events`` also JSON, by ``Accept``).
 * Every operation needs the bearer key except the public ones.
@@ -11,11 +12,20 @@ Problem responses are declared on the handlers with ``problems(...)``.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 
 import msgspec
 from litestar import Litestar
 from litestar.openapi import ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, OpenAPIType, Reference, RequestBody, Schema
+from litestar.openapi.spec import (
+    OpenAPIMediaType,
+    OpenAPIResponse,
+    OpenAPIType,
+    Operation,
+    Reference,
+    RequestBody,
+    Schema,
+)
 
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from schemas import Problem
@@ -48,6 +58,23 @@ def problems(*codes: int) -> dict[int, ResponseSpec]:
     }
 
 
+def with_body(struct: type[msgspec.Struct], description: str) -> type[Operation]:
+    """An ``operation_class`` whose request body is ``struct`` as JSON (for hand-read bodies)."""
+    _refs, components = msgspec.json.schema_components([struct])
+    schema = components[struct.__name__]
+
+    @dataclass
+    class WithBody(Operation):
+        def __post_init__(self) -> None:
+            self.request_body = RequestBody(
+                required=True,
+                description=description,
+                content={"application/json": OpenAPIMediaType(schema=schema)},  # type: ignore[arg-type]
+            )
+
+    return WithBody
+
+
 def _sse_content() -> OpenAPIMediaType:
     (ref,), _components = msgspec.json.schema_components([ServerSentEvent], ref_template="#/components/schemas/{name}")
     return OpenAPIMediaType(schema=Reference(ref=ref["$ref"]))
@@ -57,22 +84,13 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     openapi = app.openapi_schema
     kinds = list(kinds)
     assert openapi.components is not None and openapi.paths is not None
-    refs, components = msgspec.json.schema_components(
-        [*(kind.params for kind in kinds), ServerSentEvent], ref_template="#/components/schemas/{name}"
-    )
+    _refs, components = msgspec.json.schema_components([ServerSentEvent], ref_template="#/components/schemas/{name}")
     schemas = openapi.components.schemas if openapi.components.schemas is not None else {}
     schemas.update(components)  # type: ignore[arg-type]  (plain JSON Schema dicts serialise as they are)
     openapi.components.schemas = schemas
     binary = Schema(type=OpenAPIType.STRING, format="binary")  # type: ignore[arg-type]
 
-    for kind, ref in zip(kinds, refs):
-        start = openapi.paths[kind.collection].post
-        assert start is not None
-        start.request_body = RequestBody(
-            required=True,
-            description=f"The {kind.name} parameters",
-            content={"application/json": OpenAPIMediaType(schema=Reference(ref=ref["$ref"]))},
-        )
+    for kind in kinds:
         result = openapi.paths[f"{kind.collection}/{{job_id}}"].get
         assert result is not None and result.responses is not None
         result.responses["200"] = OpenAPIResponse(

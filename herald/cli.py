@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+from collections.abc import Awaitable, Callable
 import signal
 import sys
 
@@ -46,37 +47,35 @@ def run_gateway(settings: Settings) -> int:
     return 0
 
 
-async def _until_signalled(body: object) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    task = asyncio.create_task(body(stop))  # type: ignore[operator]
-    await task
+Component = Callable[[Settings, asyncio.Event], Awaitable[None]]
+
+
+def run_component(settings: Settings, body: Component) -> int:
+    """Run a component without an API (worker, notifier) until SIGINT/SIGTERM sets its stop event."""
+    from herald.metrics_server import serve_metrics
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, stop.set)
+        async with serve_metrics(settings):
+            await body(settings, stop)
+
+    asyncio.run(main())
+    return 0
 
 
 def run_worker(settings: Settings) -> int:
-    from herald.metrics_server import serve_metrics
     from workers.runner import run_worker as body
 
-    async def main(stop: asyncio.Event) -> None:
-        async with serve_metrics(settings):
-            await body(settings, stop)
-
-    asyncio.run(_until_signalled(main))
-    return 0
+    return run_component(settings, body)
 
 
 def run_notifier(settings: Settings) -> int:
-    from herald.metrics_server import serve_metrics
     from notifier.service import run_notifier as body
 
-    async def main(stop: asyncio.Event) -> None:
-        async with serve_metrics(settings):
-            await body(settings, stop)
-
-    asyncio.run(_until_signalled(main))
-    return 0
+    return run_component(settings, body)
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -162,6 +162,7 @@ class Supervisor:
             return
         now = time.monotonic()
         if child.next_start == 0.0:
+            self.forget_metrics(process)
             if now - child.started_at > 30:
                 child.restarts = 0
             delay = min(10.0, 0.5 * 2**child.restarts)
@@ -204,6 +205,12 @@ class Supervisor:
         while not self.stopping.wait(0.2):
             for child in ([self.nats] if self.nats else []) + self.children:
                 self._restart_if_dead(child)
+
+    def forget_metrics(self, process: subprocess.Popen[bytes]) -> None:
+        """A child exited: drop its live gauges from the shared metrics directory."""
+        directory = self.env.get(MULTIPROC_ENV)
+        if directory:
+            mark_process_dead(process.pid, directory)
 
     def stop(self) -> None:
         live = [c.process for c in self.children if c.process is not None and c.process.poll() is None]

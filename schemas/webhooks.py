@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import get_args, Annotated, Literal
 
 import msgspec
 
@@ -14,15 +14,7 @@ SignatureScheme = Literal["hmac-sha256", "ed25519"]
 EndpointStatus = Literal["enabled", "disabled"]
 DeliveryStatus = Literal["pending", "delivered", "failed", "superseded"]
 
-ALL_EVENT_TYPES: tuple[str, ...] = (
-    "job.queued",
-    "job.running",
-    "job.progress",
-    "job.cancel_requested",
-    "job.succeeded",
-    "job.failed",
-    "job.cancelled",
-)
+ALL_EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 # job.progress is opt-in: a fast job would flood an endpoint that did not ask for it.
 DEFAULT_EVENT_TYPES: tuple[str, ...] = tuple(t for t in ALL_EVENT_TYPES if t != "job.progress")
 DELIVERY_STATUSES: tuple[str, ...] = ("pending", "delivered", "failed", "superseded")

@@ -11,7 +11,7 @@ from litestar import Request, Response, post
 from litestar.handlers import HTTPRouteHandler
 
 from gateway.auth import require_tenant
-from gateway.openapi import problems
+from gateway.openapi import problems, with_body
 from gateway.problems import ProblemError, invalid_request
 from gateway.render import public_status, retry_after
 from gateway.services import Services, services
@@ -127,4 +127,5 @@ def accept_route(kind: JobKind) -> HTTPRouteHandler:
         tags=["jobs"],
         name=f"start-{kind.name}",
         responses=problems(400, 401, 413, 415, 422, 429, 503),
+        operation_class=with_body(kind.params, f"The {kind.name} parameters"),
     )(start)

@@ -12,23 +12,21 @@ import binascii
 import uuid
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 from typing import Annotated, Any, TypeVar
 
 import msgspec
 from litestar import Controller, Litestar, Request, Response, delete, get, patch, post
-from litestar.openapi import ResponseSpec
-from litestar.openapi.spec import OpenAPIMediaType, Operation, RequestBody
 from litestar.params import Parameter
 
 from gateway.auth import require_tenant
-from gateway.problems import PROBLEM_MEDIA_TYPE, ProblemError, invalid_request, not_found
+from gateway.openapi import problems, with_body
+from gateway.problems import ProblemError, invalid_request, not_found
 from gateway.services import services
 from herald.timefmt import rfc3339
 from notifier.ssrf import UnsafeUrl, check_url_resolves_public
 from notifier.signing import SigningKey
 from notifier.store import AttemptRow, DeliveryRow, EndpointRow, WebhookStore
-from schemas import FieldError, Problem
+from schemas import FieldError
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
 from schemas.webhooks import (
     DEFAULT_EVENT_TYPES,
@@ -60,32 +58,6 @@ async def webhooks_lifespan(app: Litestar) -> AsyncIterator[None]:
 
 def _webhooks(request: Request) -> WebhookStore:
     return request.app.state.webhooks  # type: ignore[no-any-return]
-
-
-# ----- the OpenAPI document -----------------------------------------------------------------
-# Bodies are read by hand (to name every bad field), so Litestar cannot see them: the
-# operations below carry their request body schema, taken from the same Structs.
-
-
-def _with_body(struct: type[msgspec.Struct], description: str) -> type[Operation]:
-    _refs, components = msgspec.json.schema_components([struct])
-    schema = components[struct.__name__]
-
-    @dataclass
-    class WithBody(Operation):
-        def __post_init__(self) -> None:
-            self.request_body = RequestBody(
-                required=True,
-                description=description,
-                content={"application/json": OpenAPIMediaType(schema=schema)},  # type: ignore[arg-type]
-            )
-
-    return WithBody
-
-
-def _problems(*codes: int) -> dict[int, ResponseSpec]:
-    return {code: ResponseSpec(data_container=Problem, description="Problem", media_type=PROBLEM_MEDIA_TYPE,
-                               generate_examples=False) for code in codes}
 
 
 # ----- reading requests ---------------------------------------------------------------
@@ -224,7 +196,7 @@ class WebhooksController(Controller):
     tags = ["webhooks"]
 
     @post("/", operation_id="create_webhook", status_code=201, summary="Register a webhook endpoint",
-          operation_class=_with_body(EndpointCreate, "The endpoint"), responses=_problems(400, 401, 413, 415))
+          operation_class=with_body(EndpointCreate, "The endpoint"), responses=problems(400, 401, 413, 415))
     async def create(self, request: Request) -> Response[CreatedEndpoint]:
         """201 with the endpoint and, this once, its ``secret`` (HMAC) or ``public_key`` (Ed25519)."""
         svc = services(request)
@@ -246,7 +218,7 @@ class WebhooksController(Controller):
                                                            "Cache-Control": "no-store"})
 
     @get("/", operation_id="list_webhooks", summary="The tenant's webhook endpoints, newest first",
-         responses=_problems(400, 401))
+         responses=problems(400, 401))
     async def list_endpoints(self, request: Request, limit: Limit = None, cursor: Cursor = None) -> EndpointList:
         tenant = require_tenant(request, services(request).settings)
         errors: list[FieldError] = []
@@ -269,28 +241,28 @@ class WebhooksController(Controller):
         )
 
     @get("/callback-secret", operation_id="get_callback_secret",
-         summary="The secret that signs deliveries to jobs' callback_url", responses=_problems(401))
+         summary="The secret that signs deliveries to jobs' callback_url", responses=problems(401))
     async def callback_secret(self, request: Request) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         key = await _webhooks(request).callback_key(tenant)
         return secret_view(key)
 
     @post("/callback-secret/rotate", operation_id="rotate_callback_secret", status_code=200,
-          summary="A new callback secret; the old one keeps signing for 24 h", responses=_problems(401))
+          summary="A new callback secret; the old one keeps signing for 24 h", responses=problems(401))
     async def rotate_callback_secret(self, request: Request) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         key = await _webhooks(request).rotate_callback_key(tenant)
         return secret_view(key)
 
     @get("/{endpoint_id:str}", operation_id="get_webhook", summary="One webhook endpoint",
-         responses=_problems(401, 404))
+         responses=problems(401, 404))
     async def get_endpoint(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
         return endpoint_view(_endpoint(request, tenant, endpoint_id))
 
     @patch("/{endpoint_id:str}", operation_id="update_webhook",
            summary="Change url, event_types, kinds or status (enabled/disabled)",
-           operation_class=_with_body(EndpointPatch, "The fields to change"), responses=_problems(400, 401, 404, 415))
+           operation_class=with_body(EndpointPatch, "The fields to change"), responses=problems(400, 401, 404, 415))
     async def update(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
         _endpoint(request, tenant, endpoint_id)
@@ -315,7 +287,7 @@ class WebhooksController(Controller):
         return endpoint_view(row)
 
     @delete("/{endpoint_id:str}", operation_id="delete_webhook", status_code=204,
-            summary="Delete the endpoint with its delivery log", responses=_problems(401, 404))
+            summary="Delete the endpoint with its delivery log", responses=problems(401, 404))
     async def remove(self, request: Request, endpoint_id: str) -> None:
         tenant = require_tenant(request, services(request).settings)
         _endpoint(request, tenant, endpoint_id)
@@ -323,7 +295,7 @@ class WebhooksController(Controller):
             raise not_found("webhook endpoint")
 
     @post("/{endpoint_id:str}/rotate-secret", operation_id="rotate_webhook_secret", status_code=200,
-          summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=_problems(401, 404))
+          summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=problems(401, 404))
     async def rotate(self, request: Request, endpoint_id: str) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
         _endpoint(request, tenant, endpoint_id)
@@ -334,7 +306,7 @@ class WebhooksController(Controller):
 
     @get("/{endpoint_id:str}/deliveries", operation_id="list_webhook_deliveries",
          summary="The endpoint's deliveries with their attempts, newest first (?status=)",
-         responses=_problems(400, 401, 404))
+         responses=problems(400, 401, 404))
     async def deliveries(
         self,
         request: Request,
@@ -367,7 +339,7 @@ class WebhooksController(Controller):
 
     @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
           status_code=202, summary="Send the delivery again now, with the same webhook-id, whatever its status",
-          responses=_problems(401, 404, 409))
+          responses=problems(401, 404, 409))
     async def retry(self, request: Request, endpoint_id: str, delivery_id: str) -> Response[Delivery]:
         tenant = require_tenant(request, services(request).settings)
         endpoint = _endpoint(request, tenant, endpoint_id)
