@@ -83,8 +83,11 @@ class Hub:
         for group in (self._job_subs.get(event.job_id), self._tenant_subs.get(event.tenant)):
             for subscriber in tuple(group or ()):
                 if not subscriber.offer(event):
-                    self._metrics.sse_dropped.inc()
-                    log.warning("slow SSE client dropped", extra={"stream": subscriber.key})
+                    # Its queue is full: it gets nothing more and its stream ends (it will
+                    # resume with Last-Event-ID). Counted and logged once per stream.
+                    self.unsubscribe(subscriber)
+                    self._metrics.sse_dropped.labels(reason="queue_full").inc()
+                    log.warning("slow SSE client dropped", extra={"stream": subscriber.key, "job_id": event.job_id})
 
     def resync(self) -> None:
         """After a NATS reconnect some events may be missed: make every waiter re-read the store."""

@@ -61,7 +61,7 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
                     await send({"type": "http.response.body", "body": chunk, "more_body": True})  # type: ignore[typeddict-item]
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except TimeoutError:
-            metrics().sse_dropped.inc()
+            metrics().sse_dropped.labels(reason="send_timeout").inc()
             log.warning("SSE client too slow, dropped")
         finally:
             scope.cancel()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -44,7 +44,8 @@ class Metrics:
             ["route", "method"], buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
         )
         self.transitions_rejected = Counter("herald_transitions_rejected_total", "Stale or duplicate transitions refused")
-        self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading")
+        self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading",
+                                   ["reason"])
 
 
     def observe(self, job: "JobRow", event: "JobEvent") -> None:
@@ -65,18 +66,25 @@ def metrics() -> Metrics:
     return _metrics
 
 
+class StoreReadings(Protocol):
+    def oldest_queued_age(self) -> float: ...
+    def outbox_pending(self) -> int: ...
+    def outbox_oldest_age(self) -> float: ...
+
+
 class _StoreGauges:
     """Gauges read from the store at scrape time, so they are right whoever changed it."""
 
-    def __init__(self, oldest_queued: Callable[[], float], outbox_pending: Callable[[], int]) -> None:
-        self._oldest_queued = oldest_queued
-        self._outbox_pending = outbox_pending
+    def __init__(self, store: StoreReadings) -> None:
+        self._store = store
 
     def collect(self):  # type: ignore[no-untyped-def]
         yield GaugeMetricFamily("herald_queue_oldest_age_seconds", "Age of the oldest queued job",
-                                value=self._oldest_queued())
-        yield GaugeMetricFamily("herald_outbox_pending", "Committed transitions not yet published (outbox lag)",
-                                value=self._outbox_pending())
+                                value=self._store.oldest_queued_age())
+        yield GaugeMetricFamily("herald_outbox_pending", "Committed transitions not yet published",
+                                value=self._store.outbox_pending())
+        yield GaugeMetricFamily("herald_outbox_lag_seconds", "Age of the oldest unpublished transition (outbox lag)",
+                                value=self._store.outbox_oldest_age())
 
 
 def multiprocess_dir() -> str | None:
@@ -106,10 +114,10 @@ def mark_process_dead(pid: int, directory: str) -> None:
     multiprocess.mark_process_dead(pid, directory)
 
 
-def exposition(oldest_queued: Callable[[], float] | None = None, outbox_pending: Callable[[], int] | None = None) -> bytes:
+def exposition(store: StoreReadings | None = None) -> bytes:
     output = generate_latest(process_registry())
-    if oldest_queued is not None and outbox_pending is not None:
+    if store is not None:
         extra = CollectorRegistry()
-        extra.register(_StoreGauges(oldest_queued, outbox_pending))  # type: ignore[arg-type]
+        extra.register(_StoreGauges(store))  # type: ignore[arg-type]
         output += generate_latest(extra)
     return output

@@ -524,6 +524,10 @@ class Store:
     def outbox_pending(self) -> int:
         return int(self.db.read("SELECT COUNT(*) AS n FROM outbox")[0]["n"])
 
+    def outbox_oldest_age(self) -> float:
+        rows = self.db.read("SELECT MIN(created_at) AS t FROM outbox")
+        return max(0.0, now() - rows[0]["t"]) if rows and rows[0]["t"] is not None else 0.0
+
     # ----- outbox ---------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, older_than: float | None = None) -> list[sqlite3.Row]:

@@ -245,3 +245,50 @@ def test_a_thousand_subscribers_on_one_job_all_get_every_event(fresh: Deployment
     expected = results[0]
     assert expected[-1] >= 7, "queued, running, 5 progress steps (or fewer), succeeded"
     assert all(r == list(range(1, expected[-1] + 1)) for r in results), "every subscriber saw every version once"
+
+
+@pytest.mark.slow
+def test_a_client_that_stops_reading_is_dropped_and_others_are_not(fresh: Deployment) -> None:
+    """The kernel absorbs up to ~4 MB for a reader that stalls (autotuned send buffer); past
+    that the server's sends block, the stream's bounded queue fills, and it is dropped."""
+    import socket
+
+    jobs = 90  # ~100 events each, ~550 bytes an event: well past the kernel's 4 MB
+    base = fresh.start_gateway()
+    port = fresh.ports["gateway"]
+    slow = socket.socket()  # a tiny receive window, and it never reads
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    slow.connect(("127.0.0.1", port))
+    slow.sendall(f"GET /events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['acme']}\r\n\r\n".encode())
+    received: list[dict[str, Any]] = []
+    ids: list[str] = []
+
+    def listen() -> None:
+        finished = 0
+        with client(base) as http, connect_sse(http, "GET", "/events", timeout=60) as source:
+            for sse in source.iter_sse():
+                if sse.data:
+                    received.append(json.loads(sse.data))
+                    finished += sse.event == "job.succeeded"
+                    if finished == jobs:
+                        return
+
+    listener = threading.Thread(target=listen)
+    listener.start()
+    wait_until(lambda: b"herald_sse_streams 2.0" in httpx.get(base + "/metrics").content, what="two streams open")
+    fresh.start_worker(HERALD_REPORT_PAGE_MS="0", HERALD_WORKER_CONCURRENCY="8")
+    with client(base) as http:
+        ids.extend(http.post("/reports", json={"title": "flood", "pages": 100}).json()["id"] for _ in range(jobs))
+    listener.join(120)
+    assert not listener.is_alive()
+    for job_id in ids:  # the reader that kept up has every version of every job, in order
+        versions = [e["version"] for e in received if e["id"] == job_id]
+        assert versions == list(range(1, len(versions) + 1)) and versions[-1] >= 100
+    wait_until(lambda: b'herald_sse_dropped_total{reason="queue_full"} 1.0' in httpx.get(base + "/metrics").content,
+               timeout=30, what="the slow stream dropped, once")
+    slow.settimeout(10)
+    drained = b""
+    while chunk := slow.recv(1 << 20):  # the server closed it: the reader finds the end
+        drained += chunk
+    assert drained.startswith(b"HTTP/1.1 200")
+    slow.close()

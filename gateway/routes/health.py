@@ -32,5 +32,5 @@ async def readyz(request: Request) -> dict[str, str]:
      media_type="text/plain")
 async def metrics(request: Request) -> Response[bytes]:
     svc = services(request)
-    body = exposition(svc.store.oldest_queued_age, svc.store.outbox_pending)
+    body = exposition(svc.store)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
