@@ -222,6 +222,16 @@ def test_job_accepted_without_workers_runs_once_a_worker_starts(fresh: Deploymen
         wait_for_state(http, job["id"], {"succeeded"})
 
 
+def test_readyz_follows_nats(fresh: Deployment) -> None:
+    base = fresh.start_gateway()
+    fresh.nats.stop()
+    not_ready = wait_until(lambda: (r := httpx.get(base + "/readyz")).status_code == 503 and r, what="503 without NATS")
+    assert not_ready.json()["type"] == "/problems/not-ready"
+    assert httpx.get(base + "/healthz").status_code == 200, "alive all the same"
+    fresh.nats.start()
+    wait_until(lambda: httpx.get(base + "/readyz").status_code == 200, what="ready again")
+
+
 def test_commit_without_publish_is_repaired_after_a_crash(fresh: Deployment) -> None:
     """NATS down: the job commits but cannot be published; the gateway dies (kill -9) with the
     row unsent; NATS and a new gateway come back: the relay publishes it and it runs."""
