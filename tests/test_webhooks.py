@@ -444,6 +444,10 @@ def test_private_addresses_refused_without_the_flag(herald_wh: Deployment, recei
             assert [e["field"] for e in refused.json()["errors"]] == ["url"], url
         job = http.post("/exports", json={"format": "csv", "rows": 1, "callback_url": "https://192.168.1.1/cb"})
         assert job.status_code == 400 and job.json()["errors"][0]["field"] == "callback_url"
+        # A name is resolved at once too: this machine's own name is not a public address.
+        by_name = http.post("/exports", json={"format": "csv", "rows": 1,
+                                              "callback_url": f"https://{socket.gethostname()}/cb"})
+        assert by_name.status_code == 400 and by_name.json()["errors"][0]["field"] == "callback_url"
     herald_wh.kill("strict", signal.SIGTERM)
 
 

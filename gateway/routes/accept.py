@@ -15,6 +15,7 @@ from gateway.openapi import problems, with_body
 from gateway.problems import ProblemError, invalid_request
 from gateway.render import public_status, retry_after
 from gateway.services import Services, services
+from notifier.ssrf import UnsafeUrl, check_url_resolves_public
 from herald.store import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob
 from schemas import FieldError, JobStatus
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
@@ -53,13 +54,12 @@ def fingerprint(path: str, document: Any) -> str:
     return hashlib.sha256(path.encode() + b"\n" + canonical).hexdigest()
 
 
-def check_callback_url(svc: Services, url: str | None) -> None:
+async def check_callback_url(svc: Services, url: str | None) -> None:
+    """The same guard as a webhook registration: https to a public address (resolved now)."""
     if url is None:
         return
-    from notifier.ssrf import UnsafeUrl, check_url_syntax  # the webhook guard owns the rules
-
     try:
-        check_url_syntax(url, allow_private=svc.settings.webhook_allow_private)
+        await check_url_resolves_public(url, allow_private=svc.settings.webhook_allow_private)
     except UnsafeUrl as exc:
         raise invalid_request([FieldError(field="callback_url", message=str(exc))]) from exc
 
@@ -78,7 +78,7 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
         raise ProblemError(400, "/problems/malformed-json", "Malformed JSON", f"the body is not valid JSON: {exc}") from exc
     except InvalidBody as exc:
         raise invalid_request(exc.errors) from exc
-    check_callback_url(svc, params.callback_url)
+    await check_callback_url(svc, params.callback_url)
     svc.backlog.check()
     svc.limiter.take_start(tenant)  # last: a request refused for any other reason spends no token
     claim = None
