@@ -11,18 +11,43 @@ from __future__ import annotations
 
 import logging
 import sqlite3
-from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from herald.constants import event_subject, job_subject
-from herald.metrics import metrics
 from herald.db import Database
+from herald.jobs import (
+    Accepted,
+    IdempotencyClaim,
+    IdempotencyMismatch,
+    JobRow,
+    NewJob,
+    StoreError,
+    Transition,
+    TransitionRejected,
+)
+from herald.metrics import metrics
 from herald.timefmt import now, rfc3339
-from schemas import JobEvent, JobLinks, JobMessage, JobStatus, Problem, TERMINAL_STATES
+from herald.transitions import ALLOWED_NEXT, Change, event_type, refusal
+from schemas import JobEvent, JobMessage, TERMINAL_STATES
+
+__all__ = [  # the store's vocabulary, importable from here by its callers
+    "ALLOWED_NEXT",
+    "Accepted",
+    "Change",
+    "IdempotencyClaim",
+    "IdempotencyMismatch",
+    "JobRow",
+    "NewJob",
+    "Store",
+    "StoreError",
+    "Transition",
+    "TransitionRejected",
+]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -93,154 +118,8 @@ CREATE TABLE IF NOT EXISTS tombstones (
 ) WITHOUT ROWID;
 """
 
-# Which state may follow which. Terminal states have no entry: they never change.
-ALLOWED_NEXT: dict[str, frozenset[str]] = {
-    "queued": frozenset({"running", "cancelled", "failed"}),
-    "running": frozenset({"running", "queued", "succeeded", "failed", "cancelled"}),
-}
-
 _log = logging.getLogger("herald.store")
 _event_encoder = msgspec.json.Encoder()
-_problem_decoder = msgspec.json.Decoder(Problem)
-
-
-@dataclass(frozen=True, slots=True)
-class JobRow:
-    id: str
-    tenant: str
-    kind: str
-    collection: str
-    state: str
-    params: bytes
-    progress: int | None
-    version: int
-    attempt: int
-    cancel_requested: bool
-    created_at: float
-    updated_at: float
-    heartbeat_at: float | None
-    deadline_at: float
-    finished_at: float | None
-    expires_at: float | None
-    result_path: str | None
-    media_type: str | None
-    error: bytes | None
-    callback_url: str | None
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> JobRow:
-        values = dict(row)
-        values["cancel_requested"] = bool(values["cancel_requested"])
-        return cls(**values)
-
-    @property
-    def terminal(self) -> bool:
-        return self.state in TERMINAL_STATES
-
-    @property
-    def result_url(self) -> str:
-        return f"{self.collection}/{self.id}"
-
-    def status(self) -> JobStatus:
-        """The status object with unsigned links, exactly as stored in the job's history."""
-        result = self.result_url if self.state == "succeeded" else None
-        return JobStatus(
-            id=self.id,
-            kind=self.kind,
-            state=self.state,  # type: ignore[arg-type]
-            progress=self.progress,
-            version=self.version,
-            attempt=self.attempt,
-            created_at=rfc3339(self.created_at) or "",
-            updated_at=rfc3339(self.updated_at) or "",
-            expires_at=rfc3339(self.expires_at),
-            cancel_requested=self.cancel_requested,
-            result=result,
-            error=_problem_decoder.decode(self.error) if self.error else None,
-            links=JobLinks(self=f"/jobs/{self.id}", events=f"/jobs/{self.id}/events", result=result),
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class NewJob:
-    id: str
-    tenant: str
-    kind: str
-    collection: str
-    params: bytes
-    deadline_s: float
-    callback_url: str | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class IdempotencyClaim:
-    key: str
-    fingerprint: str
-    ttl_s: float
-
-
-@dataclass(frozen=True, slots=True)
-class Accepted:
-    job: JobRow
-    replayed: bool
-    event: JobEvent | None = None
-
-
-class StoreError(Exception):
-    """Base of the store's own errors."""
-
-
-class IdempotencyMismatch(StoreError):
-    def __init__(self, key: str) -> None:
-        super().__init__(f"Idempotency-Key {key!r} was used with a different request")
-        self.key = key
-
-
-class TransitionRejected(StoreError):
-    """The job is not where the caller expected it; nothing was changed."""
-
-    def __init__(self, job_id: str, reason: str, current: JobRow | None) -> None:
-        super().__init__(f"transition of {job_id} rejected: {reason}")
-        self.job_id = job_id
-        self.reason = reason
-        self.current = current
-
-
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One requested transition. ``expect`` lists the states it may start from."""
-
-    expect: Collection[str]
-    to: str | None = None  # None: the state stays
-    attempt: int | None = None  # fencing: only the worker of this attempt may write
-    progress: int | None = None
-    cancel_requested: bool | None = None
-    requeue: bool = False  # attempt + 1 and a new work message
-    claim: bool = False  # a worker starts: attempt becomes at least 1
-    error: Problem | None = None
-    result_path: str | None = None
-    media_type: str | None = None
-    stale_before: float | None = None  # only if the heartbeat is older than this
-    extra_check: Callable[[JobRow], str | None] | None = field(default=None, compare=False)
-
-
-@dataclass(frozen=True, slots=True)
-class Transition:
-    before: JobRow
-    after: JobRow
-    event: JobEvent | None  # None when nothing visible changed
-
-
-def _event_type(before: JobRow, after: JobRow) -> str | None:
-    if after.state != before.state:
-        return f"job.{after.state}"
-    if after.cancel_requested != before.cancel_requested:
-        return "job.cancel_requested"
-    if after.progress != before.progress:
-        return "job.progress"
-    if after.attempt != before.attempt:
-        return "job.running"
-    return None
 
 
 def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
@@ -287,22 +166,6 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
     message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
     _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message))
-
-
-def _check(job: JobRow | None, change: Change) -> str | None:
-    if job is None:
-        return "no such job"
-    if job.state not in change.expect:
-        return f"state is {job.state}, expected {'/'.join(sorted(change.expect))}"
-    if change.to is not None and change.to not in ALLOWED_NEXT.get(job.state, frozenset()):
-        return f"{job.state} -> {change.to} is not allowed"
-    if change.attempt is not None and job.attempt != change.attempt:
-        return f"attempt is {job.attempt}, writer has {change.attempt}"
-    if change.stale_before is not None and (job.heartbeat_at or 0) >= change.stale_before:
-        return "heartbeat is fresh"
-    if change.extra_check is not None:
-        return change.extra_check(job)
-    return None
 
 
 class Store:
@@ -385,7 +248,7 @@ class Store:
 
         def tx(conn: sqlite3.Connection) -> Transition:
             before = _fetch(conn, job_id)
-            reason = _check(before, change)
+            reason = refusal(before, change)
             if reason is not None:
                 raise TransitionRejected(job_id, reason, before)
             assert before is not None
@@ -415,15 +278,15 @@ class Store:
                 if to == "succeeded":
                     values["progress"] = 100
             after = replace(before, **values, version=before.version + 1)
-            event_type = _event_type(before, after)
-            if event_type is None:
+            kind_of_change = event_type(before, after)
+            if kind_of_change is None:
                 return Transition(before=before, after=before, event=None)  # nothing visible changed
             assignments = ", ".join(f"{column} = ?" for column in values)
             conn.execute(
                 f"UPDATE jobs SET {assignments}, version = ? WHERE id = ?",
                 (*values.values(), after.version, job_id),
             )
-            event = _append_event(conn, after, event_type)
+            event = _append_event(conn, after, kind_of_change)
             if change.requeue:
                 _enqueue_work(conn, after)
             return Transition(before=before, after=after, event=event)

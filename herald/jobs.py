@@ -1,0 +1,122 @@
+"""What the store hands out: job rows, the results of accepting and transitioning, its errors."""
+
+from __future__ import annotations
+
+import sqlite3
+from dataclasses import dataclass
+
+import msgspec
+
+from herald.timefmt import rfc3339
+from schemas import JobEvent, JobLinks, JobStatus, Problem, TERMINAL_STATES
+
+_problem_decoder = msgspec.json.Decoder(Problem)
+
+
+@dataclass(frozen=True, slots=True)
+class JobRow:
+    id: str
+    tenant: str
+    kind: str
+    collection: str
+    state: str
+    params: bytes
+    progress: int | None
+    version: int
+    attempt: int
+    cancel_requested: bool
+    created_at: float
+    updated_at: float
+    heartbeat_at: float | None
+    deadline_at: float
+    finished_at: float | None
+    expires_at: float | None
+    result_path: str | None
+    media_type: str | None
+    error: bytes | None
+    callback_url: str | None
+
+    @classmethod
+    def from_row(cls, row: sqlite3.Row) -> JobRow:
+        values = dict(row)
+        values["cancel_requested"] = bool(values["cancel_requested"])
+        return cls(**values)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL_STATES
+
+    @property
+    def result_url(self) -> str:
+        return f"{self.collection}/{self.id}"
+
+    def status(self) -> JobStatus:
+        """The status object with unsigned links, exactly as stored in the job's history."""
+        result = self.result_url if self.state == "succeeded" else None
+        return JobStatus(
+            id=self.id,
+            kind=self.kind,
+            state=self.state,  # type: ignore[arg-type]
+            progress=self.progress,
+            version=self.version,
+            attempt=self.attempt,
+            created_at=rfc3339(self.created_at) or "",
+            updated_at=rfc3339(self.updated_at) or "",
+            expires_at=rfc3339(self.expires_at),
+            cancel_requested=self.cancel_requested,
+            result=result,
+            error=_problem_decoder.decode(self.error) if self.error else None,
+            links=JobLinks(self=f"/jobs/{self.id}", events=f"/jobs/{self.id}/events", result=result),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class NewJob:
+    id: str
+    tenant: str
+    kind: str
+    collection: str
+    params: bytes
+    deadline_s: float
+    callback_url: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class IdempotencyClaim:
+    key: str
+    fingerprint: str
+    ttl_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    job: JobRow
+    replayed: bool
+    event: JobEvent | None = None
+
+
+class StoreError(Exception):
+    """Base of the store's own errors."""
+
+
+class IdempotencyMismatch(StoreError):
+    def __init__(self, key: str) -> None:
+        super().__init__(f"Idempotency-Key {key!r} was used with a different request")
+        self.key = key
+
+
+class TransitionRejected(StoreError):
+    """The job is not where the caller expected it; nothing was changed."""
+
+    def __init__(self, job_id: str, reason: str, current: JobRow | None) -> None:
+        super().__init__(f"transition of {job_id} rejected: {reason}")
+        self.job_id = job_id
+        self.reason = reason
+        self.current = current
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    before: JobRow
+    after: JobRow
+    event: JobEvent | None  # None when nothing visible changed

@@ -1,0 +1,67 @@
+"""The rules of a job's life: which state may follow which, and what a change must match.
+
+Policy as data: ``ALLOWED_NEXT`` is the state table; a ``Change`` names the states it may
+start from and the attempt that writes it; ``refusal`` says why a change may not apply.
+``Store.transition`` applies them inside its transaction.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from dataclasses import dataclass, field
+
+from herald.jobs import JobRow
+from schemas import Problem
+
+# Which state may follow which. Terminal states have no entry: they never change.
+ALLOWED_NEXT: dict[str, frozenset[str]] = {
+    "queued": frozenset({"running", "cancelled", "failed"}),
+    "running": frozenset({"running", "queued", "succeeded", "failed", "cancelled"}),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One requested transition. ``expect`` lists the states it may start from."""
+
+    expect: Collection[str]
+    to: str | None = None  # None: the state stays
+    attempt: int | None = None  # fencing: only the worker of this attempt may write
+    progress: int | None = None
+    cancel_requested: bool | None = None
+    requeue: bool = False  # attempt + 1 and a new work message
+    claim: bool = False  # a worker starts: attempt becomes at least 1
+    error: Problem | None = None
+    result_path: str | None = None
+    media_type: str | None = None
+    stale_before: float | None = None  # only if the heartbeat is older than this
+    extra_check: Callable[[JobRow], str | None] | None = field(default=None, compare=False)
+
+
+def event_type(before: JobRow, after: JobRow) -> str | None:
+    if after.state != before.state:
+        return f"job.{after.state}"
+    if after.cancel_requested != before.cancel_requested:
+        return "job.cancel_requested"
+    if after.progress != before.progress:
+        return "job.progress"
+    if after.attempt != before.attempt:
+        return "job.running"
+    return None
+
+
+def refusal(job: JobRow | None, change: Change) -> str | None:
+    """Why ``change`` may not apply to ``job`` (None: it may)."""
+    if job is None:
+        return "no such job"
+    if job.state not in change.expect:
+        return f"state is {job.state}, expected {'/'.join(sorted(change.expect))}"
+    if change.to is not None and change.to not in ALLOWED_NEXT.get(job.state, frozenset()):
+        return f"{job.state} -> {change.to} is not allowed"
+    if change.attempt is not None and job.attempt != change.attempt:
+        return f"attempt is {job.attempt}, writer has {change.attempt}"
+    if change.stale_before is not None and (job.heartbeat_at or 0) >= change.stale_before:
+        return "heartbeat is fresh"
+    if change.extra_check is not None:
+        return change.extra_check(job)
+    return None
