@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV   := .venv
 STAMP  := $(VENV)/.installed
 
-.PHONY: up test bench browser-deps clean
+.PHONY: up test bench bench-deps browser-deps clean
 
 $(STAMP): pyproject.toml
 	test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -31,7 +31,28 @@ browser-deps:
 test: $(STAMP) browser-deps
 	$(VENV)/bin/pytest
 
-bench: $(STAMP)
+# Benchmarks (bench/, results in bench/out/): the bench extra (matplotlib for the chart), and
+# Debian's wrk and nginx + nchan for the HTTP load and the push baselines, installed like
+# chromium above. Without them the bench still runs: a Python load client replaces wrk and
+# the nchan baselines are reported unavailable.
+BENCH_STAMP := $(VENV)/.bench-installed
+BENCH_LOG   := /tmp/herald-bench-deps.log
+NCHAN_SO    := /usr/lib/nginx/modules/ngx_nchan_module.so
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(VENV)/bin/pip install --quiet -e '.[dev,bench]'
+	touch $(BENCH_STAMP)
+
+bench-deps:
+	@{ command -v wrk >/dev/null 2>&1 && command -v nginx >/dev/null 2>&1 && test -e $(NCHAN_SO); } || \
+	  { command -v apt-get >/dev/null 2>&1 && \
+	  { $(APT_GET) install wrk nginx libnginx-mod-nchan >$(BENCH_LOG) 2>&1 || \
+	    { $(APT_GET) update >>$(BENCH_LOG) 2>&1 && $(APT_GET) install wrk nginx libnginx-mod-nchan >>$(BENCH_LOG) 2>&1; }; } && \
+	  echo "wrk, nginx and nchan installed (apt-get)"; } || \
+	  { echo "note: wrk/nginx/nchan not installed (see $(BENCH_LOG)); the bench falls back or reports baselines unavailable"; \
+	    tail -n 5 $(BENCH_LOG) 2>/dev/null || true; }
+
+bench: $(BENCH_STAMP) bench-deps
 	$(VENV)/bin/python -m bench
 
 clean:

@@ -1,0 +1,113 @@
+"""``python -m bench [--smoke] [--only accept,poll,...] [--out bench/out] [--keep] [--without wrk,nchan]``
+
+Starts everything it needs on 127.0.0.1 (own temp dir, free ports), runs each scenario
+against Herald and its baseline in the same run, stops everything, prints a table and
+writes ``results.json`` and ``results.png`` to the output dir. Exit status 1 if a
+scenario failed to run (a missed target is not a failure).
+"""
+
+from __future__ import annotations
+
+import argparse
+import resource
+import shutil
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+from bench import report
+from bench.config import FULL, SMOKE
+from bench.procs import Procs
+from bench.scenario import Context, Outcome
+from bench.scenarios import SCENARIOS
+from bench.systems import INSTALL_HINT, nchan_missing
+from bench.wrk import wrk_path
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "out"
+
+
+def _raise_fd_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench", description="Herald benchmarks against their baselines")
+    parser.add_argument("--smoke", action="store_true", help="every scenario at minimal size (seconds)")
+    parser.add_argument("--only", help="comma-separated scenarios: " + ",".join(SCENARIOS))
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output dir (default bench/out)")
+    parser.add_argument("--keep", action="store_true", help="keep the temp dir with every process's log")
+    parser.add_argument("--without", default="", help="act as if these were not installed: wrk,nchan")
+    args = parser.parse_args(argv)
+    names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SCENARIOS]
+    if unknown:
+        parser.error(f"unknown scenario(s): {', '.join(unknown)}")
+
+    without = {w.strip() for w in args.without.split(",") if w.strip()}
+    _raise_fd_limit()
+    sizes = SMOKE if args.smoke else FULL
+    missing = []
+    have_wrk = wrk_path() is not None and "wrk" not in without
+    if not have_wrk:
+        missing.append("wrk (the HTTP scenarios fall back to the Python load client)")
+    nchan = nchan_missing() or (f"nginx + nchan disabled by --without; {INSTALL_HINT}" if "nchan" in without else None)
+    if nchan:
+        missing.append("nginx + nchan (the SSE and long-poll baselines are unavailable)")
+    if missing and not args.smoke:
+        print(f"note: missing {'; '.join(missing)}; {INSTALL_HINT}", file=sys.stderr)
+
+    root = Path(tempfile.mkdtemp(prefix="herald-bench-"))
+    results: list[dict] = []
+    failed = False
+    started = time.monotonic()
+    with Procs(root / "logs") as procs:
+        ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan)
+        for name in names:
+            ctx.say(f"scenario {name}")
+            t0 = time.monotonic()
+            try:
+                outcome = SCENARIOS[name](ctx)
+            except Exception as exc:  # one broken scenario must not hide the others' numbers
+                failed = True
+                traceback.print_exc()
+                outcome = Outcome(name, name, "-")
+                outcome.error = f"{type(exc).__name__}: {exc}"
+                outcome.baseline_unavailable("the scenario failed")
+            finally:
+                procs.stop_all()
+            outcome.elapsed_s = time.monotonic() - t0
+            results.append(outcome.as_dict())
+
+    document = {
+        "mode": "smoke" if args.smoke else "full",
+        "started_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() - (time.monotonic() - started))),
+        "elapsed_s": round(time.monotonic() - started, 1),
+        "environment": report.environment(),
+        "tools": {"wrk": have_wrk, "nchan": nchan is None},
+        "scenarios": results,
+    }
+    out_json = args.out / "results.json"
+    report.write_json(out_json, document)
+    chart_note = report.chart(args.out / "results.png", results)
+    print()
+    print(report.table(results))
+    print()
+    print("targets:")
+    print(report.targets(results))
+    print()
+    print(f"wrote {out_json}" + (f" ({chart_note})" if chart_note else f" and {args.out / 'results.png'}"))
+    if missing:
+        print(f"note: missing {'; '.join(missing)}; {INSTALL_HINT}")
+    if args.keep or failed:
+        print(f"logs kept in {root}")
+    else:
+        shutil.rmtree(root, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

