@@ -20,6 +20,7 @@ from pathlib import Path
 from bench import report
 from bench.config import FULL, SMOKE
 from bench.procs import Procs
+from bench.profile import summarize
 from bench.scenario import Context, Outcome
 from bench.scenarios import SCENARIOS
 from bench.systems import INSTALL_HINT, nchan_missing
@@ -41,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output dir (default bench/out)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir with every process's log")
     parser.add_argument("--without", default="", help="act as if these were not installed: wrk,nchan")
+    parser.add_argument("--profile", default="", help="py-spy these Herald roles: gateway,worker,notifier "
+                        "(raw stacks in <out>/profiles/, summaries printed)")
     args = parser.parse_args(argv)
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -64,7 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     failed = False
     started = time.monotonic()
-    with Procs(root / "logs") as procs:
+    roles = frozenset(r.strip() for r in args.profile.split(",") if r.strip())
+    with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
         ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan)
         for name in names:
             ctx.say(f"scenario {name}")
@@ -100,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     print(report.targets(results))
     print()
     print(f"wrote {out_json}" + (f" ({chart_note})" if chart_note else f" and {args.out / 'results.png'}"))
+    if roles:
+        time.sleep(1.0)  # py-spy writes its file once its target has exited
+        for path in procs.profiles:
+            if path.exists():
+                print()
+                print(summarize(path, top=15))
     if missing:
         print(f"note: missing {'; '.join(missing)}; {INSTALL_HINT}")
     if args.keep or failed:

@@ -128,6 +128,9 @@ class Procs:
 
     root: Path
     started: list[Proc] = field(default_factory=list)
+    profile: frozenset[str] = frozenset()  # roles to run py-spy on (see bench/profile.py)
+    profile_dir: Path | None = None
+    profiles: list[Path] = field(default_factory=list)
 
     def __enter__(self) -> Procs:
         self.root.mkdir(parents=True, exist_ok=True)
@@ -145,7 +148,27 @@ class Procs:
         proc = Proc(name, popen, log)
         proc.stop_signal = stop_signal  # type: ignore[attr-defined]
         self.started.append(proc)
+        if self.profile_dir is not None and any(name.endswith("-" + role) or name.rstrip("0123456789").endswith(
+                "-" + role) for role in self.profile):
+            self._attach_profiler(proc)
         return proc
+
+    def _attach_profiler(self, proc: Proc) -> None:
+        from bench.profile import record_argv
+
+        assert self.profile_dir is not None
+        self.profile_dir.mkdir(parents=True, exist_ok=True)
+        output = self.profile_dir / f"{proc.name}.txt"
+        index = 1
+        while output.exists() or output in self.profiles:
+            index += 1
+            output = self.profile_dir / f"{proc.name}-{index}.txt"
+        self.profiles.append(output)
+        log = self.root / f"py-spy-{output.stem}.log"
+        with open(log, "ab") as handle:
+            # Not in ``started``: py-spy ends by itself when its target exits, and writes then.
+            subprocess.Popen(record_argv(proc.pid, output), stdout=handle, stderr=subprocess.STDOUT,
+                             stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def stop(self, proc: Proc) -> None:
         proc.stop(getattr(proc, "stop_signal", signal.SIGTERM))

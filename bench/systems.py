@@ -96,7 +96,8 @@ class Herald:
         )
 
     def _spawn(self, name: str, command: str, env: Mapping[str, str]) -> Proc:
-        proc = self.procs.spawn(f"{self.root.name}-{name}", [sys.executable, "-m", "herald.cli", command], env)
+        proc = self.procs.spawn(f"{self.root.parent.name}-{self.root.name}-{name}",
+                                [sys.executable, "-m", "herald.cli", command], env)
         self.processes[name] = proc
         return proc
 
