@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output dir (default bench/out)")
     parser.add_argument("--keep", action="store_true", help="keep the temp dir with every process's log")
     parser.add_argument("--without", default="", help="act as if these were not installed: wrk,nchan")
+    parser.add_argument("--set", action="append", default=[], metavar="HERALD_X=VALUE",
+                        help="a setting for every Herald process (experiments, e.g. HERALD_LOG_LEVEL=warning)")
     parser.add_argument("--profile", default="", help="py-spy these Herald roles: gateway,worker,notifier "
                         "(raw stacks in <out>/profiles/, summaries printed)")
     args = parser.parse_args(argv)
@@ -67,9 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     results: list[dict] = []
     failed = False
     started = time.monotonic()
+    overrides = dict(item.split("=", 1) for item in args.set)
+    if any(not k.startswith("HERALD_") for k in overrides):
+        parser.error("--set takes HERALD_* settings")
     roles = frozenset(r.strip() for r in args.profile.split(",") if r.strip())
     with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
-        ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan)
+        ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
+                      herald_env=overrides)
         for name in names:
             ctx.say(f"scenario {name}")
             t0 = time.monotonic()
@@ -92,6 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "elapsed_s": round(time.monotonic() - started, 1),
         "environment": report.environment(),
         "tools": {"wrk": have_wrk, "nchan": nchan is None},
+        "herald_settings": overrides,
         "scenarios": results,
     }
     out_json = args.out / "results.json"

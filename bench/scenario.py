@@ -28,6 +28,7 @@ class Context:
     smoke: bool
     wrk: bool
     nchan_missing: str | None  # why nginx + nchan cannot run, or None
+    herald_env: dict[str, str] = field(default_factory=dict)  # --set: settings for every Herald process
     started: float = field(default_factory=time.monotonic)
 
     def dir(self, name: str) -> Path:

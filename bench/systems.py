@@ -84,16 +84,17 @@ class Herald:
         return f"http://127.0.0.1:{self.port}"
 
     def env(self, **extra: str) -> dict[str, str]:
-        return clean_env(
+        env = clean_env(
             HERALD_NATS_URL=self.nats.url,
             HERALD_DATA_DIR=str(self.data_dir),
             HERALD_API_KEYS=f"{TENANT}:{API_KEY}",
             HERALD_RATE_LIMIT="0",  # 0: no per-tenant start limit (the bench is one tenant)
             HERALD_WEBHOOK_ALLOW_PRIVATE="1",  # the receiver is on 127.0.0.1
             HERALD_REPORT_PAGE_MS="0",
-            **self.settings,
-            **extra,
         )
+        env.update(self.settings)
+        env.update(extra)
+        return env
 
     def _spawn(self, name: str, command: str, env: Mapping[str, str]) -> Proc:
         proc = self.procs.spawn(f"{self.root.parent.name}-{self.root.name}-{name}",

@@ -19,7 +19,7 @@ from bench.systems import BareApp, Herald
 def run(ctx: Context) -> Outcome:
     out = Outcome("accept", "POST /reports -> 202 (durable commit)", "bare Litestar POST (same uvicorn: h11, 1 process)")
     work = ctx.dir("accept")
-    herald = Herald(ctx.procs, work / "herald")
+    herald = Herald(ctx.procs, work / "herald", **ctx.herald_env)
     herald.start_gateway()
     bare = BareApp(ctx.procs, None)
     h_target, b_target = post_report(herald.port, auth=True), post_report(bare.port, auth=False)

@@ -85,7 +85,7 @@ def _wait_for(receiver: Receiver, ids: set[str], timeout: float) -> dict[str, tu
 
 def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
     sizes = ctx.sizes
-    herald = Herald(ctx.procs, ctx.dir("e2e") / "herald")
+    herald = Herald(ctx.procs, ctx.dir("e2e") / "herald", **ctx.herald_env)
     herald.start_gateway()
     workers = [herald.start_worker(f"worker{i}") for i in range(2)]
     notifier = herald.start_notifier()

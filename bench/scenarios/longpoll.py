@@ -25,7 +25,7 @@ def _request(port: int, path: str, extra: tuple[str, ...] = ()) -> bytes:
 
 
 async def _herald(ctx: Context, n: int) -> dict[str, Any]:
-    herald = Herald(ctx.procs, ctx.dir("longpoll") / "herald")
+    herald = Herald(ctx.procs, ctx.dir("longpoll") / "herald", **ctx.herald_env)
     herald.data_dir.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(herald.start_gateway)
     async with Driver(herald.db_path, herald.nats.url) as driver:

@@ -21,7 +21,7 @@ def run(ctx: Context) -> Outcome:
     out = Outcome("poll", f"GET /jobs/{{id}} over {ctx.sizes.poll_jobs:,} jobs",
                   "bare Litestar + aiosqlite primary-key lookup (same file)")
     work = ctx.dir("poll")
-    herald = Herald(ctx.procs, work / "herald")
+    herald = Herald(ctx.procs, work / "herald", **ctx.herald_env)
     herald.data_dir.mkdir(parents=True, exist_ok=True)
     ctx.say(f"poll: seeding {ctx.sizes.poll_jobs:,} jobs")
     ids = asyncio.run(seed_jobs(herald.db_path, TENANT, ctx.sizes.poll_jobs))

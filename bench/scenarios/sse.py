@@ -80,7 +80,7 @@ async def _nchan_case(ctx: Context, n: int, payload: bytes) -> dict[str, Any]:
 
 
 async def _run(ctx: Context, out: Outcome) -> None:
-    herald = Herald(ctx.procs, ctx.dir("sse") / "herald")
+    herald = Herald(ctx.procs, ctx.dir("sse") / "herald", **ctx.herald_env)
     herald.data_dir.mkdir(parents=True, exist_ok=True)
     herald_cases: dict[str, Any] = {}
     nchan_cases: dict[str, Any] = {}

@@ -88,7 +88,7 @@ def run(ctx: Context) -> Outcome:
     endpoints = sizes.webhook_endpoints
     out = Outcome("webhooks", f"signed webhook deliveries ({endpoints} endpoints, verifying receiver)",
                   f"raw signed POSTs, one process, {sizes.webhook_concurrency} in flight: aiohttp (ratio), httpx")
-    herald = Herald(ctx.procs, ctx.dir("webhooks") / "herald")
+    herald = Herald(ctx.procs, ctx.dir("webhooks") / "herald", **ctx.herald_env)
     herald.start_gateway()
     herald.start_notifier()
     port = free_port()
