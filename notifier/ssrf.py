@@ -38,6 +38,10 @@ def check_url_syntax(url: str, *, allow_private: bool) -> None:
         raise UnsafeUrl("must be an https URL")
     if not parts.hostname:
         raise UnsafeUrl("must name a host")
+    try:
+        parts.hostname.encode("idna")  # what the resolver and the TLS layer will need
+    except UnicodeError:
+        raise UnsafeUrl("the host is not a valid domain name") from None
     if parts.username or parts.password:
         raise UnsafeUrl("must not carry credentials")
     if port == 0:
@@ -64,7 +68,7 @@ async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
         infos = await asyncio.get_running_loop().getaddrinfo(
             parts.hostname, parts.port or 443, type=socket.SOCK_STREAM
         )
-    except OSError as exc:
+    except (OSError, UnicodeError, ValueError) as exc:
         raise UnsafeUrl(f"host does not resolve: {exc}") from exc
     if not infos or not all(_is_public(str(info[4][0])) for info in infos):
         raise UnsafeUrl("must resolve to a public address")

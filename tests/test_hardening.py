@@ -169,3 +169,15 @@ def test_held_connections_are_capped_per_tenant(fresh: Deployment) -> None:
         wait_until(lambda: http.get(f"/jobs/{job['id']}", params={"wait": 1},
                                     headers={"If-None-Match": 'W/"1"'}).status_code in (200, 304),
                    what="capacity back once streams close")
+
+
+def test_host_names_that_cannot_be_encoded_are_400_not_500(herald: Deployment) -> None:
+    """Found by the fuzzer: a callback or webhook host the IDNA codec rejects."""
+    odd = ['https://\u9387\U0002213a\u009a\u00e5', 'https://a..b/x', "https://" + "a" * 70 + ".example/x"]
+    with client(herald.url(), "globex") as http:
+        for url in odd:
+            start = http.post("/exports", json={"format": "csv", "rows": 1, "callback_url": url})
+            assert start.status_code == 400, (url, start.text)
+            assert start.json()["errors"][0]["field"] == "callback_url"
+            hook = http.post("/webhooks", json={"url": url})
+            assert hook.status_code == 400, (url, hook.text)
