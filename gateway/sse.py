@@ -8,6 +8,7 @@ and logged; it reconnects with Last-Event-ID and misses nothing.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -55,15 +56,36 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
             await self._listen_for_disconnect(cancel_scope=group.cancel_scope, receive=receive)
 
     async def _send_bounded(self, send: Send, scope: anyio.CancelScope) -> None:
+        # One watchdog timer per stream, not a timeout per chunk: under fan-out a cancel
+        # scope and a timer per event and subscriber cost more than the send itself. The
+        # watchdog looks every SEND_TIMEOUT_S / 2, so a stuck send is dropped after
+        # SEND_TIMEOUT_S to 1.5 x SEND_TIMEOUT_S.
+        loop = asyncio.get_running_loop()
+        sending_since: float | None = None
+        timed_out = False
+        watchdog: asyncio.TimerHandle | None = None
+
+        def watch() -> None:
+            nonlocal watchdog, timed_out
+            if sending_since is not None and loop.time() - sending_since >= SEND_TIMEOUT_S:
+                timed_out = True
+                scope.cancel()
+                return
+            watchdog = loop.call_later(SEND_TIMEOUT_S / 2, watch)
+
+        watchdog = loop.call_later(SEND_TIMEOUT_S / 2, watch)
         try:
             async for chunk in self.iterator:
-                with anyio.fail_after(SEND_TIMEOUT_S):
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})  # type: ignore[typeddict-item]
+                sending_since = loop.time()
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})  # type: ignore[typeddict-item]
+                sending_since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
-        except TimeoutError:
-            metrics().sse_dropped.labels(reason="send_timeout").inc()
-            log.warning("SSE client too slow, dropped")
         finally:
+            if watchdog is not None:
+                watchdog.cancel()
+            if timed_out:
+                metrics().sse_dropped.labels(reason="send_timeout").inc()
+                log.warning("SSE client too slow, dropped")
             scope.cancel()
 
 
