@@ -60,8 +60,12 @@ def _resume_point(request: Request, query_value: str | None) -> int | None:
 
 async def _next(subscriber: Subscriber) -> JobEvent | None | bytes:
     """The next hub item, or the keep-alive frame after KEEPALIVE_S of silence."""
+    queue = subscriber.queue
+    if not queue.empty():
+        return queue.get_nowait()
     try:
-        return await asyncio.wait_for(subscriber.queue.get(), timeout=KEEPALIVE_S)
+        async with asyncio.timeout(KEEPALIVE_S):
+            return await queue.get()
     except TimeoutError:
         return KEEPALIVE_FRAME
 
