@@ -74,6 +74,10 @@ class Hub:
             log.error("undecodable event", extra={"subject": message.subject})
             return
         self.publish(event)
+        # nats-py hands a burst of messages to this callback back to back, without yielding
+        # to the loop in between; yield once per message, so that streams drain their queues
+        # while the burst lasts instead of overflowing (and being dropped as slow readers).
+        await asyncio.sleep(0)
 
     def publish(self, event: JobEvent) -> None:
         """Wake everything that waits on this event's job or tenant. Duplicates are fine."""
