@@ -83,21 +83,13 @@ def create_app(db_path: Path | None) -> Litestar:
 def main() -> None:
     import uvicorn
 
+    from herald.cli import server_config
+
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--db", type=Path)
     args = parser.parse_args()
-    config = uvicorn.Config(  # as herald.cli.run_gateway
-        create_app(args.db),
-        host="127.0.0.1",
-        port=args.port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=3,
-        loop="uvloop",
-        http="h11",
-    )
+    config = server_config(create_app(args.db), "127.0.0.1", args.port)  # the gateway's own settings
     uvicorn.Server(config).run()
 
 

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 from collections.abc import Awaitable, Callable
+from typing import Any
 import signal
 import sys
 
@@ -26,6 +27,24 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings.with_changes(**changes) if changes else settings
 
 
+def server_config(app: Any, host: str, port: int) -> Any:
+    """The HTTP server settings of a gateway (the benchmark's baseline app uses them too)."""
+    import uvicorn
+
+    return uvicorn.Config(
+        app,
+        host=host,
+        port=port,
+        log_config=None,
+        access_log=False,
+        lifespan="on",
+        timeout_graceful_shutdown=3,
+        loop="uvloop",
+        # h11 writes header names as given (httptools lower-cases them): see gateway/headers.py.
+        http="h11",
+    )
+
+
 def run_gateway(settings: Settings) -> int:
     import uvicorn
 
@@ -43,18 +62,7 @@ def run_gateway(settings: Settings) -> int:
     # 100th young collection walks all the streams' long-lived ones (a pause of tens of ms
     # at 1 000 streams, hundreds at 5 000). Only cyclic garbage waits longer to be freed.
     gc.set_threshold(10_000, 10, 10)
-    config = uvicorn.Config(
-        app,
-        host=settings.http_host,
-        port=settings.http_port,
-        log_config=None,
-        access_log=False,
-        lifespan="on",
-        timeout_graceful_shutdown=3,
-        loop="uvloop",
-        # h11 writes header names as given (httptools lower-cases them): see gateway/headers.py.
-        http="h11",
-    )
+    config = server_config(app, settings.http_host, settings.http_port)
     uvicorn.Server(config).run()
     return 0
 
