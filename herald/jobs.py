@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sqlite3
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
 
 import msgspec
 
@@ -37,9 +38,13 @@ class JobRow:
     callback_url: str | None
 
     @classmethod
-    def from_row(cls, row: sqlite3.Row) -> JobRow:
-        values = dict(row)
+    def from_mapping(cls, row: Mapping[str, Any]) -> JobRow:
+        """From any backend's row (sqlite3.Row, asyncpg.Record): columns named as the fields."""
+        values = {f.name: row[f.name] for f in fields(cls)}
         values["cancel_requested"] = bool(values["cancel_requested"])
+        for name in ("params", "error"):
+            if values[name] is not None:
+                values[name] = bytes(values[name])
         return cls(**values)
 
     @property
@@ -103,6 +108,19 @@ class IdempotencyMismatch(StoreError):
     def __init__(self, key: str) -> None:
         super().__init__(f"Idempotency-Key {key!r} was used with a different request")
         self.key = key
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be reached now (starting, network, failover); retry later."""
+
+
+class RateLimited(StoreError):
+    """The tenant's start budget is spent; a token is back after ``wait_s``."""
+
+    def __init__(self, tenant: str, wait_s: float) -> None:
+        super().__init__(f"tenant {tenant!r} is over its start rate")
+        self.tenant = tenant
+        self.wait_s = wait_s
 
 
 class TransitionRejected(StoreError):

@@ -6,7 +6,6 @@ Nothing else in Herald reads ``os.environ``.
 from __future__ import annotations
 
 import os
-import secrets
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -76,6 +75,9 @@ class Settings:
     log_format: str = "json"
     log_level: str = "info"
     signing_secrets: tuple[str, ...] = field(default=(), repr=False)
+    database_url: str | None = field(default=None, repr=False)  # postgresql://...: the PostgreSQL store
+    result_store: str = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
+    nats_replicas: int = 1
 
     @property
     def db_path(self) -> Path:
@@ -92,6 +94,19 @@ class Settings:
     @property
     def effective_nats_url(self) -> str:
         return self.nats_url or f"nats://127.0.0.1:{self.nats_port}"
+
+    @property
+    def nats_servers(self) -> list[str]:
+        """Every server of the cluster (HERALD_NATS_URL may list several, comma-separated)."""
+        return [url.strip() for url in self.effective_nats_url.split(",") if url.strip()]
+
+    @property
+    def uses_postgres(self) -> bool:
+        return self.database_url is not None
+
+    @property
+    def effective_result_store(self) -> str:
+        return self.result_store or ("nats" if self.uses_postgres else "file")
 
     @property
     def first_api_key(self) -> str:
@@ -129,7 +144,13 @@ class Settings:
             return (get(name) or "").lower() in ("1", "true", "yes", "on")
 
         metrics = get("METRICS_PORT")
-        secrets_raw = get("SIGNING_SECRETS")
+        secrets_raw = get("SIGNING_KEY") or get("SIGNING_SECRETS")
+        database_url = get("DATABASE_URL")
+        if database_url is not None and not database_url.startswith(("postgresql://", "postgres://")):
+            raise SettingsError("HERALD_DATABASE_URL must be a postgresql:// URL")
+        result_store = (get("RESULT_STORE") or "").lower()
+        if result_store not in ("", "file", "nats"):
+            raise SettingsError("HERALD_RESULT_STORE must be 'file' or 'nats'")
         return cls(
             data_dir=Path(get("DATA_DIR") or "./var"),
             nats_url=get("NATS_URL"),
@@ -158,26 +179,12 @@ class Settings:
             log_format=(get("LOG_FORMAT") or "json").lower(),
             log_level=(get("LOG_LEVEL") or "info").lower(),
             signing_secrets=tuple(s for s in (secrets_raw or "").split(",") if s),
+            database_url=database_url,
+            result_store=result_store,
+            nats_replicas=max(1, int(num("NATS_REPLICAS", 1, int))),
         )
 
-    def signing_keys(self) -> tuple[bytes, ...]:
-        """Keys for signed URLs: the first signs, all verify (rotation).
-
-        Without HERALD_SIGNING_SECRETS a random secret is kept in the data dir, so every
-        process sharing that dir (and a restart) agrees on it.
-        """
-        if self.signing_secrets:
-            return tuple(s.encode() for s in self.signing_secrets)
-        path = self.data_dir / "signing.key"
-        if not path.exists():
-            self.data_dir.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
-            tmp.write_text(secrets.token_urlsafe(32))
-            tmp.chmod(0o600)
-            try:
-                os.link(tmp, path)  # atomic: the first process to get here wins
-            except FileExistsError:
-                pass
-            finally:
-                tmp.unlink()
-        return (path.read_text().strip().encode(),)
+    def configured_signing_keys(self) -> tuple[bytes, ...]:
+        """HERALD_SIGNING_KEY's keys (comma-separated: the first signs, all verify, for
+        rotation). Empty: the store keeps a generated one (``JobStore.signing_key``)."""
+        return tuple(s.encode() for s in self.signing_secrets)

@@ -1,0 +1,118 @@
+"""What the webhook store hands out: endpoints, deliveries, attempts, claims.
+
+Herald's own row types, shared by every storage backend and by the notifier and the
+webhook routes. Nothing here knows about SQL.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+import msgspec
+
+from notifier.signing import SigningKey
+from schemas import JobEvent
+
+PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
+CALLBACK_PREFIX = "callback:"
+
+
+def callback_owner(tenant: str) -> str:
+    """The key owner for a tenant's ``callback_url`` deliveries (endpoints own keys by id)."""
+    return f"callback:{tenant}"
+
+
+def event_id(event: JobEvent) -> str:
+    """The ``webhook-id``: one per event, the same for every endpoint and every retry."""
+    return f"evt_{event.job_id}.{event.version}"
+
+
+def _decode_list(value: Any) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if isinstance(value, (str, bytes)):
+        return tuple(msgspec.json.decode(value))
+    return tuple(value)
+
+
+@dataclass(frozen=True, slots=True)
+class EndpointRow:
+    id: str
+    tenant: str
+    url: str
+    event_types: tuple[str, ...]
+    kinds: tuple[str, ...] | None
+    signature: str
+    status: str
+    created_at: float
+    updated_at: float
+    failing_since: float | None
+
+    @classmethod
+    def from_mapping(cls, row: Mapping[str, Any]) -> EndpointRow:
+        values = {f.name: row[f.name] for f in fields(cls)}
+        values["event_types"] = _decode_list(values["event_types"]) or ()
+        values["kinds"] = _decode_list(values["kinds"])
+        return cls(**values)
+
+    def wants(self, event_type: str, kind: str) -> bool:
+        return (
+            self.status == "enabled"
+            and event_type in self.event_types
+            and (self.kinds is None or kind in self.kinds)
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRow:
+    n: int
+    at: float
+    status_code: int | None
+    latency_ms: float | None
+    error: str | None
+    response: bytes | None
+
+
+@dataclass(frozen=True, slots=True)
+class DeliveryRow:
+    seq: int
+    id: str
+    tenant: str
+    target: str
+    endpoint_id: str | None
+    url: str | None
+    event_id: str
+    job_id: str
+    version: int
+    type: str
+    status: str
+    attempts: int
+    scheduled_at: float
+    next_attempt_at: float | None
+    lease_owner: str | None
+    lease_until: float | None
+    created_at: float
+    updated_at: float
+
+    @classmethod
+    def from_mapping(cls, row: Mapping[str, Any]) -> DeliveryRow:
+        return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class Claimed:
+    """A leased delivery with everything needed to send it."""
+
+    delivery: DeliveryRow
+    url: str
+    body: bytes
+    keys: tuple[SigningKey, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Finished:
+    status: str  # delivered, pending (retry), failed, superseded; dropped: deleted meanwhile
+    next_attempt_at: float | None
+    endpoint_disabled: bool

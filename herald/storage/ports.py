@@ -1,0 +1,266 @@
+"""The storage contract: every fact Herald shares between processes goes through these ports.
+
+Two backends implement them: SQLite (``herald.storage.sqlite``, the embedded default, one
+machine) and PostgreSQL (``herald.storage.postgres``, any number of machines). Results
+have their own port with two backends too: local files and the NATS object store
+(``herald.storage.results``). Callers see only these Protocols and Herald's own row types
+(``herald.jobs``, ``herald.deliveries``): no SQL, no driver rows, no connection handles.
+
+Every method is async. Timestamps are Unix seconds (floats) taken from **the store's
+clock** (SQLite: this machine's; PostgreSQL: the database server's), never the caller's:
+leases, heartbeats, deadlines, retention and retry times are judged by one clock however
+many machines run Herald. ``clock()`` exposes it to callers that compare against stored
+times (the sweeper).
+
+Concurrency rules (each backend must keep them without relying on a database-wide lock):
+
+* **Compare-and-set transitions.** ``transition`` reads the job, checks the ``Change``
+  against it (``herald.transitions.refusal``) and writes only if the row is still at the
+  version it read. If another writer got there first it re-reads and checks again, or
+  refuses (``TransitionRejected``). A stale writer can never overwrite a newer version.
+* **Exclusive claims.** ``DeliveryQueue.claim`` leases only deliveries nobody else holds
+  (PostgreSQL: ``FOR UPDATE SKIP LOCKED``); two notifiers never send one delivery at once.
+* **Idempotency converges.** Two ``accept`` calls with one tenant's Idempotency-Key at the
+  same moment end with one job: the loser sees the winner's job (``replayed=True``) or a
+  mismatch, never a unique-violation error.
+* **One rate budget.** ``accept`` spends the tenant's start token in the same transaction
+  as the job, so every gateway draws on one bucket, and a start that fails spends nothing.
+* **Ordered history.** Events of one tenant get gap-free, increasing ``seq`` numbers in
+  commit order of their transactions (a per-tenant counter row, updated in the
+  transaction), and one job's events have consecutive versions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from herald.deliveries import AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished
+from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
+from herald.transitions import Change
+from schemas import JobEvent
+
+if TYPE_CHECKING:
+    from notifier.delivery import Outcome
+    from notifier.retry import Plan
+    from notifier.signing import SigningKey
+
+CommitListener = Callable[[JobRow, JobEvent], None]
+
+
+@dataclass(frozen=True, slots=True)
+class StartBudget:
+    """A tenant's token bucket for job starts: ``rate`` per second, up to ``burst`` at once."""
+
+    rate: float
+    burst: float
+
+
+@dataclass(frozen=True, slots=True)
+class OutboxRow:
+    seq: int
+    subject: str
+    msg_id: str
+    payload: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StoreStats:
+    """Gauges for /metrics and back-pressure, read in one go."""
+
+    oldest_queued_age_s: float
+    outbox_pending: int
+    outbox_oldest_age_s: float
+
+
+class JobStore(Protocol):
+    """Jobs, their history (events), the outbox, idempotency keys, tombstones, shared secrets."""
+
+    async def open(self) -> None:
+        """Connect and create or migrate the schema (safe when many processes start at once)."""
+
+    async def close(self) -> None: ...
+
+    async def ping(self) -> None:
+        """Raise if the store cannot be reached now (``/readyz``)."""
+
+    def on_commit(self, callback: CommitListener) -> None:
+        """Called on the loop after each event this process committed (relay wake-up, metrics, logs)."""
+
+    async def clock(self) -> float:
+        """The store's clock, in Unix seconds."""
+
+    # ----- writes ----------------------------------------------------------------------
+
+    async def accept(
+        self, new: NewJob, idempotency: IdempotencyClaim | None = None, budget: StartBudget | None = None
+    ) -> Accepted:
+        """In one transaction: spend a start token (``RateLimited``), resolve the key (replay or
+        ``IdempotencyMismatch``), write the job queued at version 1, its key, its first event
+        and its outbox rows (the event and the work message)."""
+
+    async def transition(self, job_id: str, change: Change) -> Transition:
+        """The only writer of job state: compare-and-set, history row, outbox rows; or
+        ``TransitionRejected`` with nothing changed."""
+
+    async def heartbeat(self, job_id: str, attempt: int) -> JobRow | None:
+        """Move ``heartbeat_at``/``updated_at`` of a running job of this attempt (not an event).
+        None: the job is no longer this worker's."""
+
+    # ----- reads -----------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> JobRow | None: ...
+
+    async def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None: ...
+
+    async def tombstone_tenant(self, job_id: str) -> str | None:
+        """The tenant of a job deleted by retention (``410``), else None."""
+
+    async def list_jobs(
+        self, tenant: str, *, state: str | None, kind: str | None, before: tuple[float, str] | None, limit: int
+    ) -> list[JobRow]:
+        """Newest first (created_at, id), strictly before ``before``."""
+
+    async def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]: ...
+
+    async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]: ...
+
+    async def last_event_seq(self, tenant: str) -> int: ...
+
+    async def stats(self) -> StoreStats: ...
+
+    # ----- outbox ----------------------------------------------------------------------
+
+    async def outbox_batch(self, limit: int) -> list[OutboxRow]:
+        """The oldest unpublished rows, in commit order."""
+
+    async def outbox_done(self, seqs: Sequence[int]) -> None:
+        """Delete rows whose PubAck arrived."""
+
+    # ----- sweeping and retention ------------------------------------------------------
+
+    async def live_jobs(self, *, stale_before: float, deadline_before: float) -> list[JobRow]:
+        """Running jobs whose heartbeat is older than ``stale_before``, and live jobs past
+        their deadline (times on the store's clock)."""
+
+    async def expired(self, at: float, limit: int = 500) -> list[JobRow]:
+        """Jobs whose retention ended by ``at``; the caller deletes their results, then ``forget``s them."""
+
+    async def forget(self, jobs: Sequence[JobRow], at: float) -> None:
+        """Delete jobs with their history and keys, leave tombstones, drop expired keys."""
+
+    # ----- shared secrets --------------------------------------------------------------
+
+    async def signing_key(self) -> bytes:
+        """The deployment's key for signed URLs: generated by the first process to ask, then
+        the same for every process of the deployment."""
+
+
+class WebhookStore(Protocol):
+    """Endpoints, their signing keys, the tenants' callback secrets and the delivery log."""
+
+    async def create_endpoint(
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
+    ) -> tuple[EndpointRow, SigningKey]: ...
+
+    async def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None: ...
+
+    async def list_endpoints(self, tenant: str, *, before: tuple[float, str] | None, limit: int) -> list[EndpointRow]: ...
+
+    async def update_endpoint(self, tenant: str, endpoint_id: str, changes: Mapping[str, Any]) -> EndpointRow | None:
+        """Apply url/event_types/kinds/status; disabling fails the endpoint's pending deliveries."""
+
+    async def delete_endpoint(self, tenant: str, endpoint_id: str) -> bool:
+        """The endpoint with its keys, deliveries and attempts."""
+
+    async def rotate_endpoint_key(self, tenant: str, endpoint_id: str) -> SigningKey | None:
+        """A new current key; the old one keeps signing for the overlap (24 h)."""
+
+    async def callback_key(self, tenant: str) -> SigningKey:
+        """The tenant's current callback secret, created on first use."""
+
+    async def rotate_callback_key(self, tenant: str) -> SigningKey: ...
+
+    async def list_deliveries(
+        self, endpoint_id: str, *, status: str | None, before_seq: int | None, limit: int
+    ) -> list[DeliveryRow]:
+        """Newest first. The caller has already checked that the endpoint is the tenant's."""
+
+    async def attempts(self, delivery_ids: Sequence[str]) -> dict[str, list[AttemptRow]]: ...
+
+    async def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None: ...
+
+    async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
+        """Make a delivery due now, whatever its status (same id, same webhook-id)."""
+
+
+class DeliveryQueue(Protocol):
+    """The durable schedule of webhook deliveries, shared by any number of notifiers."""
+
+    async def fan_out(self, events: Sequence[JobEvent]) -> int:
+        """Record the deliveries of ``events`` (one per matching endpoint, one for the job's
+        callback URL) in one transaction, idempotent per target and event; superseding and
+        progress throttling as in ``notifier.queue``'s rules. Returns how many are pending."""
+
+    async def anything_due(self) -> bool: ...
+
+    async def next_due_after(self, at: float) -> float | None: ...
+
+    async def claim(
+        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
+    ) -> list[Claimed]:
+        """Lease up to ``limit`` due deliveries nobody holds, oldest first, at most ``per_target``
+        in flight per target, never one whose older version of the same job is still pending."""
+
+    async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
+        """Record the attempt and apply its plan in one transaction."""
+
+    async def release(self, delivery_ids: Sequence[str], owner: str) -> None: ...
+
+    async def prune(self, finished_before: float, limit: int = 1000) -> int: ...
+
+
+@dataclass(frozen=True, slots=True)
+class ResultBody:
+    """A stored result, ready to stream: its size and its bytes in chunks."""
+
+    size: int
+    chunks: AsyncIterator[bytes]
+
+
+class ResultStore(Protocol):
+    """Where finished results live. A handler writes a local scratch file; ``commit`` makes it
+    the job's result (durable, visible to every gateway) before the job is marked succeeded."""
+
+    def scratch_path(self, job_id: str, attempt: int, suffix: str) -> Path:
+        """A local file for an attempt to write while it runs. Never visible as a result."""
+
+    async def commit(self, job_id: str, attempt: int, scratch: Path) -> str:
+        """Store the finished scratch file as the result; returns the key kept on the job."""
+
+    async def open(self, key: str) -> ResultBody | None:
+        """The result's bytes, streamed; None if it is gone."""
+
+    async def discard(self, key: str) -> None:
+        """Remove a committed result that lost its race (the job did not succeed with it)."""
+
+    async def delete_job(self, job_id: str) -> None:
+        """Remove every result of the job (retention)."""
+
+    async def close(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Storage:
+    """Everything one process shares with the others, opened once at start."""
+
+    jobs: JobStore
+    webhooks: WebhookStore
+    deliveries: DeliveryQueue
+    results: ResultStore
+
+    async def close(self) -> None:
+        await self.results.close()
+        await self.jobs.close()

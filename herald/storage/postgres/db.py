@@ -1,0 +1,126 @@
+"""PostgreSQL access: one asyncpg pool per process, the schema migrated under an advisory lock.
+
+Every process (gateway, worker, notifier) may run on its own machine, so nothing here
+relies on local state: times come from the server's clock (``clock_timestamp()``), the
+schema is created or upgraded by whichever process gets the advisory lock first (the
+others wait on it, then find nothing left to do), and an unreachable server is retried
+with a log line naming ``HERALD_DATABASE_URL`` instead of crashing the process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+import asyncpg
+
+from herald.jobs import StoreUnavailable
+
+log = logging.getLogger("herald.postgres")
+
+# pg_advisory_xact_lock key for schema migrations ("HERALD" in ASCII, as a bigint).
+MIGRATION_LOCK = 0x48455241_4C44
+# The server's clock in Unix seconds, as every stored time is.
+NOW_SQL = "extract(epoch from clock_timestamp())::double precision"
+
+CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
+    OSError,
+    asyncpg.exceptions.CannotConnectNowError,
+    asyncpg.exceptions.ConnectionDoesNotExistError,
+    asyncpg.exceptions.InterfaceError,
+    asyncpg.exceptions.TooManyConnectionsError,
+    asyncpg.exceptions.AdminShutdownError,
+    asyncpg.exceptions.CrashShutdownError,
+    asyncpg.exceptions.ConnectionFailureError,
+    TimeoutError,
+)
+
+
+class PgDatabase:
+    """The pool and the migrations. ``migrations`` are (name, SQL) pairs applied once, in order."""
+
+    def __init__(self, url: str, migrations: Sequence[tuple[str, str]], *, min_size: int = 1, max_size: int = 10) -> None:
+        self.url = url
+        self.migrations = list(migrations)
+        self._min_size = min_size
+        self._max_size = max_size
+        self._pool: asyncpg.Pool | None = None
+        self._ready = asyncio.Event()
+        self._opener: asyncio.Task[None] | None = None
+
+    @property
+    def pool(self) -> asyncpg.Pool:
+        if self._pool is None or not self._ready.is_set():
+            raise StoreUnavailable("the PostgreSQL store is not reachable yet (HERALD_DATABASE_URL)")
+        return self._pool
+
+    async def open(self, *, wait: bool = True) -> None:
+        """Connect and migrate, retrying while the server is unreachable.
+
+        ``wait=False`` returns at once and keeps trying in the background (the gateway, so
+        that ``/readyz`` can answer 503 meanwhile); calls made before then raise
+        ``StoreUnavailable``.
+        """
+        self._opener = asyncio.create_task(self._open_until_done(), name="postgres-open")
+        if wait:
+            await asyncio.shield(self._opener)
+
+    async def wait_ready(self) -> None:
+        await self._ready.wait()
+
+    async def _open_until_done(self) -> None:
+        delay = 0.2
+        while True:
+            try:
+                pool = await asyncpg.create_pool(
+                    self.url, min_size=self._min_size, max_size=self._max_size, command_timeout=30
+                )
+                assert pool is not None
+                try:
+                    await self._migrate(pool)
+                except BaseException:
+                    await pool.close()
+                    raise
+            except (*CONNECTION_ERRORS, asyncpg.PostgresError) as exc:
+                log.error("cannot open the PostgreSQL store (HERALD_DATABASE_URL): %s; retrying in %.1f s",
+                          exc, delay)
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, 5.0)
+                continue
+            self._pool = pool
+            self._ready.set()
+            log.info("PostgreSQL store open")
+            return
+
+    async def _migrate(self, pool: asyncpg.Pool) -> None:
+        async with pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
+            await conn.execute(
+                "CREATE TABLE IF NOT EXISTS herald_migrations (name TEXT PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
+            )
+            done = {r["name"] for r in await conn.fetch("SELECT name FROM herald_migrations")}
+            for name, sql in self.migrations:
+                if name in done:
+                    continue
+                await conn.execute(sql)
+                await conn.execute(f"INSERT INTO herald_migrations (name, applied_at) VALUES ($1, {NOW_SQL})", name)
+                log.info("schema migration applied", extra={"migration": name})
+
+    async def clock(self) -> float:
+        return float(await self.pool.fetchval(f"SELECT {NOW_SQL}"))
+
+    async def ping(self) -> None:
+        await self.pool.fetchval("SELECT 1")
+
+    async def close(self) -> None:
+        if self._opener is not None and not self._opener.done():
+            self._opener.cancel()
+            try:
+                await self._opener
+            except (asyncio.CancelledError, Exception):
+                pass
+        if self._pool is not None:
+            pool, self._pool = self._pool, None
+            self._ready.clear()
+            await pool.close()
