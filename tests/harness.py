@@ -200,3 +200,10 @@ def stream_state(nats_url: str, stream: str) -> Any:
             await nc.close()
 
     return asyncio.run(read())
+
+
+def new_database(server: Any) -> str:
+    """Create a uniquely named database on ``server`` (a ``herald.pgserver.PostgresServer``); return its URL."""
+    import uuid
+
+    return server.create_database(f"test_{uuid.uuid4().hex[:16]}")
