@@ -351,6 +351,8 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
         url = supervisor.start_nats()
         supervisor.start_postgres()
         supervisor.ensure_topology(url)
+        if supervisor.stopping.is_set():  # Ctrl-C while NATS or PostgreSQL were starting
+            return 0
         supervisor.plan_children(url)
         for child in supervisor.children:
             supervisor.spawn(child)
