@@ -1,0 +1,733 @@
+"""The PostgreSQL job store: jobs, their history (events), the outbox, idempotency keys,
+tombstones, start budgets and shared secrets, for any number of machines.
+
+It behaves as the SQLite store (``herald.storage.sqlite.jobs``) does; what differs is how
+it keeps the concurrency rules of ``herald.storage.ports`` without a database-wide lock.
+
+**Round trips.** Every write is one statement, so it runs as one implicit transaction with
+no ``BEGIN``/``COMMIT`` round trips: the multi-step writes are plpgsql functions created by
+the migration (``herald_accept``, ``herald_transition``, both ending in
+``herald_append_event``: bump the tenant's counter, insert the event, insert the outbox
+rows). The one thing the database cannot compute is the event's payload: it is the status
+object encoded by Python (``JobRow.status()``), and it contains the change's time, which
+must come from the server's clock. So a write first reads that clock (for a transition,
+in the same round trip as the row it judges), encodes, then sends the one statement:
+
+* ``accept``: 2 round trips (clock; ``herald_accept``), on one pooled connection;
+* ``transition``: 2 round trips (row + clock; ``herald_transition``), 2 more per lost race;
+* ``heartbeat``, reads, outbox, retention: 1 round trip each.
+
+(asyncpg's pool adds its reset query when a connection goes back: that is ``PgDatabase``'s
+choice, one per call above however many statements it runs.)
+
+The event's ``seq`` is known only inside the function, so the outbox payload (the JSON
+``JobEvent``, whose first field is ``seq``) is sent without its ``{"seq":N,`` head, which
+the function prepends: the bytes are exactly what ``msgspec`` would encode.
+
+**Compare-and-set.** ``transition`` judges the row it read with ``refusal()`` (the rules
+live in ``herald.transitions``, in Python), then updates ``WHERE id AND version AND
+updated_at`` are still what it read: ``version`` catches other transitions, ``updated_at``
+catches heartbeats (which move no version but matter to ``stale_before``). On a miss it
+reads again and judges again; each miss means another writer committed, so it ends.
+
+**Locking.** No table locks. Row locks, always in one order (rate bucket, idempotency key,
+job, tenant counter), so no deadlocks:
+
+* the tenant's ``rate_buckets`` row: one start budget however many gateways draw on it;
+* ``idempotency_keys``: ``INSERT ... ON CONFLICT DO NOTHING`` claims a key; the loser of a
+  race waits for the winner's commit, then reads its job (replay) or its different
+  fingerprint (mismatch), never a unique violation;
+* the tenant's ``tenant_seq`` row, taken last and held until commit: a tenant's appends
+  are serialised, so its ``seq`` is gap-free and a reader polling ``tenant_events`` never
+  sees seq n+1 before n. Every outbox row is inserted under that lock too, so one tenant's
+  outbox rows become visible in ``outbox.seq`` order.
+
+Retention (``forget``) never waits for a lock (``SKIP LOCKED``), so sweeps in several
+gateways at once share the work instead of deadlocking with each other or with accepts.
+
+**Clock.** Every stored time is the server's (``clock_timestamp()``), never this machine's.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import AsyncIterator, Sequence
+from contextlib import asynccontextmanager
+from dataclasses import replace
+from typing import Any
+
+import asyncpg
+import msgspec
+
+from herald.constants import event_subject, job_subject
+from herald.jobs import (
+    Accepted,
+    IdempotencyClaim,
+    IdempotencyMismatch,
+    JobRow,
+    NewJob,
+    RateLimited,
+    StoreUnavailable,
+    Transition,
+    TransitionRejected,
+)
+from herald.metrics import metrics
+from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
+from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
+from herald.timefmt import rfc3339
+from herald.transitions import Change, event_type, refusal
+from schemas import JobEvent, JobMessage, TERMINAL_STATES
+
+_log = logging.getLogger("herald.store")
+_event_encoder = msgspec.json.Encoder()
+
+SIGNING_KEY_NAME = "url-signing"
+
+# Tables: columns named and typed as SQLite's (times are Unix seconds, blobs are BYTEA), so
+# rows map onto JobRow and other components (the notifier's fan-out) read jobs by name.
+_TABLES = """
+CREATE TABLE IF NOT EXISTS jobs (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    collection TEXT NOT NULL,
+    state TEXT NOT NULL,
+    params BYTEA NOT NULL,
+    progress INTEGER,
+    version INTEGER NOT NULL,
+    attempt INTEGER NOT NULL,
+    cancel_requested BOOLEAN NOT NULL DEFAULT FALSE,
+    created_at DOUBLE PRECISION NOT NULL,
+    updated_at DOUBLE PRECISION NOT NULL,
+    heartbeat_at DOUBLE PRECISION,
+    deadline_at DOUBLE PRECISION NOT NULL,
+    finished_at DOUBLE PRECISION,
+    expires_at DOUBLE PRECISION,
+    result_path TEXT,
+    media_type TEXT,
+    error BYTEA,
+    callback_url TEXT
+);
+CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
+CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
+CREATE INDEX IF NOT EXISTS jobs_queued_since ON jobs (created_at) WHERE state = 'queued';
+CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (expires_at) WHERE expires_at IS NOT NULL;
+
+CREATE TABLE IF NOT EXISTS events (
+    tenant TEXT NOT NULL,
+    seq BIGINT NOT NULL,
+    job_id TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    version INTEGER NOT NULL,
+    type TEXT NOT NULL,
+    at DOUBLE PRECISION NOT NULL,
+    data BYTEA NOT NULL,
+    PRIMARY KEY (tenant, seq)
+);
+CREATE UNIQUE INDEX IF NOT EXISTS events_by_job ON events (job_id, version);
+
+CREATE TABLE IF NOT EXISTS tenant_seq (tenant TEXT PRIMARY KEY, last BIGINT NOT NULL);
+
+CREATE TABLE IF NOT EXISTS outbox (
+    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
+    subject TEXT NOT NULL,
+    msg_id TEXT NOT NULL,
+    payload BYTEA NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS idempotency_keys (
+    tenant TEXT NOT NULL,
+    key TEXT NOT NULL,
+    fingerprint TEXT NOT NULL,
+    job_id TEXT NOT NULL,
+    created_at DOUBLE PRECISION NOT NULL,
+    expires_at DOUBLE PRECISION NOT NULL,
+    PRIMARY KEY (tenant, key)
+);
+CREATE INDEX IF NOT EXISTS idempotency_expiring ON idempotency_keys (expires_at);
+-- forget() deletes a job's keys by job id.
+CREATE INDEX IF NOT EXISTS idempotency_by_job ON idempotency_keys (job_id);
+
+CREATE TABLE IF NOT EXISTS tombstones (
+    job_id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL,
+    deleted_at DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    tenant TEXT PRIMARY KEY,
+    tokens DOUBLE PRECISION NOT NULL,
+    at DOUBLE PRECISION NOT NULL
+);
+
+CREATE TABLE IF NOT EXISTS herald_secrets (
+    name TEXT PRIMARY KEY,
+    value TEXT NOT NULL
+);
+"""
+
+# The writes, each one statement from the client. %NOW% is the server's clock in Unix seconds.
+_FUNCTIONS = """
+CREATE OR REPLACE FUNCTION herald_append_event(
+    p_tenant TEXT, p_job_id TEXT, p_kind TEXT, p_version INTEGER, p_type TEXT, p_at DOUBLE PRECISION,
+    p_data BYTEA, p_event_subject TEXT, p_event_tail BYTEA,
+    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
+) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_seq BIGINT;
+BEGIN
+    -- The tenant's counter row stays locked until commit: seq n+1 is handed out only once
+    -- n has committed (or rolled back, and then n is handed out again). Gap-free, and no
+    -- reader sees a later seq before an earlier one.
+    INSERT INTO tenant_seq AS s (tenant, last) VALUES (p_tenant, 1)
+    ON CONFLICT (tenant) DO UPDATE SET last = s.last + 1
+    RETURNING s.last INTO v_seq;
+    INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data)
+    VALUES (p_tenant, v_seq, p_job_id, p_kind, p_version, p_type, p_at, p_data);
+    -- The JobEvent's JSON begins with its seq: the client sent the rest.
+    INSERT INTO outbox (subject, msg_id, payload, created_at)
+    VALUES (p_event_subject, 'ev.' || p_job_id || '.' || p_version,
+            convert_to('{"seq":' || v_seq || ',', 'UTF8') || p_event_tail, %NOW%);
+    IF p_work_subject IS NOT NULL THEN
+        INSERT INTO outbox (subject, msg_id, payload, created_at)
+        VALUES (p_work_subject, p_work_msg_id, p_work_payload, %NOW%);
+    END IF;
+    RETURN v_seq;
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION herald_accept(
+    p_id TEXT, p_tenant TEXT, p_kind TEXT, p_collection TEXT, p_params BYTEA, p_callback_url TEXT,
+    p_ts DOUBLE PRECISION, p_deadline_s DOUBLE PRECISION,
+    p_key TEXT, p_fingerprint TEXT, p_key_ttl_s DOUBLE PRECISION,
+    p_rate DOUBLE PRECISION, p_burst DOUBLE PRECISION,
+    p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
+    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
+    OUT outcome TEXT, OUT wait_s DOUBLE PRECISION, OUT event_seq BIGINT, OUT job jobs
+) LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_tokens DOUBLE PRECISION;
+    v_at DOUBLE PRECISION;
+    v_now DOUBLE PRECISION;
+    v_key idempotency_keys;
+    v_tries INTEGER := 0;
+BEGIN
+    -- 1. The start budget: judged now, spent only if the start succeeds (a mismatch spends nothing).
+    IF p_rate IS NOT NULL THEN
+        -- A tenant's first start creates its bucket full (as "no row" means); then the row is
+        -- locked, so every gateway's starts of this tenant draw on it one at a time.
+        INSERT INTO rate_buckets (tenant, tokens, at) VALUES (p_tenant, p_burst, %NOW%)
+        ON CONFLICT (tenant) DO NOTHING;
+        SELECT b.tokens, b.at INTO v_tokens, v_at FROM rate_buckets b WHERE b.tenant = p_tenant FOR UPDATE;
+        v_now := %NOW%;  -- read under the lock: the bucket's times only move forward
+        v_tokens := least(p_burst, v_tokens + greatest(0, v_now - v_at) * p_rate);
+        IF v_tokens < 1 THEN
+            outcome := 'limited';
+            wait_s := CASE WHEN p_rate > 0 THEN (1 - v_tokens) / p_rate ELSE 'Infinity'::float8 END;
+            RETURN;
+        END IF;
+    END IF;
+
+    -- 2. The Idempotency-Key: claim it, or find who holds it.
+    IF p_key IS NOT NULL THEN
+        LOOP
+            v_tries := v_tries + 1;
+            IF v_tries > 10 THEN
+                RAISE EXCEPTION 'Idempotency-Key % of tenant % keeps changing', p_key, p_tenant;
+            END IF;
+            -- A racing claim of the same key makes this wait for its commit, then do nothing.
+            INSERT INTO idempotency_keys (tenant, key, fingerprint, job_id, created_at, expires_at)
+            VALUES (p_tenant, p_key, p_fingerprint, p_id, p_ts, p_ts + p_key_ttl_s)
+            ON CONFLICT (tenant, key) DO NOTHING;
+            EXIT WHEN FOUND;  -- the key is ours: a new job
+            SELECT * INTO v_key FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key FOR UPDATE;
+            CONTINUE WHEN NOT FOUND;  -- deleted meanwhile (retention): claim it again
+            IF v_key.expires_at <= p_ts THEN
+                DELETE FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key;
+                CONTINUE;
+            END IF;
+            IF v_key.fingerprint <> p_fingerprint THEN
+                outcome := 'mismatch';  -- nothing written: the claim conflicted, the token is unspent
+                RETURN;
+            END IF;
+            SELECT * INTO job FROM jobs j WHERE j.id = v_key.job_id;
+            IF FOUND THEN
+                IF p_rate IS NOT NULL THEN  -- replays count against the budget (SPEC 10)
+                    UPDATE rate_buckets SET tokens = v_tokens - 1, at = v_now WHERE tenant = p_tenant;
+                END IF;
+                outcome := 'replayed';
+                RETURN;
+            END IF;
+            -- The job is gone (retention) but the key lives on: answer as if new.
+            DELETE FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key;
+        END LOOP;
+    END IF;
+
+    -- 3. The job, queued at version 1, its first event and its work message.
+    IF p_rate IS NOT NULL THEN
+        UPDATE rate_buckets SET tokens = v_tokens - 1, at = v_now WHERE tenant = p_tenant;
+    END IF;
+    INSERT INTO jobs (id, tenant, kind, collection, state, params, progress, version, attempt,
+                      created_at, updated_at, deadline_at, callback_url)
+    VALUES (p_id, p_tenant, p_kind, p_collection, 'queued', p_params, NULL, 1, 0,
+            p_ts, p_ts, p_ts + p_deadline_s, p_callback_url)
+    RETURNING * INTO job;
+    event_seq := herald_append_event(p_tenant, p_id, p_kind, 1, 'job.queued', p_ts, p_event_data,
+                                     p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
+    outcome := 'accepted';
+END
+$fn$;
+
+CREATE OR REPLACE FUNCTION herald_transition(
+    p_id TEXT, p_seen_version INTEGER, p_seen_updated_at DOUBLE PRECISION,
+    p_state TEXT, p_progress INTEGER, p_attempt INTEGER, p_cancel_requested BOOLEAN,
+    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT,
+    p_finished_at DOUBLE PRECISION, p_expires_at DOUBLE PRECISION, p_updated_at DOUBLE PRECISION,
+    p_event_type TEXT, p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
+    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
+) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_tenant TEXT;
+    v_kind TEXT;
+BEGIN
+    -- Compare-and-set: only the row the client judged. Heartbeats move updated_at (not
+    -- version), so both are compared. NULL: it moved; the client reads and judges again.
+    UPDATE jobs j SET
+        state = p_state, progress = p_progress, attempt = p_attempt, cancel_requested = p_cancel_requested,
+        heartbeat_at = p_heartbeat_at, error = p_error, result_path = p_result_path, media_type = p_media_type,
+        finished_at = p_finished_at, expires_at = p_expires_at, updated_at = p_updated_at,
+        version = p_seen_version + 1
+    WHERE j.id = p_id AND j.version = p_seen_version AND j.updated_at = p_seen_updated_at
+    RETURNING j.tenant, j.kind INTO v_tenant, v_kind;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    RETURN herald_append_event(v_tenant, p_id, v_kind, p_seen_version + 1, p_event_type, p_updated_at, p_event_data,
+                               p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
+END
+$fn$;
+""".replace("%NOW%", NOW_SQL)
+
+MIGRATIONS: list[tuple[str, str]] = [("jobs-1", _TABLES + _FUNCTIONS)]
+
+# ----- statements ---------------------------------------------------------------------------
+
+_CLOCK = f"SELECT {NOW_SQL}"
+
+_ACCEPT = (
+    "SELECT a.outcome, a.wait_s, a.event_seq, (a.job).* FROM herald_accept("
+    + ", ".join(f"${n}" for n in range(1, 20))
+    + ") AS a"
+)
+
+# The row to judge and the server's time to stamp the change with, in one round trip.
+_READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
+
+_TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 22)) + ")"
+
+# GREATEST: a transition that committed while this statement waited for the row keeps its
+# (possibly later) time; a job's updated_at never goes back.
+_HEARTBEAT = (
+    "UPDATE jobs AS j SET heartbeat_at = GREATEST(c.now, j.updated_at), updated_at = GREATEST(c.now, j.updated_at)"
+    f" FROM (SELECT {NOW_SQL} AS now) AS c"
+    " WHERE j.id = $1 AND j.state = 'running' AND j.attempt = $2 RETURNING j.*"
+)
+
+_STATS = (
+    f"SELECT {NOW_SQL} AS now,"
+    " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued') AS queued_since,"
+    " (SELECT COUNT(*) FROM outbox) AS outbox_pending,"
+    " (SELECT MIN(created_at) FROM outbox) AS outbox_since"
+)
+
+# One statement (data-modifying CTEs all run, whether or not the final SELECT reads them)
+# that never waits for a lock: a job another gateway's sweep is forgetting right now is
+# its to finish (SKIP LOCKED), and so is a key an accept holds (the key then outlives its
+# job, which accept treats as "job gone": a new job). So two sweeps, or a sweep and an
+# accept, cannot deadlock.
+_FORGET = """
+WITH doomed AS (
+         SELECT id, tenant FROM jobs WHERE id = ANY($1::text[]) AND expires_at <= $2 FOR UPDATE SKIP LOCKED
+     ),
+     gone_events AS (DELETE FROM events WHERE job_id IN (SELECT id FROM doomed)),
+     gone_keys AS (
+         DELETE FROM idempotency_keys WHERE ctid IN (
+             SELECT ctid FROM idempotency_keys
+             WHERE job_id IN (SELECT id FROM doomed) OR expires_at <= $2
+             FOR UPDATE SKIP LOCKED)
+     ),
+     gone_jobs AS (DELETE FROM jobs WHERE id IN (SELECT id FROM doomed)),
+     tombs AS (
+         INSERT INTO tombstones (job_id, tenant, deleted_at) SELECT id, tenant, $2 FROM doomed
+         ON CONFLICT (job_id) DO UPDATE SET tenant = excluded.tenant, deleted_at = excluded.deleted_at
+     )
+SELECT COUNT(*) FROM doomed
+"""
+
+# ----- what the statements carry ------------------------------------------------------------
+
+
+def _queued_row(new: NewJob, ts: float) -> JobRow:
+    """The row ``herald_accept`` writes for a new job (to encode its first event beforehand)."""
+    return JobRow(
+        id=new.id, tenant=new.tenant, kind=new.kind, collection=new.collection, state="queued",
+        params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
+        created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
+        finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
+        callback_url=new.callback_url,
+    )
+
+
+def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
+    """The row after ``change`` at time ``ts``: the same rules as the SQLite store's transition."""
+    values: dict[str, Any] = {"updated_at": ts}
+    to = change.to or before.state
+    values["state"] = to
+    if change.claim:
+        values["attempt"] = max(before.attempt, 1)
+        values["heartbeat_at"] = ts
+    if change.requeue:
+        values["attempt"] = before.attempt + 1
+        values["heartbeat_at"] = None
+        values["progress"] = None
+    if change.progress is not None:
+        values["progress"] = change.progress
+    if change.cancel_requested is not None:
+        values["cancel_requested"] = change.cancel_requested
+    if change.error is not None:
+        values["error"] = _event_encoder.encode(change.error)
+    if change.result_path is not None:
+        values["result_path"] = change.result_path
+        values["media_type"] = change.media_type
+    if to in TERMINAL_STATES:
+        values["finished_at"] = ts
+        values["expires_at"] = ts + retention_s
+        if to == "succeeded":
+            values["progress"] = 100
+    return replace(before, **values, version=before.version + 1)
+
+
+_SEQ_HEAD = b'{"seq":0,'
+
+
+def _unnumbered_event(job: JobRow, kind_of_change: str) -> tuple[JobEvent, bytes]:
+    """The job's event for its current version, without its seq (known only in the database),
+    and the outbox payload minus its ``{"seq":N,`` head, which ``herald_append_event`` adds."""
+    event = JobEvent(
+        seq=0,
+        tenant=job.tenant,
+        job_id=job.id,
+        kind=job.kind,
+        version=job.version,
+        type=kind_of_change,
+        at=rfc3339(job.updated_at) or "",
+        data=msgspec.Raw(_event_encoder.encode(job.status())),
+    )
+    payload = _event_encoder.encode(event)
+    assert payload.startswith(_SEQ_HEAD), "JobEvent must encode seq first"
+    return event, payload[len(_SEQ_HEAD):]
+
+
+def _work_message(job: JobRow) -> tuple[str, str, bytes]:
+    """Subject, Nats-Msg-Id and msgpack body of the job's work message for its current attempt."""
+    # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
+    # JetStream's duplicate window would swallow it.
+    msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
+    message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
+    return job_subject(job.kind), msg_id, msgspec.msgpack.encode(message)
+
+
+def _event_from_record(record: asyncpg.Record) -> JobEvent:
+    return JobEvent(
+        seq=record["seq"],
+        tenant=record["tenant"],
+        job_id=record["job_id"],
+        kind=record["kind"],
+        version=record["version"],
+        type=record["type"],
+        at=rfc3339(record["at"]) or "",
+        data=msgspec.Raw(bytes(record["data"])),
+    )
+
+
+def _age(now: float, since: float | None) -> float:
+    return max(0.0, now - since) if since is not None else 0.0
+
+
+class PgJobStore:
+    """The job store in PostgreSQL. One per process; any number of processes share the database."""
+
+    def __init__(self, db: PgDatabase, *, retention_s: float) -> None:
+        self._db = db
+        self.retention_s = retention_s
+        self._listeners: list[CommitListener] = []
+
+    async def open(self) -> None:
+        # The factory may have started opening the database already (``open(wait=False)``,
+        # so that /readyz answers 503 meanwhile); a second open() would make a second pool.
+        if self._db._opener is None:
+            await self._db.open()
+
+    async def close(self) -> None:
+        await self._db.close()
+
+    async def ping(self) -> None:
+        async with self._unavailable_on_errors():
+            await self._db.ping()
+
+    async def clock(self) -> float:
+        async with self._unavailable_on_errors():
+            return await self._db.clock()
+
+    def on_commit(self, callback: CommitListener) -> None:
+        """Called on the loop after every event this process committed: wakes the relay, counts, logs."""
+        self._listeners.append(callback)
+
+    def _committed(self, job: JobRow, event: JobEvent) -> None:
+        for callback in self._listeners:
+            callback(job, event)
+
+    # ----- connections ------------------------------------------------------------------
+
+    @asynccontextmanager
+    async def _unavailable_on_errors(self) -> AsyncIterator[None]:
+        """A lost or refused connection is ``StoreUnavailable`` (503, retry), like a store not open yet."""
+        try:
+            yield
+        except CONNECTION_ERRORS as exc:
+            raise StoreUnavailable(f"the PostgreSQL store is not reachable (HERALD_DATABASE_URL): {exc}") from exc
+
+    @asynccontextmanager
+    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
+        """One pooled connection for several statements (one acquire, one release)."""
+        async with self._unavailable_on_errors(), self._db.pool.acquire() as conn:
+            yield conn
+
+    async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
+        async with self._unavailable_on_errors():
+            return await self._db.pool.fetch(sql, *args)
+
+    async def _fetchrow(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        async with self._unavailable_on_errors():
+            return await self._db.pool.fetchrow(sql, *args)
+
+    async def _fetchval(self, sql: str, *args: Any) -> Any:
+        async with self._unavailable_on_errors():
+            return await self._db.pool.fetchval(sql, *args)
+
+    # ----- accepting -------------------------------------------------------------------
+
+    async def accept(
+        self, new: NewJob, idempotency: IdempotencyClaim | None = None, budget: StartBudget | None = None
+    ) -> Accepted:
+        """Spend a start token, write the job (queued, version 1), its key and its outbox rows: one transaction."""
+        async with self._connection() as conn:
+            ts = float(await conn.fetchval(_CLOCK))
+            job = _queued_row(new, ts)
+            event, event_tail = _unnumbered_event(job, "job.queued")
+            work_subject, work_msg_id, work_payload = _work_message(job)
+            record = await conn.fetchrow(
+                _ACCEPT,
+                new.id, new.tenant, new.kind, new.collection, new.params, new.callback_url,
+                ts, float(new.deadline_s),
+                idempotency.key if idempotency else None,
+                idempotency.fingerprint if idempotency else None,
+                float(idempotency.ttl_s) if idempotency else None,
+                float(budget.rate) if budget else None,
+                float(budget.burst) if budget else None,
+                event_subject(new.tenant, new.id), bytes(event.data), event_tail,
+                work_subject, work_msg_id, work_payload,
+            )
+        assert record is not None
+        outcome = record["outcome"]
+        if outcome == "limited":
+            raise RateLimited(new.tenant, max(0.0, float(record["wait_s"])))
+        if outcome == "mismatch":
+            assert idempotency is not None
+            raise IdempotencyMismatch(idempotency.key)
+        stored = JobRow.from_mapping(record)
+        if outcome == "replayed":
+            return Accepted(job=stored, replayed=True)
+        event = msgspec.structs.replace(event, seq=record["event_seq"])
+        self._committed(stored, event)
+        return Accepted(job=stored, replayed=False, event=event)
+
+    # ----- the one writer of job state ---------------------------------------------------
+
+    async def transition(self, job_id: str, change: Change) -> Transition:
+        """Apply ``change`` if the job is where the caller expects it, else raise TransitionRejected."""
+        try:
+            result = await self._compare_and_set(job_id, change)
+        except TransitionRejected as exc:
+            # A stale, late or duplicate writer: normal under retries and races, never silent.
+            _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
+            metrics().transitions_rejected.inc()
+            raise
+        if result.event is not None:
+            self._committed(result.after, result.event)
+        return result
+
+    async def _compare_and_set(self, job_id: str, change: Change) -> Transition:
+        async with self._connection() as conn:
+            while True:
+                record = await conn.fetchrow(_READ_FOR_CHANGE, job_id)
+                assert record is not None
+                before = JobRow.from_mapping(record) if record["id"] is not None else None
+                reason = refusal(before, change)
+                if reason is not None:
+                    raise TransitionRejected(job_id, reason, before)
+                assert before is not None
+                # The server's clock may step back (NTP); a job's times never do.
+                ts = max(float(record["now"]), before.updated_at)
+                after = _changed_row(before, change, ts, self.retention_s)
+                kind_of_change = event_type(before, after)
+                if kind_of_change is None:
+                    return Transition(before=before, after=before, event=None)  # nothing visible changed
+                event, event_tail = _unnumbered_event(after, kind_of_change)
+                work_subject, work_msg_id, work_payload = _work_message(after) if change.requeue else (None, None, None)
+                seq = await conn.fetchval(
+                    _TRANSITION,
+                    job_id, before.version, before.updated_at,
+                    after.state, after.progress, after.attempt, after.cancel_requested,
+                    after.heartbeat_at, after.error, after.result_path, after.media_type,
+                    after.finished_at, after.expires_at, after.updated_at,
+                    kind_of_change, event_subject(after.tenant, after.id), bytes(event.data), event_tail,
+                    work_subject, work_msg_id, work_payload,
+                )
+                if seq is not None:
+                    return Transition(before=before, after=after, event=msgspec.structs.replace(event, seq=seq))
+                # Another writer committed between our read and our write: judge the new row.
+
+    async def heartbeat(self, job_id: str, attempt: int) -> JobRow | None:
+        """Move only ``updated_at``/``heartbeat_at`` (not an event). None: the worker lost the job."""
+        record = await self._fetchrow(_HEARTBEAT, job_id, attempt)
+        return JobRow.from_mapping(record) if record is not None else None
+
+    # ----- reads -------------------------------------------------------------------------
+
+    async def get(self, job_id: str) -> JobRow | None:
+        record = await self._fetchrow("SELECT * FROM jobs WHERE id = $1", job_id)
+        return JobRow.from_mapping(record) if record is not None else None
+
+    async def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None:
+        record = await self._fetchrow("SELECT * FROM jobs WHERE id = $1 AND tenant = $2", job_id, tenant)
+        return JobRow.from_mapping(record) if record is not None else None
+
+    async def tombstone_tenant(self, job_id: str) -> str | None:
+        tenant = await self._fetchval("SELECT tenant FROM tombstones WHERE job_id = $1", job_id)
+        return str(tenant) if tenant is not None else None
+
+    async def list_jobs(
+        self,
+        tenant: str,
+        *,
+        state: str | None,
+        kind: str | None,
+        before: tuple[float, str] | None,
+        limit: int,
+    ) -> list[JobRow]:
+        params: list[Any] = [tenant]
+
+        def param(value: Any) -> str:
+            params.append(value)
+            return f"${len(params)}"
+
+        sql = ["SELECT * FROM jobs WHERE tenant = $1"]
+        if state is not None:
+            sql.append(f"AND state = {param(state)}")
+        if kind is not None:
+            sql.append(f"AND kind = {param(kind)}")
+        if before is not None:
+            # Row comparison: created_at < t OR (created_at = t AND id < i), as the SQLite store has it.
+            sql.append(f"AND (created_at, id) < ({param(float(before[0]))}, {param(before[1])})")
+        sql.append(f"ORDER BY created_at DESC, id DESC LIMIT {param(limit)}")
+        return [JobRow.from_mapping(r) for r in await self._fetch(" ".join(sql), *params)]
+
+    async def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]:
+        records = await self._fetch(
+            "SELECT * FROM events WHERE job_id = $1 AND version > $2 ORDER BY version LIMIT $3",
+            job_id, after_version, limit,
+        )
+        return [_event_from_record(r) for r in records]
+
+    async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
+        if kind is None:
+            records = await self._fetch(
+                "SELECT * FROM events WHERE tenant = $1 AND seq > $2 ORDER BY seq LIMIT $3", tenant, after_seq, limit
+            )
+        else:
+            records = await self._fetch(
+                "SELECT * FROM events WHERE tenant = $1 AND seq > $2 AND kind = $3 ORDER BY seq LIMIT $4",
+                tenant, after_seq, kind, limit,
+            )
+        return [_event_from_record(r) for r in records]
+
+    async def last_event_seq(self, tenant: str) -> int:
+        last = await self._fetchval("SELECT last FROM tenant_seq WHERE tenant = $1", tenant)
+        return int(last) if last is not None else 0
+
+    async def stats(self) -> StoreStats:
+        record = await self._fetchrow(_STATS)
+        assert record is not None
+        return StoreStats(
+            oldest_queued_age_s=_age(record["now"], record["queued_since"]),
+            outbox_pending=int(record["outbox_pending"]),
+            outbox_oldest_age_s=_age(record["now"], record["outbox_since"]),
+        )
+
+    # ----- outbox ------------------------------------------------------------------------
+
+    async def outbox_batch(self, limit: int) -> list[OutboxRow]:
+        # A tenant's rows are inserted under its counter lock, so they commit in seq order;
+        # rows of different tenants may commit out of seq order, and a later batch picks up
+        # a lower seq that committed late (rows are deleted by seq, never by range).
+        records = await self._fetch("SELECT seq, subject, msg_id, payload FROM outbox ORDER BY seq LIMIT $1", limit)
+        return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]))
+                for r in records]
+
+    async def outbox_done(self, seqs: Sequence[int]) -> None:
+        if seqs:
+            await self._fetchval("DELETE FROM outbox WHERE seq = ANY($1::bigint[])", list(seqs))
+
+    # ----- sweeping and retention -------------------------------------------------------
+
+    async def live_jobs(self, *, stale_before: float, deadline_before: float) -> list[JobRow]:
+        """Running jobs with an old heartbeat, and live jobs past their deadline."""
+        records = await self._fetch(
+            "SELECT * FROM jobs WHERE state IN ('queued', 'running')"
+            " AND ((state = 'running' AND COALESCE(heartbeat_at, 0) < $1) OR deadline_at < $2)",
+            float(stale_before), float(deadline_before),
+        )
+        return [JobRow.from_mapping(r) for r in records]
+
+    async def expired(self, at: float, limit: int = 500) -> list[JobRow]:
+        """Jobs whose retention has passed; the caller removes their results, then ``forget``s them."""
+        records = await self._fetch(
+            "SELECT * FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= $1 ORDER BY expires_at LIMIT $2",
+            float(at), limit,
+        )
+        return [JobRow.from_mapping(r) for r in records]
+
+    async def forget(self, jobs: Sequence[JobRow], at: float) -> None:
+        """Delete the jobs with their history and keys, leave tombstones (410), drop expired keys.
+
+        Only jobs whose retention ended by ``at`` (as ``expired`` listed them), so a job is
+        never left half-forgotten."""
+        await self._fetchval(_FORGET, list({job.id for job in jobs}), float(at))
+
+    # ----- shared secrets ----------------------------------------------------------------
+
+    async def signing_key(self) -> bytes:
+        select = "SELECT value FROM herald_secrets WHERE name = $1"
+        value = await self._fetchval(select, SIGNING_KEY_NAME)
+        if value is None:
+            # The first process to get here wins; the others' inserts do nothing (each waits
+            # for a racing insert to commit first), and every one reads the winner's key.
+            await self._fetchval(
+                "INSERT INTO herald_secrets (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
+                SIGNING_KEY_NAME, secrets.token_bytes(32).hex(),
+            )
+            value = await self._fetchval(select, SIGNING_KEY_NAME)
+        return bytes.fromhex(value)
