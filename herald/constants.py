@@ -18,3 +18,7 @@ JOB_SUBJECTS = "jobs.>"
 EVENT_SUBJECTS = "events.>"
 
 MSG_ID_HEADER = "Nats-Msg-Id"
+
+# The NATS object store bucket of results (HERALD_RESULT_STORE=nats). Its index by job,
+# a key-value bucket, is named after it (herald.storage.results.index_bucket).
+RESULTS_BUCKET = "HERALD_RESULTS"

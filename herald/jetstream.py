@@ -1,4 +1,5 @@
-"""NATS connection and the JetStream topology (streams and durable consumers), created idempotently."""
+"""NATS connection and the JetStream topology (streams, durable consumers, the result
+bucket), created idempotently, on one server or a cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
-from nats.js.errors import NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError
 
 from herald.constants import (
     EVENT_SUBJECTS,
@@ -17,9 +18,11 @@ from herald.constants import (
     JOB_SUBJECTS,
     JOBS_STREAM,
     NOTIFIER_CONSUMER,
+    RESULTS_BUCKET,
     WORKERS_CONSUMER,
 )
 from herald.settings import Settings
+from herald.storage.results import ensure_result_buckets, retry_nats
 
 log = logging.getLogger("herald.nats")
 
@@ -27,13 +30,17 @@ log = logging.getLogger("herald.nats")
 async def connect(
     settings: Settings, name: str, *, reconnected: Callable[[], Awaitable[None]] | None = None
 ) -> NATS:
-    """Connect and keep reconnecting forever: NATS restarts must not kill a component."""
+    """Connect and keep reconnecting forever: NATS restarts must not kill a component.
+
+    ``servers`` lists every URL of HERALD_NATS_URL (comma-separated for a cluster): the
+    first connection goes to any one that answers, and a reconnect moves to any live
+    server, the ones the cluster announces included; ``reconnected`` runs after each."""
 
     async def on_error(exc: Exception) -> None:
         log.warning("nats error: %s", exc)
 
     return await nats.connect(
-        settings.effective_nats_url,
+        servers=settings.nats_servers,
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.25,
@@ -53,6 +60,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
             retention=RetentionPolicy.WORK_QUEUE,
             storage=StorageType.FILE,
             duplicate_window=120.0,
+            num_replicas=settings.nats_replicas,
         ),
         StreamConfig(
             name=EVENTS_STREAM,
@@ -62,6 +70,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
             duplicate_window=120.0,
             max_age=max(settings.retention_s, 3600.0),
             max_bytes=2 * 1024**3,
+            num_replicas=settings.nats_replicas,
         ),
     ]
 
@@ -77,6 +86,7 @@ def worker_consumer(settings: Settings) -> ConsumerConfig:
         max_ack_pending=10_000,
         filter_subject=JOB_SUBJECTS,
         deliver_policy=DeliverPolicy.ALL,
+        num_replicas=settings.nats_replicas,
     )
 
 
@@ -89,11 +99,23 @@ def notifier_consumer(settings: Settings) -> ConsumerConfig:
         max_ack_pending=10_000,
         filter_subject=EVENT_SUBJECTS,
         deliver_policy=DeliverPolicy.NEW,
+        num_replicas=settings.nats_replicas,
     )
 
 
+# A cluster that has just started has no meta leader for a few seconds: JetStream answers
+# "unavailable" or not at all until it elects one.
+TOPOLOGY_RETRY_FOR_S = 60.0
+
+
 async def ensure_topology(js: JetStreamContext, settings: Settings) -> None:
-    """Create or update streams and durable consumers. Safe to run from many processes."""
+    """Create or update streams, durable consumers and (HERALD_RESULT_STORE=nats) the result
+    bucket, each with HERALD_NATS_REPLICAS copies. Safe to run from many processes, and
+    retried whole (every step is idempotent) while the cluster is electing its leaders."""
+    await retry_nats(lambda: _ensure_topology(js, settings), for_s=TOPOLOGY_RETRY_FOR_S)
+
+
+async def _ensure_topology(js: JetStreamContext, settings: Settings) -> None:
     for config in stream_configs(settings):
         try:
             await js.stream_info(config.name)
@@ -101,7 +123,7 @@ async def ensure_topology(js: JetStreamContext, settings: Settings) -> None:
             try:
                 await js.add_stream(config)
                 continue
-            except Exception:  # another process created it first
+            except BadRequestError:  # another process created it first (timeouts: retried whole)
                 pass
         await js.update_stream(config)
     for stream, consumer in ((JOBS_STREAM, worker_consumer(settings)), (EVENTS_STREAM, notifier_consumer(settings))):
@@ -110,5 +132,12 @@ async def ensure_topology(js: JetStreamContext, settings: Settings) -> None:
         except NotFoundError:
             await js.add_consumer(stream, consumer)
             continue
-        if (info.config.ack_wait, info.config.max_deliver) != (consumer.ack_wait, consumer.max_deliver):
+        if _consumer_settings(info.config) != _consumer_settings(consumer):
             await js.add_consumer(stream, consumer)  # same durable name: updates it
+    if settings.effective_result_store == "nats":
+        await ensure_result_buckets(js, RESULTS_BUCKET, settings.nats_replicas)
+
+
+def _consumer_settings(config: ConsumerConfig) -> tuple[object, ...]:
+    """What ensure_topology may change on an existing durable consumer."""
+    return (config.ack_wait, config.max_deliver, config.num_replicas or 0)

@@ -1,15 +1,20 @@
-"""Results: ``GET /{collection}/{id}`` with the bearer key or a signed URL (SPEC §6)."""
+"""Results: ``GET /{collection}/{id}`` with the bearer key or a signed URL (SPEC §6).
+
+The bytes come from the result store (local files or the NATS object store), streamed a
+chunk at a time: a download never holds the whole result in the gateway's memory.
+"""
 
 from __future__ import annotations
 
+from pathlib import PurePosixPath
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from litestar import Request, Response, get
-from litestar.datastructures import ETag
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
-from litestar.response import File
+from litestar.response import Stream
 
 from gateway.auth import bearer_tenant, unauthorized
 from gateway.openapi import problems
@@ -17,29 +22,30 @@ from gateway.problems import ProblemError, not_found
 from gateway.render import RESULT_PURPOSE, etag_matches
 from gateway.routes.jobs import find_job
 from gateway.services import services
-from herald.store import JobRow
+from herald.jobs import JobRow
+from herald.storage.ports import ResultBody
+from herald.storage.results import ResultStoreUnavailable
 from workers.registry import JobKind
 
 
-def _job_for_result(request: Request, job_id: str, exp: str | None, sig: str | None) -> JobRow:
+async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: str | None) -> JobRow:
     svc = services(request)
     if sig is not None or exp is not None:
         if not svc.signer.verify(request.url.path, RESULT_PURPOSE, exp, sig):
             raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
                                "this signed URL is not valid (tampered or expired); get a fresh one from the job status")
-        job = svc.store.get(job_id)
+        job = await svc.store.get(job_id)
         if job is None:
             raise not_found("result")
         return job
     tenant = bearer_tenant(request, svc.settings)
     if tenant is None:
         raise unauthorized("send Authorization: Bearer <key> or use the signed links.result URL")
-    return find_job(svc, tenant, job_id)
+    return await find_job(svc, tenant, job_id)
 
 
 async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | None, sig: str | None) -> Any:
-    svc = services(request)
-    job = _job_for_result(request, job_id, exp, sig)
+    job = await _job_for_result(request, job_id, exp, sig)
     if job.kind != kind.name:
         raise not_found("result")
     if job.state in ("queued", "running"):
@@ -51,17 +57,48 @@ async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | 
     tag = f'"{job.id}-{job.attempt}"'
     if etag_matches(request.headers.get("if-none-match"), tag):
         return Response(None, status_code=304, headers={"ETag": tag})
-    path = svc.results.path(job.result_path)
-    if not path.exists():
-        raise ProblemError(410, "/problems/gone", "Gone", "the result was removed (retention)")
-    return File(
-        path,
-        filename=f"{kind.name}-{job.id}{path.suffix}",
-        media_type=job.media_type or "application/octet-stream",
-        content_disposition_type="attachment",
-        etag=ETag(value=f"{job.id}-{job.attempt}"),
-        headers={"Cache-Control": "private, max-age=3600"},
+    body = await _open_result(request, job.result_path)
+    filename = f"{kind.name}-{job.id}{PurePosixPath(job.result_path).suffix}"
+    media_type = job.media_type or "application/octet-stream"
+    return Stream(
+        body.chunks,
+        media_type=media_type,
+        headers={
+            # Set here too: Stream lets the handler's default (JSON) override its media_type.
+            "Content-Type": _content_type(media_type),
+            "Content-Disposition": _attachment(filename),
+            "Content-Length": str(body.size),  # known up front: the client sees a sized download, not chunked
+            "ETag": tag,
+            "Cache-Control": "private, max-age=3600",
+        },
     )
+
+
+async def _open_result(request: Request, key: str) -> ResultBody:
+    try:
+        body = await services(request).results.open(key)
+    except ResultStoreUnavailable as exc:
+        raise ProblemError(503, "/problems/unavailable", "Service unavailable",
+                           "the result store is not reachable yet; try again shortly",
+                           headers={"Retry-After": "1"}) from exc
+    if body is None:
+        raise ProblemError(410, "/problems/gone", "Gone", "the result was removed (retention)")
+    return body
+
+
+def _content_type(media_type: str) -> str:
+    """As litestar writes it for any response: text types carry their charset."""
+    if media_type.startswith("text/") and "charset=" not in media_type:
+        return f"{media_type}; charset=utf-8"
+    return media_type
+
+
+def _attachment(filename: str) -> str:
+    """``Content-Disposition`` as litestar's ``File`` writes it (RFC 6266 ``filename*`` when not ASCII-safe)."""
+    quoted = quote(filename)
+    if quoted == filename:
+        return f'attachment; filename="{filename}"'
+    return f"attachment; filename*=utf-8''{quoted}"
 
 
 def result_route(kind: JobKind) -> HTTPRouteHandler:
@@ -82,6 +119,6 @@ def result_route(kind: JobKind) -> HTTPRouteHandler:
         name=f"result-{kind.name}",
         responses={
             304: ResponseSpec(None, description="Not modified"),
-            **problems(400, 401, 403, 404, 410),
+            **problems(400, 401, 403, 404, 410, 503),
         },
     )(download)

@@ -1,0 +1,410 @@
+"""Both result stores against one contract, on a real nats-server and a real temp dir."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import httpx
+import nats
+import psutil
+import pytest
+from litestar import Litestar
+from litestar.exceptions import HTTPException
+from nats.aio.client import Client as NATS
+from nats.js import JetStreamContext
+from nats.js.api import StorageType
+from nats.js.errors import DigestMismatchError
+
+from gateway.problems import handle_http_exception
+from gateway.routes.results import result_route
+from herald import jetstream
+from herald.constants import EVENTS_STREAM, JOBS_STREAM, NOTIFIER_CONSUMER, RESULTS_BUCKET, WORKERS_CONSUMER
+from herald.jobs import JobRow
+from herald.settings import DEV_KEY, DEV_TENANT, Settings
+from herald.storage.ports import ResultBody, ResultStore
+from herald.storage.results import (
+    FileResultStore,
+    NatsResultStore,
+    ResultGone,
+    UnavailableResultStore,
+    ensure_result_buckets,
+    index_stream,
+    object_stream,
+    open_result_store,
+)
+from tests.harness import NatsServer, free_port
+
+MB = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def nats_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[NatsServer]:
+    server = NatsServer(tmp_path_factory.mktemp("results-nats") / "store")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+async def nc(nats_server: NatsServer) -> AsyncIterator[NATS]:
+    client = await nats.connect(nats_server.url)
+    try:
+        yield client
+    finally:
+        await client.close()
+
+
+@pytest.fixture()
+def js(nc: NATS) -> JetStreamContext:
+    return nc.jetstream()
+
+
+async def nats_store(js: JetStreamContext, scratch: Path) -> NatsResultStore:
+    # A bucket of the test's own, so tests never see each other's objects.
+    store = NatsResultStore(js, f"T{uuid.uuid4().hex[:12]}", scratch, replicas=1)
+    await store.ensure()
+    return store
+
+
+# Not "store": conftest parametrizes that name with the job store backends.
+@pytest.fixture(params=["file", "nats"])
+async def results(request: pytest.FixtureRequest, tmp_path: Path, js: JetStreamContext) -> ResultStore:
+    if request.param == "file":
+        return FileResultStore(tmp_path / "results", tmp_path / "results")
+    return await nats_store(js, tmp_path / "scratch")
+
+
+def new_job_id() -> str:
+    return str(uuid.uuid4())
+
+
+async def write_result(store: ResultStore, job_id: str, attempt: int, data: bytes, suffix: str = ".bin") -> str:
+    path = store.scratch_path(job_id, attempt, suffix)
+    path.write_bytes(data)
+    return await store.commit(job_id, attempt, path)
+
+
+async def read_all(body: ResultBody) -> bytes:
+    return b"".join([chunk async for chunk in body.chunks])
+
+
+# ----- the contract both stores keep ------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", [0, 1, 200_000, 3 * MB + 17])
+async def test_commit_then_open_streams_the_exact_bytes(results: ResultStore, size: int) -> None:
+    job_id = new_job_id()
+    data = os.urandom(size)
+    scratch = results.scratch_path(job_id, 1, ".pdf")
+    assert scratch.name == "1.pdf.part"
+    scratch.write_bytes(data)
+
+    key = await results.commit(job_id, 1, scratch)
+
+    assert key.endswith(f"{job_id}/1.pdf")
+    assert not scratch.exists(), "the scratch file is consumed by commit"
+    body = await results.open(key)
+    assert body is not None
+    assert body.size == size
+    assert await read_all(body) == data
+
+
+async def test_open_of_a_missing_key_is_none(results: ResultStore) -> None:
+    job_id = new_job_id()
+    assert await results.open(f"{job_id}/1.bin") is None
+    assert await results.open(f"{job_id[:2]}/{job_id}/1.bin") is None
+
+
+async def test_discard_removes_one_result(results: ResultStore) -> None:
+    job_id = new_job_id()
+    lost = await write_result(results, job_id, 1, b"lost the race")
+    kept = await write_result(results, job_id, 2, b"the winner")
+
+    await results.discard(lost)
+    await results.discard(lost)  # twice: a no-op
+
+    assert await results.open(lost) is None
+    body = await results.open(kept)
+    assert body is not None and await read_all(body) == b"the winner"
+
+
+async def test_delete_job_removes_all_its_results_and_only_its(results: ResultStore) -> None:
+    job_id, other = new_job_id(), new_job_id()
+    keys = [await write_result(results, job_id, attempt, b"x" * attempt) for attempt in (1, 2, 3)]
+    other_key = await write_result(results, other, 1, b"someone else's")
+    left_behind = results.scratch_path(job_id, 4, ".bin")  # an attempt that died mid-write
+    left_behind.write_bytes(b"partial")
+
+    await results.delete_job(job_id)
+    await results.delete_job(job_id)  # twice: a no-op
+
+    for key in keys:
+        assert await results.open(key) is None
+    assert not left_behind.exists()
+    body = await results.open(other_key)
+    assert body is not None and await read_all(body) == b"someone else's"
+
+
+async def test_an_unread_body_holds_nothing_open(results: ResultStore) -> None:
+    """A 304 or an aborted request may never iterate the body: nothing must leak."""
+    key = await write_result(results, new_job_id(), 1, b"abc" * 1000)
+    body = await results.open(key)
+    assert body is not None and body.size == 3000
+    await body.chunks.aclose()  # type: ignore[attr-defined]
+
+
+# ----- the file store ---------------------------------------------------------------------
+
+
+async def test_file_store_keeps_todays_layout(tmp_path: Path) -> None:
+    store = FileResultStore(tmp_path)
+    job_id = new_job_id()
+    scratch = store.scratch_path(job_id, 2, ".csv")
+    assert scratch == tmp_path / job_id[:2] / job_id / "2.csv.part"
+    scratch.write_bytes(b"a,b\n")
+    key = await store.commit(job_id, 2, scratch)
+    assert key == f"{job_id[:2]}/{job_id}/2.csv"
+    assert (tmp_path / key).read_bytes() == b"a,b\n"
+
+
+async def test_file_store_refuses_keys_outside_its_root(tmp_path: Path) -> None:
+    store = FileResultStore(tmp_path / "results")
+    (tmp_path / "secret").write_bytes(b"no")
+    with pytest.raises(ValueError):
+        await store.open("../secret")
+    with pytest.raises(ValueError):
+        await store.open(str(tmp_path / "secret"))
+
+
+# ----- the NATS store ---------------------------------------------------------------------
+
+
+async def test_nats_bucket_and_index_have_the_replicas_asked_for(js: JetStreamContext, tmp_path: Path) -> None:
+    store = await nats_store(js, tmp_path)
+    for stream in (object_stream(store.bucket), index_stream(store.bucket)):
+        config = (await js.stream_info(stream)).config
+        assert config.num_replicas == 1
+        assert config.storage == StorageType.FILE
+
+
+async def test_nats_buckets_are_created_safely_by_many_processes_at_once(js: JetStreamContext) -> None:
+    bucket = f"T{uuid.uuid4().hex[:12]}"
+    await asyncio.gather(*(ensure_result_buckets(js, bucket, 1) for _ in range(8)))
+    await ensure_result_buckets(js, bucket, 1)  # and again, once they exist
+    assert (await js.stream_info(object_stream(bucket))).config.num_replicas == 1
+
+
+async def test_nats_delete_leaves_nothing_in_the_bucket(js: JetStreamContext, tmp_path: Path) -> None:
+    """nats-py's ObjectStore.delete keeps a "deleted" meta per object for ever; ours does not."""
+    store = await nats_store(js, tmp_path)
+    job_id = new_job_id()
+    key = await write_result(store, job_id, 1, os.urandom(300_000))
+    await write_result(store, job_id, 2, b"second")
+    assert (await js.stream_info(object_stream(store.bucket))).state.messages > 0
+
+    await store.discard(key)
+    await store.delete_job(job_id)
+
+    assert (await js.stream_info(object_stream(store.bucket))).state.messages == 0
+    assert (await js.stream_info(index_stream(store.bucket))).state.messages == 0
+
+
+async def test_nats_result_is_served_from_another_process_scratch_dir(js: JetStreamContext, tmp_path: Path) -> None:
+    """A worker and a gateway share the bucket, not a disk."""
+    worker = await nats_store(js, tmp_path / "worker")
+    gateway = NatsResultStore(js, worker.bucket, tmp_path / "gateway", replicas=1)
+    key = await write_result(worker, new_job_id(), 1, b"made elsewhere")
+    body = await gateway.open(key)
+    assert body is not None and await read_all(body) == b"made elsewhere"
+
+
+async def test_nats_damaged_object_never_reads_as_complete(js: JetStreamContext, tmp_path: Path) -> None:
+    store = await nats_store(js, tmp_path)
+    data = os.urandom(300_000)
+    key = await write_result(store, new_job_id(), 1, data)
+    # Rewrite the meta with another object's digest (as a damaged copy would read).
+    info = await js.get_last_msg(object_stream(store.bucket), f"$O.{store.bucket}.M.>")
+    meta = json.loads(info.data or b"{}")
+    meta["digest"] = "SHA-256=" + "A" * 43 + "="
+    await js.publish(info.subject or "", json.dumps(meta).encode(), headers={"Nats-Rollup": "sub"})
+
+    body = await store.open(key)
+    assert body is not None
+    received = b""
+    with pytest.raises(DigestMismatchError):
+        async for chunk in body.chunks:
+            received += chunk
+    assert len(received) < len(data), "the last chunk is held back when the digest is wrong"
+
+
+async def test_nats_50mb_result_streams_with_flat_memory(js: JetStreamContext, tmp_path: Path) -> None:
+    store = await nats_store(js, tmp_path)
+    job_id = new_job_id()
+    scratch = store.scratch_path(job_id, 1, ".bin")
+    with scratch.open("wb") as fh:
+        for _ in range(50):
+            fh.write(os.urandom(MB))
+    process = psutil.Process()
+
+    before_upload = process.memory_info().rss
+    key = await store.commit(job_id, 1, scratch)
+    upload_growth = process.memory_info().rss - before_upload
+
+    body = await store.open(key)
+    assert body is not None and body.size == 50 * MB
+    before = process.memory_info().rss
+    peak, received = before, 0
+    async for chunk in body.chunks:
+        received += len(chunk)
+        peak = max(peak, process.memory_info().rss)
+
+    assert received == 50 * MB
+    assert peak - before < 25 * MB, f"RSS grew by {(peak - before) / MB:.1f} MB while reading 50 MB"
+    assert upload_growth < 25 * MB, f"RSS grew by {upload_growth / MB:.1f} MB while uploading 50 MB"
+    await store.delete_job(job_id)
+
+
+# ----- the factory ------------------------------------------------------------------------
+
+
+async def test_factory_chooses_by_setting(js: JetStreamContext, tmp_path: Path) -> None:
+    files = await open_result_store(Settings(data_dir=tmp_path), js)
+    assert isinstance(files, FileResultStore) and files.root == tmp_path / "results"
+
+    nats_settings = Settings(data_dir=tmp_path, result_store="nats")
+    assert isinstance(await open_result_store(nats_settings, None), UnavailableResultStore)
+    in_nats = await open_result_store(nats_settings, js)
+    assert isinstance(in_nats, NatsResultStore) and in_nats.bucket == RESULTS_BUCKET
+    assert (await js.stream_info(object_stream(RESULTS_BUCKET))).config.num_replicas == 1
+
+
+# ----- the connection and the topology ----------------------------------------------------
+
+
+async def test_connect_with_one_of_two_servers_down(nats_server: NatsServer) -> None:
+    dead = f"nats://127.0.0.1:{free_port()}"
+    for url in (f"{dead},{nats_server.url}", f"{nats_server.url}, {dead}"):
+        client = await jetstream.connect(Settings(nats_url=url), name="test-cluster-url")
+        try:
+            assert client.is_connected
+            assert client.connected_url is not None and client.connected_url.port == nats_server.port
+            assert (await client.jetstream().account_info()) is not None
+        finally:
+            await client.close()
+
+
+async def test_topology_has_the_replicas_and_the_result_bucket(js: JetStreamContext, tmp_path: Path) -> None:
+    settings = Settings(data_dir=tmp_path, result_store="nats", nats_replicas=1)
+    await jetstream.ensure_topology(js, settings)
+    await jetstream.ensure_topology(js, settings)  # a second process starting: no error, no change
+    for stream in (*(c.name or "" for c in jetstream.stream_configs(settings)), object_stream(RESULTS_BUCKET)):
+        assert (await js.stream_info(stream)).config.num_replicas == 1
+    for stream, consumer in ((JOBS_STREAM, WORKERS_CONSUMER), (EVENTS_STREAM, NOTIFIER_CONSUMER)):
+        info = await js.consumer_info(stream, consumer)
+        assert info.config.num_replicas == 1
+
+
+async def test_nats_result_deleted_while_read_breaks_the_download(js: JetStreamContext, tmp_path: Path) -> None:
+    store = await nats_store(js, tmp_path)
+    job_id = new_job_id()
+    key = await write_result(store, job_id, 1, os.urandom(1 * MB))
+    body = await store.open(key)
+    assert body is not None
+    chunks = aiter(body.chunks)
+    await anext(chunks)
+    await store.delete_job(job_id)
+    with pytest.raises(ResultGone):
+        async for _ in chunks:
+            pass
+
+
+# ----- the gateway's download route -------------------------------------------------------
+
+# The gateway declares parameters in the style litestar 2.25 deprecates (as every route does).
+legacy_params = pytest.mark.filterwarnings("ignore::DeprecationWarning:litestar.*")
+
+
+@dataclass
+class _Jobs:
+    """The two reads the route makes of the job store."""
+
+    row: JobRow
+
+    async def get(self, job_id: str) -> JobRow | None:
+        return self.row if job_id == self.row.id else None
+
+    async def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None:
+        return self.row if (tenant, job_id) == (self.row.tenant, self.row.id) else None
+
+    async def tombstone_tenant(self, job_id: str) -> str | None:
+        return None
+
+
+def _succeeded_job(key: str, job_id: str) -> JobRow:
+    return JobRow(
+        id=job_id, tenant=DEV_TENANT, kind="report", collection="/reports", state="succeeded", params=b"{}",
+        progress=100, version=4, attempt=2, cancel_requested=False, created_at=0.0, updated_at=0.0,
+        heartbeat_at=None, deadline_at=0.0, finished_at=0.0, expires_at=None, result_path=key,
+        media_type="application/pdf", error=None, callback_url=None,
+    )
+
+
+def _download_app(results: ResultStore, job: JobRow) -> Litestar:
+    kind = SimpleNamespace(name="report", collection="/reports")
+    app = Litestar(
+        route_handlers=[result_route(kind)],  # type: ignore[arg-type]
+        exception_handlers={HTTPException: handle_http_exception},
+    )
+    app.state.services = SimpleNamespace(settings=Settings(), store=_Jobs(job), results=results, signer=None)
+    return app
+
+
+def _client(app: Litestar) -> httpx.AsyncClient:
+    # On this loop (litestar's test client runs the app on another, where our NATS
+    # connection cannot be used); the route needs no lifespan.
+    return httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://gateway")  # type: ignore[arg-type]
+
+
+@legacy_params
+async def test_download_streams_the_result_with_its_headers(results: ResultStore) -> None:
+    job_id = new_job_id()
+    data = os.urandom(300_000)
+    key = await write_result(results, job_id, 2, data, suffix=".pdf")
+    auth = {"Authorization": f"Bearer {DEV_KEY}"}
+    async with _client(_download_app(results, _succeeded_job(key, job_id))) as client:
+        response = await client.get(f"/reports/{job_id}", headers=auth)
+        assert response.status_code == 200
+        assert response.content == data
+        assert response.headers["content-type"] == "application/pdf"
+        assert response.headers["content-length"] == str(len(data))
+        assert response.headers["content-disposition"] == f'attachment; filename="report-{job_id}.pdf"'
+        assert response.headers["etag"] == f'"{job_id}-2"'
+        assert response.headers["cache-control"] == "private, max-age=3600"
+
+        again = await client.get(f"/reports/{job_id}", headers={**auth, "If-None-Match": f'"{job_id}-2"'})
+        assert again.status_code == 304 and again.content == b""
+
+        await results.delete_job(job_id)
+        gone = await client.get(f"/reports/{job_id}", headers=auth)
+        assert gone.status_code == 410
+        assert gone.json()["type"] == "/problems/gone"
+
+
+@legacy_params
+async def test_download_before_the_nats_store_is_connected_is_503() -> None:
+    job_id = new_job_id()
+    auth = {"Authorization": f"Bearer {DEV_KEY}"}
+    app = _download_app(UnavailableResultStore(), _succeeded_job(f"{job_id}/2.pdf", job_id))
+    async with _client(app) as client:
+        response = await client.get(f"/reports/{job_id}", headers=auth)
+    assert response.status_code == 503
+    assert response.headers["retry-after"] == "1"
