@@ -1,6 +1,6 @@
 """Making committed changes from the bench process, the way a worker makes them.
 
-``Driver`` opens its own ``herald.store.Store`` on the deployment's data file and runs
+``Driver`` opens its own job store (the SQLite backend) on the deployment's data file and runs
 its own outbox ``Relay`` to NATS, exactly as a ``herald worker`` process does. So a
 transition it commits travels the production path to every subscriber: SQLite commit,
 relay, JetStream, the gateway's hub, the stream or long poll. The bench notes the wall
@@ -26,7 +26,11 @@ import msgspec
 from herald import jetstream
 from herald.relay import Relay
 from herald.settings import Settings
-from herald.store import Change, NewJob, Store, _append_event, _fetch
+from herald.jobs import NewJob
+from herald.storage import build_storage
+from herald.storage.sqlite.db import Database
+from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore, _append_event, _fetch
+from herald.transitions import Change
 from herald.timefmt import now
 from schemas import ReportParams
 
@@ -41,7 +45,7 @@ def new_job(tenant: str, callback_url: str | None = None) -> NewJob:
 class Driver:
     def __init__(self, db_path: Path, nats_url: str) -> None:
         self.settings = Settings(data_dir=db_path.parent, nats_url=nats_url)
-        self.store = Store(db_path, retention_s=self.settings.retention_s)
+        self.store = build_storage(self.settings).jobs
         self._relay_task: asyncio.Task[None] | None = None
         self._nc = None
         self._relay: Relay | None = None
@@ -83,7 +87,7 @@ class Driver:
         """Wait until the relay has published every outbox row."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.store.outbox_pending() == 0:
+            if (await self.store.stats()).outbox_pending == 0:
                 return True
             assert self._relay is not None
             self._relay.kick()
@@ -100,7 +104,9 @@ def step(k: int) -> Change:
 
 async def seed_jobs(db_path: Path, tenant: str, n: int, chunk: int = 5000) -> list[str]:
     """``n`` queued report jobs (rows and history as ``Store.accept`` writes them, no outbox)."""
-    store = await Store(db_path, retention_s=86400.0).open()
+    db = Database(db_path, SCHEMA)
+    store = SqliteJobStore(db, retention_s=86400.0)
+    await store.open()
     ids: list[str] = []
     try:
         for start in range(0, n, chunk):
@@ -122,7 +128,7 @@ async def seed_jobs(db_path: Path, tenant: str, n: int, chunk: int = 5000) -> li
                 # Read-only jobs: nothing to announce (only this batch's rows go).
                 conn.execute("DELETE FROM outbox WHERE seq > ?", (last_outbox,))
 
-            await store.db.write(tx)
+            await db.write(tx)
             ids.extend(job.id for job in batch)
     finally:
         await store.close()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from litestar import Litestar
@@ -22,18 +22,19 @@ from gateway.ratelimit import BacklogGuard, TenantLimits
 from gateway.routes import events, health, jobs, page
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
-from gateway.routes.webhooks import WebhooksController, webhooks_lifespan
+from gateway.routes.webhooks import WebhooksController
 from gateway.services import Services
+from herald.storage.ports import JobStore
 from herald import jetstream
 from herald.logs import log_transition
 from herald.metrics import metrics as process_metrics
 from herald.relay import Relay
-from herald.results import FileResultStore
 from herald.settings import Settings
 from herald.signing import UrlSigner
-from herald.store import Store
+from herald.storage import build_storage
+from herald.storage.results import open_result_store
 from herald.sweeper import run_sweeper
-from workers import registry
+from herald.kinds import declared_kinds
 
 log = logging.getLogger("herald.gateway")
 
@@ -67,6 +68,10 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
             await asyncio.sleep(0.5)
     js = nc.jetstream()
     await jetstream.ensure_topology(js, svc.settings)
+    if svc.settings.effective_result_store == "nats":
+        svc.results = await open_result_store(svc.settings, js)
+    # Retention deletes results, so the sweeper starts once the result store is reachable.
+    tasks.append(asyncio.create_task(run_sweeper(svc.store, svc.results, svc.settings), name="sweeper"))
     svc.nats = nc
     await svc.hub.attach(nc)
     relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
@@ -74,12 +79,28 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     tasks.append(asyncio.create_task(relay.run(), name="relay"))
 
 
+def _oldest_queued_age(store: JobStore) -> Callable[[], Awaitable[float]]:
+    async def read() -> float:
+        return (await store.stats()).oldest_queued_age_s
+
+    return read
+
+
+async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
+    """Open (or wait for) the store, load the URL signing key, then start what needs both."""
+    await svc.store.open()
+    if not svc.signer.ready:
+        svc.signer.set_keys((await svc.store.signing_key(),))
+    tasks.append(asyncio.create_task(_connect_nats(svc, tasks), name="nats-connect"))
+
+
 def create_app(settings: Settings) -> Litestar:
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
-            store = await Store(settings.db_path, retention_s=settings.retention_s).open()
-            stack.push_async_callback(store.close)
+            storage = build_storage(settings)
+            store = storage.jobs
+            stack.push_async_callback(storage.close)
             metrics = process_metrics()
             hub = Hub(metrics)
             store.on_commit(metrics.observe)
@@ -87,20 +108,23 @@ def create_app(settings: Settings) -> Litestar:
             store.on_commit(lambda _job, event: hub.publish(event))
             svc = Services(
                 settings=settings,
+                storage=storage,
                 store=store,
-                results=FileResultStore(settings.results_dir),
-                signer=UrlSigner(settings.signing_keys(), settings.signed_url_ttl_s),
+                # The NATS result store is attached once NATS is connected (_connect_nats).
+                results=await open_result_store(settings, None),
+                signer=UrlSigner(settings.configured_signing_keys(), settings.signed_url_ttl_s),
                 metrics=metrics,
                 limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
                 hub=hub,
-                backlog=BacklogGuard(store.oldest_queued_age, settings.max_queue_age_s),
+                backlog=BacklogGuard(_oldest_queued_age(store), settings.max_queue_age_s),
             )
             app.state.services = svc
-            tasks: list[asyncio.Task[None]] = [
-                asyncio.create_task(run_sweeper(store, svc.results, settings), name="sweeper"),
-            ]
-            tasks.append(asyncio.create_task(_connect_nats(svc, tasks), name="nats-connect"))
+            tasks: list[asyncio.Task[None]] = []
             stack.push_async_callback(_cancel, tasks)
+            opening = asyncio.create_task(_open_store(svc, tasks), name="store-open")
+            tasks.append(opening)
+            if not settings.uses_postgres:
+                await opening  # a local file: open before serving. PostgreSQL may take a while: /readyz says 503 meanwhile
 
             async def close_nats() -> None:
                 await hub.detach()
@@ -112,7 +136,7 @@ def create_app(settings: Settings) -> Litestar:
             log.info("gateway ready", extra={"host": settings.http_host, "port": settings.http_port})
             yield
 
-    kinds = registry.kinds().values()
+    kinds = declared_kinds().values()
     app = Litestar(
         route_handlers=[
             health.healthz,
@@ -130,7 +154,7 @@ def create_app(settings: Settings) -> Litestar:
             page.index,
             page.asset,
         ],
-        lifespan=[lifespan, webhooks_lifespan],
+        lifespan=[lifespan],
         before_request=bind_job_context,
         exception_handlers={HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=MAX_BODY_BYTES,

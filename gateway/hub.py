@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -106,7 +106,7 @@ class Hub:
 
     # ----- long polls -------------------------------------------------------------------
 
-    async def wait_for_change(self, job_id: str, version: int, timeout: float, reread: Callable[[], int | None]) -> bool:
+    async def wait_for_change(self, job_id: str, version: int, timeout: float, reread: Callable[[], Awaitable[int | None]]) -> bool:
         """True when ``job_id`` moved past ``version`` within ``timeout``.
 
         ``reread`` gives the stored version; it is called once after the waiter is
@@ -117,7 +117,7 @@ class Hub:
         self._polls[job_id].add(future)
         self._metrics.long_polls.inc()
         try:
-            stored = reread()
+            stored = await reread()
             if stored is None or stored != version:
                 return True
             async with asyncio.timeout(timeout):

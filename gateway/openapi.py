@@ -30,7 +30,7 @@ from litestar.openapi.spec import (
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from schemas import Problem
 from schemas.events import ServerSentEvent
-from workers.registry import JobKind
+from herald.kinds import KindDeclaration as JobKind
 
 PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics"})
 BEARER = [{"bearer": []}]

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
+from herald.jobs import StoreUnavailable
 from schemas import FieldError, Problem
 
 log = logging.getLogger("herald.gateway")
@@ -84,6 +85,14 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response[Prob
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response[Problem]:
+    if isinstance(exc, StoreUnavailable):
+        # The store is starting, failing over or unreachable: the client can outwait it.
+        log.warning("store unavailable", extra={"path": request.url.path, "detail": str(exc)})
+        return problem_response(
+            Problem(type="/problems/store-unavailable", title="Store unavailable", status=503,
+                    detail="the job store cannot be reached right now; retry shortly"),
+            {"Retry-After": "1"},
+        )
     log.exception("unhandled error", extra={"path": request.url.path})
     return problem_response(
         Problem(type="/problems/internal", title="Internal server error", status=500,

@@ -1,45 +1,32 @@
-"""Per-tenant limits: a token bucket on job starts, and a cap on held connections (SPEC §10)."""
+"""Per-tenant limits: the job-start budget, and a cap on held connections (SPEC §10).
+
+The start budget is a token bucket kept in the store and spent inside the accept
+transaction, so all gateways of a deployment share one budget per tenant (SPEC §11).
+Held connections are counted per gateway process: they are a process's own resource.
+"""
 
 from __future__ import annotations
 
 import math
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Awaitable, Callable
 
 from gateway.problems import ProblemError
-
-
-@dataclass(slots=True)
-class _Bucket:
-    tokens: float
-    at: float
+from herald.storage.ports import StartBudget
 
 
 class TenantLimits:
     def __init__(self, starts_per_s: float, max_held: int) -> None:
         self.rate = starts_per_s
-        self.burst = max(1.0, 2 * starts_per_s)
+        # HERALD_RATE_LIMIT=0 turns the limit off; the burst is twice the rate (SPEC §1).
+        self.start_budget = StartBudget(rate=starts_per_s, burst=max(1.0, 2 * starts_per_s)) if starts_per_s > 0 else None
         self.max_held = max_held
-        self._buckets: dict[str, _Bucket] = {}
         self._held: Counter[str] = Counter()
 
-    def take_start(self, tenant: str) -> None:
-        """Spend one start token or raise 429 with the seconds until one is back."""
-        if self.rate <= 0:
-            return
-        now = time.monotonic()
-        bucket = self._buckets.get(tenant)
-        if bucket is None:
-            bucket = self._buckets[tenant] = _Bucket(tokens=self.burst, at=now)
-        bucket.tokens = min(self.burst, bucket.tokens + (now - bucket.at) * self.rate)
-        bucket.at = now
-        if bucket.tokens >= 1:
-            bucket.tokens -= 1
-            return
-        wait = max(1, math.ceil((1 - bucket.tokens) / self.rate))
-        raise ProblemError(
+    def rate_limited(self, wait_s: float) -> ProblemError:
+        wait = max(1, math.ceil(wait_s))
+        return ProblemError(
             429, "/problems/rate-limited", "Too many requests",
             f"job starts are limited to {self.rate:g}/s per tenant; retry after {wait} s",
             headers={"Retry-After": str(wait)},
@@ -68,19 +55,21 @@ class BacklogGuard:
     read cheap, but starts are the hot path).
     """
 
-    def __init__(self, oldest_queued_age: Callable[[], float], max_age_s: float, refresh_s: float = 0.5) -> None:
+    def __init__(
+        self, oldest_queued_age: Callable[[], Awaitable[float]], max_age_s: float, refresh_s: float = 0.5
+    ) -> None:
         self._oldest_queued_age = oldest_queued_age
         self.max_age_s = max_age_s
         self._refresh_s = refresh_s
         self._age = 0.0
         self._read_at = -math.inf
 
-    def check(self) -> None:
+    async def check(self) -> None:
         if self.max_age_s <= 0:
             return
         now = time.monotonic()
         if now - self._read_at >= self._refresh_s:
-            self._age, self._read_at = self._oldest_queued_age(), now
+            self._age, self._read_at = await self._oldest_queued_age(), now
         if self._age > self.max_age_s:
             raise ProblemError(
                 503, "/problems/overloaded", "Overloaded",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from herald.signing import UrlSigner
-from herald.store import JobRow
+from herald.jobs import JobRow
 from herald.timefmt import now
 from schemas import JobStatus
 

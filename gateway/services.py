@@ -10,17 +10,17 @@ from nats.aio.client import Client as NATS
 from gateway.hub import Hub
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from herald.metrics import Metrics
-from herald.results import FileResultStore
 from herald.settings import Settings
 from herald.signing import UrlSigner
-from herald.store import Store
+from herald.storage.ports import JobStore, ResultStore, Storage
 
 
 @dataclass(slots=True)
 class Services:
     settings: Settings
-    store: Store
-    results: FileResultStore
+    storage: Storage
+    store: JobStore  # storage.jobs, the one most handlers need
+    results: ResultStore
     signer: UrlSigner
     metrics: Metrics
     limiter: TenantLimits

@@ -8,14 +8,15 @@ every component.
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 
 if TYPE_CHECKING:
-    from herald.store import JobRow
+    from herald.jobs import JobRow
+    from herald.storage.ports import StoreStats
     from schemas import JobEvent
 
 MULTIPROC_ENV = "PROMETHEUS_MULTIPROC_DIR"
@@ -65,25 +66,19 @@ def metrics() -> Metrics:
     return _metrics
 
 
-class StoreReadings(Protocol):
-    def oldest_queued_age(self) -> float: ...
-    def outbox_pending(self) -> int: ...
-    def outbox_oldest_age(self) -> float: ...
-
-
 class _StoreGauges:
     """Gauges read from the store at scrape time, so they are right whoever changed it."""
 
-    def __init__(self, store: StoreReadings) -> None:
-        self._store = store
+    def __init__(self, stats: StoreStats) -> None:
+        self._stats = stats
 
     def collect(self):  # type: ignore[no-untyped-def]
         yield GaugeMetricFamily("herald_queue_oldest_age_seconds", "Age of the oldest queued job",
-                                value=self._store.oldest_queued_age())
+                                value=self._stats.oldest_queued_age_s)
         yield GaugeMetricFamily("herald_outbox_pending", "Committed transitions not yet published",
-                                value=self._store.outbox_pending())
+                                value=self._stats.outbox_pending)
         yield GaugeMetricFamily("herald_outbox_lag_seconds", "Age of the oldest unpublished transition (outbox lag)",
-                                value=self._store.outbox_oldest_age())
+                                value=self._stats.outbox_oldest_age_s)
 
 
 def multiprocess_dir() -> str | None:
@@ -113,10 +108,10 @@ def mark_process_dead(pid: int, directory: str) -> None:
     multiprocess.mark_process_dead(pid, directory)
 
 
-def exposition(store: StoreReadings | None = None) -> bytes:
+def exposition(stats: StoreStats | None = None) -> bytes:
     output = generate_latest(process_registry())
-    if store is not None:
+    if stats is not None:
         extra = CollectorRegistry()
-        extra.register(_StoreGauges(store))  # type: ignore[arg-type]
+        extra.register(_StoreGauges(stats))  # type: ignore[arg-type]
         output += generate_latest(extra)
     return output

@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import sqlite3
 
 from nats.js import JetStreamContext
 
 from herald.constants import MSG_ID_HEADER
-from herald.store import Store
+from herald.storage.ports import JobStore, OutboxRow
 
 log = logging.getLogger("herald.relay")
 
 
 class Relay:
-    def __init__(self, store: Store, js: JetStreamContext, *, sweep_interval_s: float, batch: int = 256) -> None:
+    def __init__(self, store: JobStore, js: JetStreamContext, *, sweep_interval_s: float, batch: int = 256) -> None:
         self._store = store
         self._js = js
         self._sweep_interval_s = sweep_interval_s
@@ -56,7 +55,7 @@ class Relay:
         if not rows:
             return 0
         results = await asyncio.gather(*(self._publish(row) for row in rows), return_exceptions=True)
-        done = [row["seq"] for row, result in zip(rows, results) if not isinstance(result, BaseException)]
+        done = [row.seq for row, result in zip(rows, results) if not isinstance(result, BaseException)]
         if done:
             await self._store.outbox_done(done)
         failures = [r for r in results if isinstance(r, BaseException)]
@@ -64,5 +63,5 @@ class Relay:
             raise failures[0]
         return len(rows)
 
-    async def _publish(self, row: sqlite3.Row) -> None:
-        await self._js.publish(row["subject"], row["payload"], headers={MSG_ID_HEADER: row["msg_id"]}, timeout=5.0)
+    async def _publish(self, row: OutboxRow) -> None:
+        await self._js.publish(row.subject, row.payload, headers={MSG_ID_HEADER: row.msg_id}, timeout=5.0)

@@ -7,13 +7,25 @@ import hashlib
 import hmac
 import time
 
+from herald.jobs import StoreUnavailable
+
 
 class UrlSigner:
+    """Signs with the first key, verifies with any. Built before the keys are known when
+    they come from the store (``set_keys`` once it is open): until then it cannot sign."""
+
     def __init__(self, keys: tuple[bytes, ...], ttl_s: float) -> None:
+        self._keys = keys
+        self._ttl_s = ttl_s
+
+    def set_keys(self, keys: tuple[bytes, ...]) -> None:
         if not keys:
             raise ValueError("at least one signing key is needed")
         self._keys = keys
-        self._ttl_s = ttl_s
+
+    @property
+    def ready(self) -> bool:
+        return bool(self._keys)
 
     @staticmethod
     def _mac(key: bytes, purpose: str, path: str, exp: int, extra: str) -> str:
@@ -22,6 +34,8 @@ class UrlSigner:
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
     def sign(self, path: str, purpose: str, *, extra: str = "", now: float | None = None) -> str:
+        if not self._keys:
+            raise StoreUnavailable("the URL signing key is not loaded yet")
         exp = int((now if now is not None else time.time()) + self._ttl_s)
         sig = self._mac(self._keys[0], purpose, path, exp, extra)
         return f"{path}?exp={exp}&sig={sig}"

@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from herald.results import FileResultStore
+from herald.jobs import JobRow, TransitionRejected
 from herald.settings import Settings
-from herald.store import Change, JobRow, Store, TransitionRejected
-from herald.timefmt import now
+from herald.storage.ports import JobStore, ResultStore
+from herald.transitions import Change
 from schemas import Problem
 
 log = logging.getLogger("herald.sweeper")
@@ -42,8 +42,8 @@ def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     return Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True, stale_before=stale_before)
 
 
-async def sweep_once(store: Store, results: FileResultStore, settings: Settings) -> None:
-    at = now()
+async def sweep_once(store: JobStore, results: ResultStore, settings: Settings) -> None:
+    at = await store.clock()  # heartbeats and deadlines were written by the store's clock: judge by it
     for job in await store.live_jobs(stale_before=at - settings.heartbeat_timeout_s, deadline_before=at):
         change = _decide(job, settings, at)
         if change is None:
@@ -57,12 +57,12 @@ async def sweep_once(store: Store, results: FileResultStore, settings: Settings)
     expired = await store.expired(at)
     for job in expired:
         # The result goes first: once the status answers 410, nothing of the job is left.
-        results.delete_job(job.id)
+        await results.delete_job(job.id)
         log.info("job expired", extra={"job_id": job.id})
     await store.forget(expired, at)
 
 
-async def run_sweeper(store: Store, results: FileResultStore, settings: Settings) -> None:
+async def run_sweeper(store: JobStore, results: ResultStore, settings: Settings) -> None:
     while True:
         try:
             await sweep_once(store, results, settings)

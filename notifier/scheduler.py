@@ -23,7 +23,8 @@ from collections import Counter
 from herald.metrics import Metrics
 from herald.timefmt import now
 from notifier.delivery import SUCCESS_WITHIN_S, Sender
-from notifier.queue import Claimed, DeliveryQueue
+from herald.deliveries import Claimed
+from herald.storage.ports import DeliveryQueue
 from notifier.retry import RetryPolicy
 from notifier.signing import signature_header
 
@@ -79,7 +80,7 @@ class Scheduler:
                     if time.monotonic() >= next_prune:
                         next_prune = time.monotonic() + PRUNE_EVERY_S
                         await self.queue.prune(now() - self.retention_s)
-                    sleep_s = self._sleep_s()
+                    sleep_s = await self._sleep_s()
                 except Exception as exc:  # the store is busy or away: what is due stays due
                     log.warning("webhook scheduler pass failed, will retry: %s", exc)
                     sleep_s = self.idle_poll_s
@@ -90,7 +91,7 @@ class Scheduler:
 
     async def _claim_and_start(self) -> None:
         free = MAX_IN_FLIGHT - len(self._tasks)
-        if free <= 0 or not self.queue.anything_due():
+        if free <= 0 or not await self.queue.anything_due():
             return
         claimed = await self.queue.claim(
             self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
@@ -111,9 +112,11 @@ class Scheduler:
                       extra={"job_id": item.delivery.job_id, "endpoint_id": item.delivery.endpoint_id})
         self._wake.set()
 
-    def _sleep_s(self) -> float:
+    async def _sleep_s(self) -> float:
+        # Only how long to sleep, capped at idle_poll_s: a skew between this machine's clock
+        # and the store's costs at most that much delay; due-ness itself is judged by the store.
         ts = now()
-        due = self.queue.next_due_after(ts)
+        due = await self.queue.next_due_after(ts)
         return self.idle_poll_s if due is None else max(0.0, min(self.idle_poll_s, due - ts))
 
     async def _attempt(self, item: Claimed) -> None:

@@ -29,12 +29,11 @@ from herald import jetstream
 from herald.constants import EVENTS_STREAM, NOTIFIER_CONSUMER
 from herald.metrics import metrics as process_metrics
 from herald.settings import Settings
-from herald.store import Store
+from herald.storage import open_storage
+from herald.storage.ports import DeliveryQueue
 from notifier.delivery import Sender
-from notifier.queue import DeliveryQueue
 from notifier.retry import RetryPolicy
 from notifier.scheduler import Scheduler
-from notifier.store import WebhookStore
 from schemas import JobEvent
 
 log = logging.getLogger("herald.notifier")
@@ -103,10 +102,9 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
     # per request would only repeat it without job_id or endpoint_id.
     logging.getLogger("httpx").setLevel(logging.WARNING)
     async with AsyncExitStack() as stack:
-        store = await Store(settings.db_path, retention_s=settings.retention_s).open()
-        stack.push_async_callback(store.close)
-        await WebhookStore(store.db).ensure_schema()
-        queue = DeliveryQueue(store.db)
+        storage = await open_storage(settings)
+        stack.push_async_callback(storage.close)
+        queue = storage.deliveries
         sender = await stack.enter_async_context(Sender(allow_private=settings.webhook_allow_private))
         scheduler = Scheduler(
             queue,
@@ -137,8 +135,14 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)
         log.info("notifier ready", extra={"owner": scheduler.owner})
         consumer = asyncio.create_task(_consume(subscription, queue, scheduler, stop), name="event-consumer")
+
+        async def stop_consumer() -> None:
+            consumer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await consumer
+
+        stack.push_async_callback(stop_consumer)  # awaited on every path, not only after ``stop``
         await stop.wait()
         log.info("notifier stopping")
-        await consumer  # it checks ``stop`` at least once a second
         with contextlib.suppress(Exception):
             await subscription.unsubscribe()

@@ -9,10 +9,41 @@ from herald.pgserver import PostgresServer
 from tests.harness import Deployment, free_port, new_database
 
 
+STORES = ("sqlite", "postgres")
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--stores", default=",".join(STORES),
+        help="comma-separated store backends the deployment tests run against (default: sqlite,postgres)",
+    )
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    # Every test that runs Herald's processes runs once per store backend (SPEC §11: both
+    # stores pass the same tests). Session scope groups the tests by backend.
+    if "store" in metafunc.fixturenames:
+        chosen = [s.strip() for s in metafunc.config.getoption("--stores").split(",") if s.strip()]
+        unknown = set(chosen) - set(STORES)
+        if unknown:
+            raise pytest.UsageError(f"--stores: unknown backend(s) {', '.join(sorted(unknown))}")
+        metafunc.parametrize("store", chosen, scope="session")
+
+
 @pytest.fixture(scope="session")
-def herald(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def store_server(request: pytest.FixtureRequest, store: str) -> PostgresServer | None:
+    """The PostgreSQL server when the test runs against PostgreSQL (started once per session)."""
+    return request.getfixturevalue("postgres_server") if store == "postgres" else None  # type: ignore[no-any-return]
+
+
+def _database_url(server: PostgresServer | None) -> str | None:
+    return new_database(server) if server is not None else None
+
+
+@pytest.fixture(scope="session")
+def herald(tmp_path_factory: pytest.TempPathFactory, store_server: PostgresServer | None) -> Iterator[Deployment]:
     """A shared deployment (nats-server, gateway, one worker) for tests that only use the API."""
-    deployment = Deployment(tmp_path_factory.mktemp("herald"))
+    deployment = Deployment(tmp_path_factory.mktemp("herald"), database_url=_database_url(store_server))
     deployment.nats.start()
     try:
         deployment.start_gateway()
@@ -23,9 +54,9 @@ def herald(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
 
 
 @pytest.fixture()
-def fresh(tmp_path: Path) -> Iterator[Deployment]:
+def fresh(tmp_path: Path, store_server: PostgresServer | None) -> Iterator[Deployment]:
     """A deployment of the test's own (faults, special settings); the test starts its processes."""
-    deployment = Deployment(tmp_path)
+    deployment = Deployment(tmp_path, database_url=_database_url(store_server))
     deployment.nats.start()
     try:
         yield deployment

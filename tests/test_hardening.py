@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import sqlite3
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,22 +14,21 @@ import sys
 import httpx
 import pytest
 
-from tests.harness import KEYS, Deployment, client, wait_for_state, wait_until
+from tests.harness import KEYS, Deployment, client, new_database, wait_for_state, wait_until
 
 
-def counts(data_dir: Path) -> dict[str, int]:
+def counts(deployment: Deployment) -> dict[str, int]:
     """Rows that only a committed start or transition can create."""
-    with sqlite3.connect(f"file:{data_dir / 'herald.db'}?mode=ro", uri=True) as db:
-        return {table: db.execute(f"SELECT COUNT(*) FROM {table}").fetchone()[0]
-                for table in ("jobs", "events", "outbox", "idempotency_keys")}
+    return deployment.count_rows("jobs", "events", "outbox", "idempotency_keys")
 
 
 # ----- schemathesis against the served OpenAPI document ------------------------------------
 
 
 @pytest.fixture(scope="module")
-def fuzz_target(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
-    deployment = Deployment(tmp_path_factory.mktemp("fuzz"))
+def fuzz_target(tmp_path_factory: pytest.TempPathFactory, store_server: Any) -> Iterator[Deployment]:
+    deployment = Deployment(tmp_path_factory.mktemp("fuzz"),
+                            database_url=new_database(store_server) if store_server is not None else None)
     deployment.nats.start()
     try:
         deployment.start_gateway(HERALD_RATE_LIMIT="100000", HERALD_WEBHOOK_ALLOW_PRIVATE="0")
@@ -103,7 +101,7 @@ def test_every_route_answers_404_for_another_tenants_resources(herald: Deploymen
 
 
 def test_framework_errors_are_problems_and_leave_nothing_behind(herald: Deployment) -> None:
-    before = counts(herald.data_dir)
+    before = counts(herald)
     with client(herald.url(), "globex") as http:
         too_big = http.post("/reports", content=b'{"title": "' + b"x" * (1024 * 1024 + 10) + b'", "pages": 1}',
                             headers={"Content-Type": "application/json"})
@@ -126,7 +124,7 @@ def test_framework_errors_are_problems_and_leave_nothing_behind(herald: Deployme
                 assert problem["type"] == type_
         long_header = http.get("/jobs", headers={"X-Filler": "y" * 70_000})
         assert long_header.status_code in (400, 431)
-    assert counts(herald.data_dir)["jobs"] == before["jobs"]
+    assert counts(herald)["jobs"] == before["jobs"]
 
 
 def test_rate_limit_answers_429_with_retry_after(fresh: Deployment) -> None:
@@ -138,7 +136,7 @@ def test_rate_limit_answers_429_with_retry_after(fresh: Deployment) -> None:
         assert int(limited[0].headers["retry-after"]) >= 1
         assert limited[0].json()["type"] == "/problems/rate-limited"
         accepted = [a for a in answers if a.status_code == 202]
-        assert counts(fresh.data_dir)["jobs"] == len(accepted), "a refused start leaves no job"
+        assert counts(fresh)["jobs"] == len(accepted), "a refused start leaves no job"
 
 
 def test_backlog_too_old_answers_503(fresh: Deployment) -> None:
@@ -148,9 +146,9 @@ def test_backlog_too_old_answers_503(fresh: Deployment) -> None:
         refused = wait_until(lambda: (r := http.post("/reports", json={"title": "more", "pages": 1})).status_code == 503 and r,
                              timeout=10, interval=0.2, what="503 once the backlog is old")
         assert refused.json()["type"] == "/problems/overloaded" and int(refused.headers["retry-after"]) >= 1
-        jobs_while_refused = counts(fresh.data_dir)["jobs"]
+        jobs_while_refused = counts(fresh)["jobs"]
         assert http.post("/reports", json={"title": "still", "pages": 1}).status_code == 503
-        assert counts(fresh.data_dir)["jobs"] == jobs_while_refused
+        assert counts(fresh)["jobs"] == jobs_while_refused
         fresh.start_worker()
         wait_until(lambda: http.post("/reports", json={"title": "again", "pages": 1}).status_code == 202,
                    timeout=20, interval=0.3, what="starts accepted once the backlog drains")

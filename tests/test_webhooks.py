@@ -27,14 +27,19 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 import herald
-from herald.store import Change, NewJob, Store
+from herald.jobs import NewJob
+from herald.storage.sqlite import jobs as sqlite_jobs
+from herald.storage.sqlite import webhooks as sqlite_webhooks
+from herald.storage.sqlite.db import Database
+from herald.storage.sqlite.jobs import SqliteJobStore as Store
+from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
+from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
+from herald.transitions import Change
 from notifier.delivery import Outcome, Sender
-from notifier.queue import DeliveryQueue
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
 from notifier.ssrf import is_public_address
-from notifier.store import WebhookStore
 from schemas import JobEvent
-from tests.harness import Deployment, client, free_port, wait_for_state, wait_until
+from tests.harness import Deployment, client, free_port, new_database, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
 MIN_BACKOFF_S = 1.5  # HERALD_WEBHOOK_MIN_BACKOFF_S: 60 s in production
@@ -203,9 +208,10 @@ def receiver() -> Iterator[Receiver]:
 
 
 @pytest.fixture(scope="module")
-def herald_wh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Deployment]:
+def herald_wh(tmp_path_factory: pytest.TempPathFactory, store_server: Any) -> Iterator[Deployment]:
     deployment = Deployment(
         tmp_path_factory.mktemp("webhooks"),
+        database_url=new_database(store_server) if store_server is not None else None,
         env_overrides={"HERALD_WEBHOOK_RETRY_SCHEDULE": SCHEDULE, "HERALD_WEBHOOK_MIN_BACKOFF_S": str(MIN_BACKOFF_S)},
     )
     deployment.nats.start()
@@ -311,10 +317,12 @@ async def _move(store: Store, job_id: str, change: Change) -> JobEvent:
 
 
 async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_path: Path) -> None:
-    store = await Store(tmp_path / "herald.db", retention_s=60).open()
+    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    store = Store(db, retention_s=60)
+    await store.open()
     try:
-        webhooks = await WebhookStore(store.db).ensure_schema()
-        queue = DeliveryQueue(store.db)
+        webhooks = WebhookStore(db)
+        queue = DeliveryQueue(db)
         endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
                                                         event_types=["job.queued", "job.running"], kinds=None,
                                                         signature="hmac-sha256")
@@ -335,10 +343,10 @@ async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_pa
         assert await queue.fan_out([done]) == 0  # job.cancelled: not subscribed
         # queued arrives once more, late, as if never seen (its row forgotten): running was sent
         # meanwhile, so sending queued now would go back in time
-        await store.db.write(lambda conn: conn.execute(
+        await db.write(lambda conn: conn.execute(
             "DELETE FROM webhook_deliveries WHERE job_id = ? AND version = 1", (queued.job_id,)))
         assert await queue.fan_out([queued]) == 0
-        rows = webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
+        rows = await webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
         assert sorted((r.version, r.status) for r in rows if r.job_id == queued.job_id) == [
             (1, "superseded"), (2, "pending")]
     finally:
@@ -346,10 +354,12 @@ async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_pa
 
 
 async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> None:
-    store = await Store(tmp_path / "herald.db", retention_s=60).open()
+    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    store = Store(db, retention_s=60)
+    await store.open()
     try:
-        webhooks = await WebhookStore(store.db).ensure_schema()
-        queue = DeliveryQueue(store.db)
+        webhooks = WebhookStore(db)
+        queue = DeliveryQueue(db)
         endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
                                                         event_types=["job.queued"], kinds=None, signature="ed25519")
         assert await queue.fan_out(await _two_jobs(store)) == 2
@@ -358,17 +368,17 @@ async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> 
             conn.execute("UPDATE webhook_endpoints SET failing_since = ?",
                          (time.time() - ENDPOINT_DISABLE_AFTER_S - 1,))
 
-        await store.db.write(failing_long_ago)
+        await db.write(failing_long_ago)
         claimed = await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={})
         assert len(claimed) == 1  # one slot per target here
         assert claimed[0].keys and claimed[0].keys[0].algorithm == "ed25519"
         failure = Outcome(status_code=500, latency_s=0.01)
         finished = await queue.finish(claimed[0], "test", time.time(), failure, Plan("retry", delay_s=5))
         assert finished.status == "failed" and finished.endpoint_disabled
-        assert webhooks.get_endpoint("acme", endpoint.id).status == "disabled"  # type: ignore[union-attr]
-        rows = webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
+        assert (await webhooks.get_endpoint("acme", endpoint.id)).status == "disabled"  # type: ignore[union-attr]
+        rows = await webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
         assert [r.status for r in rows] == ["failed", "failed"]  # the waiting one too: dropped, not queued
-        assert [a.status_code for a in webhooks.attempts([claimed[0].delivery.id])[claimed[0].delivery.id]] == [500]
+        assert [a.status_code for a in (await webhooks.attempts([claimed[0].delivery.id]))[claimed[0].delivery.id]] == [500]
         assert await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={}) == []
     finally:
         await store.close()

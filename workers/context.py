@@ -5,12 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 
 from herald.settings import Settings
-from herald.store import Change, Store, TransitionRejected
+from herald.jobs import TransitionRejected
+from herald.storage.ports import JobStore
+from herald.transitions import Change
 from workers.errors import JobCancelled, JobLost
 
 
 class JobContext:
-    def __init__(self, *, store: Store, settings: Settings, job_id: str, attempt: int, output: Path) -> None:
+    def __init__(self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path) -> None:
         self.store = store
         self.settings = settings
         self.job_id = job_id
@@ -20,7 +22,7 @@ class JobContext:
 
     async def checkpoint(self) -> None:
         """Call between steps: raises JobCancelled or JobLost when the job must stop."""
-        job = self.store.get(self.job_id)
+        job = await self.store.get(self.job_id)
         if job is None or job.state != "running" or job.attempt != self.attempt:
             raise JobLost(f"job {self.job_id} moved on without this worker")
         if job.cancel_requested:

@@ -1,17 +1,17 @@
-"""Job kinds, registered in one place.
+"""The worker's side of job kinds: each declaration (``herald.kinds``) with its handler imported.
 
-A kind is a name, a msgspec params Struct (the request body), the collection path its
-jobs start at and whose ``/{id}`` serves the result, a media type and a handler. To add
-one, write a handler and call ``register(JobKind(...))`` in ``workers/kinds/__init__.py``.
+Handlers are imported here, at worker start, so a handler that cannot be imported stops
+the worker with its name instead of failing the first job.
 """
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from schemas import JobParams
+from herald.kinds import KindDeclaration, declared_kinds
 
 if TYPE_CHECKING:
     from workers.context import JobContext
@@ -21,34 +21,44 @@ Handler = Callable[["JobContext", Any], Awaitable[None]]
 
 @dataclass(frozen=True, slots=True)
 class JobKind:
-    name: str
-    params: type[JobParams]
-    collection: str
+    declaration: KindDeclaration
     handler: Handler
-    media_type: Callable[[Any], str]
-    suffix: Callable[[Any], str]
-    media_types: tuple[str, ...]  # every media_type() can answer (for the API reference)
-    deadline_s: float | None = None  # None: HERALD_JOB_DEADLINE_S
 
-    def __post_init__(self) -> None:
-        if not self.name.isidentifier() or not self.collection.startswith("/") or self.collection.count("/") != 1:
-            raise ValueError(f"bad job kind {self.name!r} at {self.collection!r}")
+    @property
+    def name(self) -> str:
+        return self.declaration.name
+
+    @property
+    def params(self) -> type[Any]:
+        return self.declaration.params
+
+    def media_type(self, params: Any) -> str:
+        return self.declaration.media_type(params)
+
+    def suffix(self, params: Any) -> str:
+        return self.declaration.suffix(params)
 
 
-_KINDS: dict[str, JobKind] = {}
+def load_handler(declaration: KindDeclaration) -> Handler:
+    module_name, _, attribute = declaration.handler.partition(":")
+    try:
+        handler = getattr(importlib.import_module(module_name), attribute)
+    except (ImportError, AttributeError) as exc:
+        raise RuntimeError(f"job kind {declaration.name!r}: cannot import handler {declaration.handler!r}: {exc}") from exc
+    if not callable(handler):
+        raise RuntimeError(f"job kind {declaration.name!r}: handler {declaration.handler!r} is not callable")
+    return handler  # type: ignore[no-any-return]
 
 
-def register(kind: JobKind) -> JobKind:
-    if kind.name in _KINDS or any(k.collection == kind.collection for k in _KINDS.values()):
-        raise ValueError(f"job kind {kind.name!r} or path {kind.collection!r} is registered twice")
-    _KINDS[kind.name] = kind
-    return kind
+_LOADED: dict[str, JobKind] = {}
 
 
 def kinds() -> dict[str, JobKind]:
-    from workers import kinds as _builtin  # noqa: F401  (registers the built-in kinds)
-
-    return _KINDS
+    """Every declared kind with its handler, imported on first use."""
+    if not _LOADED:
+        for name, declaration in declared_kinds().items():
+            _LOADED[name] = JobKind(declaration=declaration, handler=load_handler(declaration))
+    return _LOADED
 
 
 def get(name: str) -> JobKind | None:

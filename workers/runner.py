@@ -13,6 +13,8 @@ import asyncio
 import contextlib
 import logging
 
+from pathlib import Path
+
 import msgspec
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
@@ -22,9 +24,12 @@ from herald.constants import JOBS_STREAM, WORKERS_CONSUMER
 from herald.logs import log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
-from herald.results import FileResultStore
+from herald.jobs import JobRow, TransitionRejected
 from herald.settings import Settings
-from herald.store import Change, JobRow, Store, TransitionRejected
+from herald.storage import open_storage
+from herald.storage.ports import JobStore, ResultStore
+from herald.storage.results import open_result_store
+from herald.transitions import Change
 from schemas import JobMessage, Problem
 from workers import registry
 from workers.context import JobContext
@@ -35,7 +40,7 @@ _message_decoder = msgspec.msgpack.Decoder(JobMessage)
 
 
 class Worker:
-    def __init__(self, settings: Settings, store: Store, results: FileResultStore) -> None:
+    def __init__(self, settings: Settings, store: JobStore, results: ResultStore) -> None:
         self.settings = settings
         self.store = store
         self.results = results
@@ -92,7 +97,7 @@ class Worker:
             log.error("undecodable job message dropped", extra={"subject": message.subject})
             await message.term()
             return
-        job = self.store.get(work.job_id)
+        job = await self.store.get(work.job_id)
         kind = registry.get(work.kind)
         if job is None or job.state != "queued" or kind is None:
             # Terminal, deleted, or running under another worker (whose death the sweeper
@@ -111,14 +116,14 @@ class Worker:
 
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
-        output = self.results.partial_path(job.id, job.attempt, kind.suffix(params))
+        output = self.results.scratch_path(job.id, job.attempt, kind.suffix(params))
         context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt, output=output)
         log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         try:
             await kind.handler(context, params)
-            heart.cancel()
-            key = self.results.commit(output)
+            await _stop(heart)
+            key = await self.results.commit(job.id, job.attempt, output)
             try:
                 await self.store.transition(
                     job.id,
@@ -126,29 +131,29 @@ class Worker:
                            media_type=kind.media_type(params)),
                 )
             except TransitionRejected as exc:
-                self.results.discard(key)
+                await self.results.discard(key)
                 log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
             else:
                 log.info("job succeeded", extra={"job_id": job.id})
         except JobCancelled:
-            self.results.discard(output)
+            _remove_scratch(output)
             await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
             log.info("job cancelled", extra={"job_id": job.id})
         except JobFailed as exc:
-            self.results.discard(output)
+            _remove_scratch(output)
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=exc.problem))
             log.info("job failed", extra={"job_id": job.id, "problem_type": exc.problem.type})
         except JobLost as exc:
-            self.results.discard(output)
+            _remove_scratch(output)
             log.info("job lost to another writer", extra={"job_id": job.id, "reason": str(exc)})
         except asyncio.CancelledError:
             # Shutdown or lost lease: hand the job back so another worker starts it afresh.
-            self.results.discard(output)
+            _remove_scratch(output)
             if self._stopping.is_set():
                 await self._finish(job, Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True))
                 log.info("job handed back on shutdown", extra={"job_id": job.id})
         except Exception:
-            self.results.discard(output)
+            _remove_scratch(output)
             log.exception("job handler raised", extra={"job_id": job.id})
             problem = Problem(
                 type="/problems/job-failed",
@@ -157,7 +162,7 @@ class Worker:
             )
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
         finally:
-            heart.cancel()
+            await _stop(heart)
             with contextlib.suppress(Exception):
                 await message.ack()
 
@@ -185,9 +190,23 @@ class Worker:
                 return
 
 
+def _remove_scratch(path: Path) -> None:
+    """An attempt that did not succeed leaves no partial output behind."""
+    path.unlink(missing_ok=True)
+
+
+async def _stop(task: asyncio.Task[None]) -> None:
+    """Cancel a helper task and wait until it has really ended."""
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
+
+
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     """The ``herald worker`` process body."""
-    store = await Store(settings.db_path, retention_s=settings.retention_s).open()
+    registry.kinds()  # import every handler now: a broken one stops the worker at start, by name
+    storage = await open_storage(settings)
+    store = storage.jobs
     store.on_commit(log_transition)
     store.on_commit(metrics().observe)
     nc = await jetstream.connect(settings, name="herald-worker")
@@ -197,7 +216,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
         relay_task = asyncio.create_task(relay.run())
         subscription = await js.pull_subscribe_bind(WORKERS_CONSUMER, JOBS_STREAM)
-        worker = Worker(settings, store, FileResultStore(settings.results_dir))
+        worker = Worker(settings, store, await open_result_store(settings, js))
         log.info("worker ready", extra={"concurrency": settings.worker_concurrency})
         fetching = asyncio.create_task(worker.run(subscription, stop))
         await stop.wait()
@@ -213,5 +232,5 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     finally:
         with contextlib.suppress(Exception):
             await nc.drain()
-        await store.close()
+        await storage.close()
 

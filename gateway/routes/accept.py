@@ -16,10 +16,10 @@ from gateway.problems import ProblemError, invalid_request
 from gateway.render import public_status, retry_after
 from gateway.services import Services, services
 from notifier.ssrf import UnsafeUrl, check_url_resolves_public
-from herald.store import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob
+from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob, RateLimited
 from schemas import FieldError, JobStatus
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
-from workers.registry import JobKind
+from herald.kinds import KindDeclaration as JobKind
 
 IDEMPOTENCY_HEADER = "idempotency-key"
 
@@ -79,8 +79,7 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     except InvalidBody as exc:
         raise invalid_request(exc.errors) from exc
     await check_callback_url(svc, params.callback_url)
-    svc.backlog.check()
-    svc.limiter.take_start(tenant)  # last: a request refused for any other reason spends no token
+    await svc.backlog.check()
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
@@ -94,7 +93,11 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
         callback_url=params.callback_url,
     )
     try:
-        accepted: Accepted = await svc.store.accept(new, claim)
+        # The start token is spent in the accept transaction, from one budget shared by every
+        # gateway; a request refused for any other reason (above, or a mismatch) spends none.
+        accepted: Accepted = await svc.store.accept(new, claim, svc.limiter.start_budget)
+    except RateLimited as exc:
+        raise svc.limiter.rate_limited(exc.wait_s) from exc
     except IdempotencyMismatch as exc:
         raise ProblemError(422, "/problems/idempotency-key-mismatch", "Idempotency-Key reused",
                            "this Idempotency-Key was used with a different request (path or body)") from exc

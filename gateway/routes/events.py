@@ -32,7 +32,7 @@ from gateway.sse import (
     job_frame,
     tenant_frame,
 )
-from herald.store import JobRow
+from herald.jobs import JobRow
 from schemas import JobEvent
 from schemas.events import EventFeed, EventLink, FeedEvent
 
@@ -73,19 +73,19 @@ async def _next(subscriber: Subscriber) -> JobEvent | None | bytes:
 # ----- one job's stream ------------------------------------------------------------------
 
 
-def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str | None, sig: str | None) -> JobRow:
+async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str | None, sig: str | None) -> JobRow:
     if exp is not None or sig is not None:
         if not svc.signer.verify(request.url.path, EVENTS_PURPOSE, exp, sig):
             raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
                                "this signed stream URL is not valid; take links.events from a fresh status")
-        job = svc.store.get(job_id) if len(job_id) <= 64 else None
+        job = await svc.store.get(job_id) if len(job_id) <= 64 else None
         if job is None:
             raise ProblemError(404, "/problems/not-found", "Not found", "no such job")
         return job
     tenant = bearer_tenant(request, svc.settings)
     if tenant is None:
         raise unauthorized("send Authorization: Bearer <key> or use the signed links.events URL")
-    return find_job(svc, tenant, job_id)
+    return await find_job(svc, tenant, job_id)
 
 
 async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
@@ -95,8 +95,8 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
         yield RETRY_FRAME
         last = 0
         ended = False
-        history = svc.store.job_events(job_id, resume) if resume is not None else []
-        current = svc.store.get(job_id)
+        history = await svc.store.job_events(job_id, resume) if resume is not None else []
+        current = await svc.store.get(job_id)
         if current is None:
             return
         if resume is not None and history and history[0].version == resume + 1:
@@ -106,7 +106,7 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
         elif resume is not None and resume == current.version:
             last, ended = resume, current.terminal
         else:
-            snapshot = svc.store.job_events(current.id, current.version - 1, limit=1)
+            snapshot = await svc.store.job_events(current.id, current.version - 1, limit=1)
             if snapshot and snapshot[0].version == current.version:
                 # A fresh stream names the snapshot by the change that made it; a resume
                 # point we cannot replay from is answered with a plain snapshot.
@@ -120,7 +120,7 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
             if subscriber.overflowed.is_set():
                 return  # dropped as a slow consumer; it resumes with Last-Event-ID
             if item is RESYNC or item.version > last + 1:
-                batch = svc.store.job_events(job_id, last)
+                batch = await svc.store.job_events(job_id, last)
             elif item.version == last + 1:
                 batch = [item]
             else:
@@ -148,7 +148,7 @@ async def job_events(
 ) -> Any:
     """`retry:`, the current status, then every committed change (`id:` = version) until the terminal one."""
     svc = services(request)
-    job = _job_for_stream(request, svc, job_id, exp, sig)
+    job = await _job_for_stream(request, svc, job_id, exp, sig)
     resume = _resume_point(request, last_event_id)
     if job.terminal and resume == job.version:
         return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
@@ -184,10 +184,10 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
     svc.metrics.sse_streams.inc()
     try:
         yield RETRY_FRAME
-        last = svc.store.last_event_seq(tenant)
+        last = await svc.store.last_event_seq(tenant)
         if resume is not None and resume < last:
             while True:  # replay in pages: a long absence must not load everything at once
-                page = svc.store.tenant_events(tenant, resume, 500)
+                page = await svc.store.tenant_events(tenant, resume, 500)
                 for event in page:
                     if kind is None or event.kind == kind:
                         yield tenant_frame(event)
@@ -203,7 +203,7 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
             if subscriber.overflowed.is_set():
                 return
             if item is RESYNC or item.seq > last + 1:
-                batch = svc.store.tenant_events(tenant, last, 10_000)
+                batch = await svc.store.tenant_events(tenant, last, 10_000)
             elif item.seq == last + 1:
                 batch = [item]
             else:
@@ -232,20 +232,20 @@ async def _feed(
     except ValueError as exc:
         raise _bad("after", str(exc)) from exc
     position = cursor or 0
-    events = svc.store.tenant_events(tenant, position, limit, kind)
+    events = await svc.store.tenant_events(tenant, position, limit, kind)
     if not events and wait is not None:
         subscriber = svc.hub.subscribe_tenant(tenant)
         svc.metrics.long_polls.inc()
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + wait
-            events = svc.store.tenant_events(tenant, position, limit, kind)  # after subscribing
+            events = await svc.store.tenant_events(tenant, position, limit, kind)  # after subscribing
             while not events and (remaining := deadline - loop.time()) > 0:
                 try:
                     await asyncio.wait_for(subscriber.queue.get(), timeout=remaining)
                 except TimeoutError:
                     break
-                events = svc.store.tenant_events(tenant, position, limit, kind)
+                events = await svc.store.tenant_events(tenant, position, limit, kind)
         finally:
             svc.metrics.long_polls.dec()
             svc.hub.unsubscribe(subscriber)

@@ -20,7 +20,7 @@ async def healthz() -> dict[str, str]:
 async def readyz(request: Request) -> dict[str, str]:
     svc = services(request)
     try:
-        svc.store.db.read("SELECT 1")
+        await svc.store.ping()
     except Exception as exc:
         raise ProblemError(503, "/problems/not-ready", "Not ready", "the job store is not reachable") from exc
     if svc.nats is None or not svc.nats.is_connected:
@@ -32,5 +32,9 @@ async def readyz(request: Request) -> dict[str, str]:
      media_type="text/plain")
 async def metrics(request: Request) -> Response[bytes]:
     svc = services(request)
-    body = exposition(svc.store)
+    try:
+        stats = await svc.store.stats()
+    except Exception:  # the store's own gauges are left out while it is unreachable, not the rest
+        stats = None
+    body = exposition(stats)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -16,24 +16,25 @@ from gateway.openapi import problems
 from gateway.problems import ProblemError, not_found
 from gateway.render import etag, etag_matches, public_status, retry_after
 from gateway.services import Services, services
-from herald.store import Change, JobRow, TransitionRejected
+from herald.jobs import JobRow, TransitionRejected
+from herald.transitions import Change
 from schemas import JobList, JobStatus
 
 STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 
-def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
+async def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
     """The tenant's job, or 404 (unknown, or another tenant's) / 410 (deleted after retention)."""
-    job = svc.store.get_for_tenant(tenant, job_id) if len(job_id) <= 64 else None
+    job = await svc.store.get_for_tenant(tenant, job_id) if len(job_id) <= 64 else None
     if job is not None:
         return job
-    if len(job_id) <= 64 and svc.store.tombstone_tenant(job_id) == tenant:
+    if len(job_id) <= 64 and await svc.store.tombstone_tenant(job_id) == tenant:
         raise ProblemError(410, "/problems/gone", "Gone", "this job ended and its retention period has passed")
     raise not_found()
 
 
-def _version(svc: Services, job_id: str) -> int | None:
-    job = svc.store.get(job_id)
+async def _version(svc: Services, job_id: str) -> int | None:
+    job = await svc.store.get(job_id)
     return job.version if job is not None else None
 
 
@@ -66,7 +67,7 @@ async def get_job(
     """200 while queued/running (with Retry-After), 303 to the result once succeeded, 200 failed/cancelled."""
     svc = services(request)
     tenant = require_tenant(request, svc.settings)
-    job = find_job(svc, tenant, job_id)
+    job = await find_job(svc, tenant, job_id)
     if_none_match = request.headers.get("if-none-match")
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
         svc.limiter.open_stream(tenant)
@@ -74,7 +75,7 @@ async def get_job(
             await svc.hub.wait_for_change(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
         finally:
             svc.limiter.close_stream(tenant)
-        job = svc.store.get(job.id) or job
+        job = await svc.store.get(job.id) or job
     return status_response(job, svc, if_none_match)
 
 
@@ -105,7 +106,7 @@ async def list_jobs(
     if job_state is not None and job_state not in STATES:
         raise ProblemError(400, "/problems/invalid-request", "Invalid request", f"state must be one of {', '.join(STATES)}")
     before = _decode_cursor(cursor) if cursor else None
-    rows = svc.store.list_jobs(tenant, state=job_state, kind=kind, before=before, limit=limit + 1)
+    rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind, before=before, limit=limit + 1)
     page = rows[:limit]
     return JobList(
         items=[public_status(job, svc.signer) for job in page],
@@ -123,7 +124,7 @@ async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
     svc = services(request)
     tenant = require_tenant(request, svc.settings)
     for _ in range(5):  # the job may move between our read and our write: read again
-        job = find_job(svc, tenant, job_id)
+        job = await find_job(svc, tenant, job_id)
         try:
             if job.state == "queued":
                 done = await svc.store.transition(job.id, Change(expect={"queued"}, to="cancelled"))

@@ -25,7 +25,7 @@ from gateway.services import services
 from herald.jobs import JobRow
 from herald.storage.ports import ResultBody
 from herald.storage.results import ResultStoreUnavailable
-from workers.registry import JobKind
+from herald.kinds import KindDeclaration as JobKind
 
 
 async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: str | None) -> JobRow:

@@ -10,12 +10,10 @@ from __future__ import annotations
 import base64
 import binascii
 import uuid
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from typing import Annotated, Any, TypeVar
 
 import msgspec
-from litestar import Controller, Litestar, Request, Response, delete, get, patch, post
+from litestar import Controller, Request, Response, delete, get, patch, post
 from litestar.params import Parameter
 
 from gateway.auth import require_tenant
@@ -25,7 +23,8 @@ from gateway.services import services
 from herald.timefmt import rfc3339
 from notifier.ssrf import UnsafeUrl, check_url_resolves_public
 from notifier.signing import SigningKey
-from notifier.store import AttemptRow, DeliveryRow, EndpointRow, WebhookStore
+from herald.deliveries import AttemptRow, DeliveryRow, EndpointRow
+from herald.storage.ports import WebhookStore
 from schemas import FieldError
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
 from schemas.webhooks import (
@@ -41,7 +40,7 @@ from schemas.webhooks import (
     EndpointPatch,
     SigningSecret,
 )
-from workers import registry
+from herald.kinds import declared_kinds
 
 B = TypeVar("B", EndpointCreate, EndpointPatch)
 
@@ -49,15 +48,8 @@ DEFAULT_LIMIT = 20
 MAX_LIMIT = 100
 
 
-@asynccontextmanager
-async def webhooks_lifespan(app: Litestar) -> AsyncIterator[None]:
-    """After the app's main lifespan opened the store: create the webhook tables, keep their store."""
-    app.state.webhooks = await WebhookStore(app.state.services.store.db).ensure_schema()
-    yield
-
-
 def _webhooks(request: Request) -> WebhookStore:
-    return request.app.state.webhooks  # type: ignore[no-any-return]
+    return services(request).storage.webhooks
 
 
 # ----- reading requests ---------------------------------------------------------------
@@ -81,7 +73,7 @@ async def _body(request: Request, body_type: type[B]) -> B:
 
 
 def _kind_errors(kinds: list[str] | None) -> list[FieldError]:
-    known = registry.kinds()
+    known = declared_kinds()
     unknown = sorted({k for k in kinds or () if k not in known})
     if unknown:
         message = f"unknown kind(s): {', '.join(unknown)}; known: {', '.join(sorted(known))}"
@@ -134,12 +126,12 @@ def _bad_cursor() -> ProblemError:
     return ProblemError(400, "/problems/invalid-cursor", "Invalid cursor", "cursor is not one this server gave out")
 
 
-def _endpoint(request: Request, tenant: str, endpoint_id: str) -> EndpointRow:
+async def _endpoint(request: Request, tenant: str, endpoint_id: str) -> EndpointRow:
     try:
         uuid.UUID(endpoint_id)
     except ValueError:
         raise not_found("webhook endpoint") from None
-    endpoint = _webhooks(request).get_endpoint(tenant, endpoint_id)
+    endpoint = await _webhooks(request).get_endpoint(tenant, endpoint_id)
     if endpoint is None:
         raise not_found("webhook endpoint")
     return endpoint
@@ -232,7 +224,7 @@ class WebhooksController(Controller):
                 before = (float(created), endpoint_id)
             except ValueError as exc:
                 raise _bad_cursor() from exc
-        rows = _webhooks(request).list_endpoints(tenant, before=before, limit=size + 1)
+        rows = await _webhooks(request).list_endpoints(tenant, before=before, limit=size + 1)
         page = rows[:size]
         more = len(rows) > size
         return EndpointList(
@@ -258,14 +250,14 @@ class WebhooksController(Controller):
          responses=problems(401, 404))
     async def get_endpoint(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
-        return endpoint_view(_endpoint(request, tenant, endpoint_id))
+        return endpoint_view(await _endpoint(request, tenant, endpoint_id))
 
     @patch("/{endpoint_id:str}", operation_id="update_webhook",
            summary="Change url, event_types, kinds or status (enabled/disabled)",
            operation_class=with_body(EndpointPatch, "The fields to change"), responses=problems(400, 401, 404, 415))
     async def update(self, request: Request, endpoint_id: str) -> Endpoint:
         tenant = require_tenant(request, services(request).settings)
-        _endpoint(request, tenant, endpoint_id)
+        await _endpoint(request, tenant, endpoint_id)
         body = await _body(request, EndpointPatch)
         changes: dict[str, Any] = {}
         errors: list[FieldError] = []
@@ -290,7 +282,7 @@ class WebhooksController(Controller):
             summary="Delete the endpoint with its delivery log", responses=problems(401, 404))
     async def remove(self, request: Request, endpoint_id: str) -> None:
         tenant = require_tenant(request, services(request).settings)
-        _endpoint(request, tenant, endpoint_id)
+        await _endpoint(request, tenant, endpoint_id)
         if not await _webhooks(request).delete_endpoint(tenant, endpoint_id):
             raise not_found("webhook endpoint")
 
@@ -298,7 +290,7 @@ class WebhooksController(Controller):
           summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=problems(401, 404))
     async def rotate(self, request: Request, endpoint_id: str) -> SigningSecret:
         tenant = require_tenant(request, services(request).settings)
-        _endpoint(request, tenant, endpoint_id)
+        await _endpoint(request, tenant, endpoint_id)
         key = await _webhooks(request).rotate_endpoint_key(tenant, endpoint_id)
         if key is None:
             raise not_found("webhook endpoint")
@@ -316,7 +308,7 @@ class WebhooksController(Controller):
         cursor: Cursor = None,
     ) -> DeliveryList:
         tenant = require_tenant(request, services(request).settings)
-        endpoint = _endpoint(request, tenant, endpoint_id)
+        endpoint = await _endpoint(request, tenant, endpoint_id)
         errors: list[FieldError] = []
         size = _limit(limit, errors)
         if status is not None and status not in DELIVERY_STATUSES:
@@ -329,9 +321,9 @@ class WebhooksController(Controller):
                 raise _bad_cursor()
             before = int(position)
         store = _webhooks(request)
-        rows = store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=size + 1)
+        rows = await store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=size + 1)
         page = rows[:size]
-        attempts = store.attempts([r.id for r in page])
+        attempts = await store.attempts([r.id for r in page])
         return DeliveryList(
             items=[delivery_view(r, attempts[r.id]) for r in page],
             next_cursor=_encode_cursor(str(page[-1].seq)) if len(rows) > size else None,
@@ -342,9 +334,9 @@ class WebhooksController(Controller):
           responses=problems(401, 404, 409))
     async def retry(self, request: Request, endpoint_id: str, delivery_id: str) -> Response[Delivery]:
         tenant = require_tenant(request, services(request).settings)
-        endpoint = _endpoint(request, tenant, endpoint_id)
+        endpoint = await _endpoint(request, tenant, endpoint_id)
         store = _webhooks(request)
-        if len(delivery_id) > 64 or store.get_delivery(endpoint.id, delivery_id) is None:
+        if len(delivery_id) > 64 or await store.get_delivery(endpoint.id, delivery_id) is None:
             raise not_found("delivery")
         if endpoint.status != "enabled":
             raise ProblemError(409, "/problems/endpoint-disabled", "Endpoint disabled",
@@ -352,5 +344,5 @@ class WebhooksController(Controller):
         row = await store.retry_now(endpoint.id, delivery_id)
         if row is None:
             raise not_found("delivery")
-        return Response(delivery_view(row, store.attempts([row.id])[row.id]), status_code=202,
+        return Response(delivery_view(row, (await store.attempts([row.id]))[row.id]), status_code=202,
                         headers={"Cache-Control": "no-store"})

@@ -1,0 +1,45 @@
+"""Storage: the ports (``ports``) and the backend chosen by the settings.
+
+SQLite under ``HERALD_DATA_DIR`` unless ``HERALD_DATABASE_URL`` names a PostgreSQL
+database. The backends are imported only when chosen, so a SQLite deployment never
+loads asyncpg and a PostgreSQL one never opens a local file.
+"""
+
+from __future__ import annotations
+
+from herald.settings import Settings
+from herald.storage.ports import Storage
+
+
+def build_storage(settings: Settings) -> Storage:
+    """The backend's three ports over one database; call ``await storage.jobs.open()`` next."""
+    if settings.database_url is not None:
+        from herald.storage.postgres import jobs as pg_jobs
+        from herald.storage.postgres import webhooks as pg_webhooks
+        from herald.storage.postgres.db import PgDatabase
+
+        pg = PgDatabase(settings.database_url, [*pg_jobs.MIGRATIONS, *pg_webhooks.MIGRATIONS])
+        return Storage(
+            jobs=pg_jobs.PgJobStore(pg, retention_s=settings.retention_s),
+            webhooks=pg_webhooks.PgWebhookStore(pg),
+            deliveries=pg_webhooks.PgDeliveryQueue(pg),
+        )
+
+    from herald.storage.sqlite import jobs as sqlite_jobs
+    from herald.storage.sqlite import queue as sqlite_queue
+    from herald.storage.sqlite import webhooks as sqlite_webhooks
+    from herald.storage.sqlite.db import Database
+
+    db = Database(settings.db_path, sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    return Storage(
+        jobs=sqlite_jobs.SqliteJobStore(db, retention_s=settings.retention_s),
+        webhooks=sqlite_webhooks.SqliteWebhookStore(db),
+        deliveries=sqlite_queue.SqliteDeliveryQueue(db),
+    )
+
+
+async def open_storage(settings: Settings) -> Storage:
+    """Build and open (connect, create or migrate the schema)."""
+    storage = build_storage(settings)
+    await storage.jobs.open()
+    return storage

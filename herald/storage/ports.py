@@ -202,7 +202,7 @@ class DeliveryQueue(Protocol):
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` (one per matching endpoint, one for the job's
         callback URL) in one transaction, idempotent per target and event; superseding and
-        progress throttling as in ``notifier.queue``'s rules. Returns how many are pending."""
+        progress throttling as in ``herald.storage.sqlite.queue``. Returns how many are pending."""
 
     async def anything_due(self) -> bool: ...
 
@@ -254,13 +254,12 @@ class ResultStore(Protocol):
 
 @dataclass(slots=True)
 class Storage:
-    """Everything one process shares with the others, opened once at start."""
+    """The store of record as one process sees it: its three ports share one database
+    (connection, pool), which ``jobs.close()`` closes."""
 
     jobs: JobStore
     webhooks: WebhookStore
     deliveries: DeliveryQueue
-    results: ResultStore
 
     async def close(self) -> None:
-        await self.results.close()
         await self.jobs.close()

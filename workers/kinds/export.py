@@ -21,14 +21,6 @@ _STATUSES = ("paid", "shipped", "delivered", "refunded", "cancelled")
 _CURRENCIES = ("EUR", "USD", "GBP")
 
 
-def export_media_type(params: ExportParams) -> str:
-    return "text/csv" if params.format == "csv" else "application/x-ndjson"
-
-
-def export_suffix(params: ExportParams) -> str:
-    return ".csv" if params.format == "csv" else ".ndjson"
-
-
 def order_rows(start: int, count: int) -> list[tuple[object, ...]]:
     """Rows ``start .. start+count-1``; row i depends on i alone, so every export agrees."""
     rows = []

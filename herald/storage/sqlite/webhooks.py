@@ -1,22 +1,22 @@
 """Webhook tables in the job store's SQLite file: endpoints, signing keys, deliveries, attempts.
 
-The gateway (the endpoints API) and every notifier process use these tables through
-the same ``herald.db.Database`` the job store opened, so each function below is one
-transaction on the writer thread, or one indexed read on the loop. The delivery queue
-itself (fan-out, claiming, outcomes) is in ``notifier.queue``.
+The SQLite ``WebhookStore`` (``herald.storage.ports``). The gateway (the endpoints API)
+and every notifier process use these tables through the same ``Database`` as the job
+store, so each method below is one transaction on the writer thread, or one indexed
+read on the loop. The delivery queue (fan-out, claiming, outcomes) is in ``queue``.
 """
 
 from __future__ import annotations
 
 import sqlite3
 import uuid
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, fields
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
 
-from herald.db import Database
+from herald.deliveries import AttemptRow, DeliveryRow, EndpointRow, callback_owner
+from herald.storage.sqlite.db import Database
 from herald.timefmt import now
 from notifier.signing import ROTATION_OVERLAP_S, SigningKey, new_key
 
@@ -90,75 +90,6 @@ CREATE TABLE IF NOT EXISTS webhook_attempts (
 """
 
 
-def callback_owner(tenant: str) -> str:
-    """The key owner for a tenant's ``callback_url`` deliveries (endpoints own keys by id)."""
-    return f"callback:{tenant}"
-
-
-@dataclass(frozen=True, slots=True)
-class EndpointRow:
-    id: str
-    tenant: str
-    url: str
-    event_types: tuple[str, ...]
-    kinds: tuple[str, ...] | None
-    signature: str
-    status: str
-    created_at: float
-    updated_at: float
-    failing_since: float | None
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> EndpointRow:
-        values = dict(row)
-        values["event_types"] = tuple(msgspec.json.decode(values["event_types"]))
-        values["kinds"] = tuple(msgspec.json.decode(values["kinds"])) if values["kinds"] is not None else None
-        return cls(**values)
-
-    def wants(self, event_type: str, kind: str) -> bool:
-        return (
-            self.status == "enabled"
-            and event_type in self.event_types
-            and (self.kinds is None or kind in self.kinds)
-        )
-
-
-@dataclass(frozen=True, slots=True)
-class AttemptRow:
-    n: int
-    at: float
-    status_code: int | None
-    latency_ms: float | None
-    error: str | None
-    response: bytes | None
-
-
-@dataclass(frozen=True, slots=True)
-class DeliveryRow:
-    seq: int
-    id: str
-    tenant: str
-    target: str
-    endpoint_id: str | None
-    url: str | None
-    event_id: str
-    job_id: str
-    version: int
-    type: str
-    status: str
-    attempts: int
-    scheduled_at: float
-    next_attempt_at: float | None
-    lease_owner: str | None
-    lease_until: float | None
-    created_at: float
-    updated_at: float
-
-    @classmethod
-    def from_row(cls, row: sqlite3.Row) -> DeliveryRow:
-        return cls(**{f.name: row[f.name] for f in fields(cls)})
-
-
 def _encode_list(values: Iterable[str] | None) -> str | None:
     return None if values is None else msgspec.json.encode(list(values)).decode()
 
@@ -201,22 +132,11 @@ def fail_pending(conn: sqlite3.Connection, endpoint_id: str, at: float) -> None:
     )
 
 
-class WebhookStore:
+class SqliteWebhookStore:
     """Endpoints, keys and the delivery log as the API sees them. One per process."""
 
     def __init__(self, db: Database) -> None:
         self.db = db
-
-    async def ensure_schema(self) -> WebhookStore:
-        """Create the webhook tables (both the gateway and the notifier call this; it is idempotent)."""
-
-        def tx(conn: sqlite3.Connection) -> None:
-            for statement in SCHEMA.split(";"):
-                if statement.strip():
-                    conn.execute(statement)
-
-        await self.db.write(tx)
-        return self
 
     # ----- endpoints ----------------------------------------------------------------
 
@@ -234,24 +154,24 @@ class WebhookStore:
             )
             key = add_key(conn, endpoint_id, signature, ts)
             row = conn.execute("SELECT * FROM webhook_endpoints WHERE id = ?", (endpoint_id,)).fetchone()
-            return EndpointRow.from_row(row), key
+            return EndpointRow.from_mapping(row), key
 
         return await self.db.write(tx)
 
-    def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None:
+    async def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None:
         rows = self.db.read("SELECT * FROM webhook_endpoints WHERE id = ? AND tenant = ?", (endpoint_id, tenant))
-        return EndpointRow.from_row(rows[0]) if rows else None
+        return EndpointRow.from_mapping(rows[0]) if rows else None
 
-    def list_endpoints(self, tenant: str, *, before: tuple[float, str] | None, limit: int) -> list[EndpointRow]:
+    async def list_endpoints(self, tenant: str, *, before: tuple[float, str] | None, limit: int) -> list[EndpointRow]:
         sql = "SELECT * FROM webhook_endpoints WHERE tenant = ?"
         params: list[Any] = [tenant]
         if before is not None:
             sql += " AND (created_at < ? OR (created_at = ? AND id < ?))"
             params += [before[0], before[0], before[1]]
         rows = self.db.read(sql + " ORDER BY created_at DESC, id DESC LIMIT ?", [*params, limit])
-        return [EndpointRow.from_row(r) for r in rows]
+        return [EndpointRow.from_mapping(r) for r in rows]
 
-    async def update_endpoint(self, tenant: str, endpoint_id: str, changes: dict[str, Any]) -> EndpointRow | None:
+    async def update_endpoint(self, tenant: str, endpoint_id: str, changes: Mapping[str, Any]) -> EndpointRow | None:
         """Apply ``changes`` (url, event_types, kinds, status). Disabling fails what was waiting."""
 
         def tx(conn: sqlite3.Connection) -> EndpointRow | None:
@@ -272,7 +192,7 @@ class WebhookStore:
             conn.execute(f"UPDATE webhook_endpoints SET {assignments} WHERE id = ?", (*values.values(), endpoint_id))
             if changes.get("status") == "disabled":
                 fail_pending(conn, endpoint_id, ts)
-            return EndpointRow.from_row(conn.execute("SELECT * FROM webhook_endpoints WHERE id = ?",
+            return EndpointRow.from_mapping(conn.execute("SELECT * FROM webhook_endpoints WHERE id = ?",
                                                      (endpoint_id,)).fetchone())
 
         return await self.db.write(tx)
@@ -325,7 +245,7 @@ class WebhookStore:
 
     # ----- the delivery log ----------------------------------------------------------------
 
-    def list_deliveries(
+    async def list_deliveries(
         self, endpoint_id: str, *, status: str | None, before_seq: int | None, limit: int
     ) -> list[DeliveryRow]:
         """Newest first. The caller has already checked that the endpoint is the tenant's."""
@@ -338,9 +258,9 @@ class WebhookStore:
             sql += " AND seq < ?"
             params.append(before_seq)
         rows = self.db.read(sql + " ORDER BY seq DESC LIMIT ?", [*params, limit])
-        return [DeliveryRow.from_row(r) for r in rows]
+        return [DeliveryRow.from_mapping(r) for r in rows]
 
-    def attempts(self, delivery_ids: Sequence[str]) -> dict[str, list[AttemptRow]]:
+    async def attempts(self, delivery_ids: Sequence[str]) -> dict[str, list[AttemptRow]]:
         found: dict[str, list[AttemptRow]] = {d: [] for d in delivery_ids}
         if not delivery_ids:
             return found
@@ -353,10 +273,10 @@ class WebhookStore:
                                                       response=r["response"]))
         return found
 
-    def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
+    async def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
         rows = self.db.read("SELECT * FROM webhook_deliveries WHERE id = ? AND endpoint_id = ?",
                             (delivery_id, endpoint_id))
-        return DeliveryRow.from_row(rows[0]) if rows else None
+        return DeliveryRow.from_mapping(rows[0]) if rows else None
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
         """Make the delivery due now, whatever its status; it keeps its id and webhook-id."""
@@ -369,7 +289,7 @@ class WebhookStore:
                 (ts, ts, delivery_id, endpoint_id),
             )
             row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ?", (delivery_id,)).fetchone()
-            return DeliveryRow.from_row(row) if row else None
+            return DeliveryRow.from_mapping(row) if row else None
 
         return await self.db.write(tx)
 

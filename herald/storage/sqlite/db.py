@@ -40,20 +40,25 @@ def connect(path: Path, *, busy_timeout_ms: int = 10_000, check_same_thread: boo
 
 
 class Database:
-    """Owns the two connections to one SQLite file. ``close()`` is safe to call twice."""
+    """Owns the two connections to one SQLite file. ``open()`` and ``close()`` are safe to call twice
+    (the job store and the webhook store share one Database)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, schema: str) -> None:
         self.path = path
+        self.schema = schema
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._writer: sqlite3.Connection | None = None
         self.reader: sqlite3.Connection | None = None
+        self._closed = False
 
-    async def open(self, schema: str) -> None:
+    async def open(self) -> None:
+        if self._writer is not None:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
         def _open() -> None:
             self._writer = connect(self.path, check_same_thread=False)
-            self._writer.executescript(schema)
+            self._writer.executescript(self.schema)  # CREATE ... IF NOT EXISTS: safe from many processes
 
         await asyncio.get_running_loop().run_in_executor(self._executor, _open)
         self.reader = connect(self.path, busy_timeout_ms=2_000)
@@ -89,6 +94,9 @@ class Database:
         return self.reader.execute(sql, params).fetchall()
 
     async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
         if self.reader is not None:
             self.reader.close()
             self.reader = None

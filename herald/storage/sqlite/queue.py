@@ -20,28 +20,26 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 
 import msgspec
 
-from herald.db import Database
+from herald.deliveries import (
+    CALLBACK_PREFIX,
+    PROGRESS_INTERVAL_S,
+    Claimed,
+    DeliveryRow,
+    EndpointRow,
+    Finished,
+    callback_owner,
+    event_id,
+)
+from herald.storage.sqlite.db import Database
+from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, live_keys
 from herald.timefmt import now
 from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
-from notifier.signing import SigningKey
-from notifier.store import (
-    DeliveryRow,
-    EndpointRow,
-    callback_owner,
-    current_callback_key,
-    fail_pending,
-    live_keys,
-)
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
-
-PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
-CALLBACK_PREFIX = "callback:"
 
 _payload_encoder = msgspec.json.Encoder()
 
@@ -61,28 +59,6 @@ SELECT * FROM (
           WHERE o.target = d.target AND o.job_id = d.job_id AND o.status = 'pending' AND o.version < d.version)
 ) WHERE rank <= :per_target ORDER BY next_attempt_at LIMIT :limit
 """
-
-
-def event_id(event: JobEvent) -> str:
-    """The ``webhook-id``: one per event, the same for every endpoint and every retry."""
-    return f"evt_{event.job_id}.{event.version}"
-
-
-@dataclass(frozen=True, slots=True)
-class Claimed:
-    """A leased delivery with everything needed to send it."""
-
-    delivery: DeliveryRow
-    url: str
-    body: bytes
-    keys: tuple[SigningKey, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Finished:
-    status: str  # delivered, pending (retry), failed, superseded; dropped: deleted meanwhile
-    next_attempt_at: float | None
-    endpoint_disabled: bool
 
 
 Target = tuple[str, str | None, str | None]  # (target, endpoint id, callback URL)
@@ -146,7 +122,7 @@ def _add_delivery(
     return status == "pending"
 
 
-class DeliveryQueue:
+class SqliteDeliveryQueue:
     def __init__(self, db: Database) -> None:
         self.db = db
 
@@ -161,7 +137,7 @@ class DeliveryQueue:
                 if event.tenant not in endpoints:
                     rows = conn.execute("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'",
                                         (event.tenant,)).fetchall()
-                    endpoints[event.tenant] = [EndpointRow.from_row(r) for r in rows]
+                    endpoints[event.tenant] = [EndpointRow.from_mapping(r) for r in rows]
                 targets = _targets(conn, event, endpoints[event.tenant])
                 if not targets:
                     continue
@@ -174,7 +150,7 @@ class DeliveryQueue:
 
         return await self.db.write(tx)
 
-    def anything_due(self) -> bool:
+    async def anything_due(self) -> bool:
         """Cheap read on the loop: is a claim transaction worth taking the write lock for?"""
         ts = now()
         return bool(self.db.read(
@@ -183,7 +159,7 @@ class DeliveryQueue:
             (ts, ts),
         ))
 
-    def next_due_after(self, at: float) -> float | None:
+    async def next_due_after(self, at: float) -> float | None:
         rows = self.db.read(
             "SELECT MIN(next_attempt_at) AS t FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at > ?",
             (at,),
@@ -215,7 +191,7 @@ class DeliveryQueue:
                 else:
                     current_callback_key(conn, row["tenant"], ts)  # created on first use
                     keys = live_keys(conn, callback_owner(row["tenant"]), ts)
-                delivery = DeliveryRow.from_row(row)
+                delivery = DeliveryRow.from_mapping(row)
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
                 claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=tuple(keys)))
                 if len(claimed) >= limit:

@@ -1,4 +1,9 @@
-"""The job store: jobs, their history (events), the outbox and idempotency keys.
+"""The SQLite job store: jobs, their history (events), the outbox and idempotency keys.
+
+The embedded default (``herald.storage.ports.JobStore``): every process of one machine
+opens the same file. SQLite serialises writers with one database-wide lock
+(``BEGIN IMMEDIATE``), so each transaction below is compare-and-set by construction: the
+row it reads cannot change before it writes. The clock is this machine's.
 
 ``transition()`` is the only code that changes a job after it was accepted. In one
 transaction it checks the expected state and attempt, updates the row, appends the
@@ -10,44 +15,31 @@ from those rows.
 from __future__ import annotations
 
 import logging
+import secrets
 import sqlite3
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import msgspec
 
 from herald.constants import event_subject, job_subject
-from herald.db import Database
 from herald.jobs import (
     Accepted,
     IdempotencyClaim,
     IdempotencyMismatch,
     JobRow,
     NewJob,
-    StoreError,
+    RateLimited,
     Transition,
     TransitionRejected,
 )
 from herald.metrics import metrics
+from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
+from herald.storage.sqlite.db import Database
 from herald.timefmt import now, rfc3339
-from herald.transitions import ALLOWED_NEXT, Change, event_type, refusal
+from herald.transitions import Change, event_type, refusal
 from schemas import JobEvent, JobMessage, TERMINAL_STATES
-
-__all__ = [  # the store's vocabulary, importable from here by its callers
-    "ALLOWED_NEXT",
-    "Accepted",
-    "Change",
-    "IdempotencyClaim",
-    "IdempotencyMismatch",
-    "JobRow",
-    "NewJob",
-    "Store",
-    "StoreError",
-    "Transition",
-    "TransitionRejected",
-]
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
@@ -116,6 +108,17 @@ CREATE TABLE IF NOT EXISTS tombstones (
     tenant TEXT NOT NULL,
     deleted_at REAL NOT NULL
 ) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS rate_buckets (
+    tenant TEXT PRIMARY KEY,
+    tokens REAL NOT NULL,
+    at REAL NOT NULL
+) WITHOUT ROWID;
+
+CREATE TABLE IF NOT EXISTS herald_secrets (
+    name TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+) WITHOUT ROWID;
 """
 
 _log = logging.getLogger("herald.store")
@@ -124,7 +127,20 @@ _event_encoder = msgspec.json.Encoder()
 
 def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
     row = conn.execute("SELECT * FROM jobs WHERE id = ?", (job_id,)).fetchone()
-    return JobRow.from_row(row) if row else None
+    return JobRow.from_mapping(row) if row else None
+
+
+def _spend_start_token(conn: sqlite3.Connection, tenant: str, budget: StartBudget, ts: float) -> None:
+    """Take one token from the tenant's bucket (inside the accept transaction) or raise RateLimited."""
+    row = conn.execute("SELECT tokens, at FROM rate_buckets WHERE tenant = ?", (tenant,)).fetchone()
+    tokens = budget.burst if row is None else min(budget.burst, row["tokens"] + max(0.0, ts - row["at"]) * budget.rate)
+    if tokens < 1:
+        raise RateLimited(tenant, (1 - tokens) / budget.rate)
+    conn.execute(
+        "INSERT INTO rate_buckets (tenant, tokens, at) VALUES (?,?,?)"
+        " ON CONFLICT (tenant) DO UPDATE SET tokens = excluded.tokens, at = excluded.at",
+        (tenant, tokens - 1, ts),
+    )
 
 
 def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str) -> JobEvent:
@@ -168,22 +184,27 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
     _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message))
 
 
-class Store:
-    """Async facade over the SQLite file. One per process; processes share the file."""
+class SqliteJobStore:
+    """The job store on one SQLite file. One per process; processes of one machine share the file."""
 
-    def __init__(self, path: Path, *, retention_s: float) -> None:
-        self.db = Database(path)
+    def __init__(self, db: Database, *, retention_s: float) -> None:
+        self._db = db
         self.retention_s = retention_s
-        self._listeners: list[Callable[[JobRow, JobEvent], None]] = []
+        self._listeners: list[CommitListener] = []
 
-    async def open(self) -> Store:
-        await self.db.open(SCHEMA)
-        return self
+    async def open(self) -> None:
+        await self._db.open()
 
     async def close(self) -> None:
-        await self.db.close()
+        await self._db.close()
 
-    def on_commit(self, callback: Callable[[JobRow, JobEvent], None]) -> None:
+    async def ping(self) -> None:
+        self._db.read("SELECT 1")
+
+    async def clock(self) -> float:
+        return now()
+
+    def on_commit(self, callback: CommitListener) -> None:
         """Called on the loop after every committed event: wakes the relay, counts, logs."""
         self._listeners.append(callback)
 
@@ -193,11 +214,15 @@ class Store:
 
     # ----- accepting -------------------------------------------------------------
 
-    async def accept(self, new: NewJob, idempotency: IdempotencyClaim | None = None) -> Accepted:
-        """Write the job (queued, version 1), its key and its outbox rows in one transaction."""
+    async def accept(
+        self, new: NewJob, idempotency: IdempotencyClaim | None = None, budget: StartBudget | None = None
+    ) -> Accepted:
+        """Spend a start token, write the job (queued, version 1), its key and its outbox rows: one transaction."""
 
         def tx(conn: sqlite3.Connection) -> Accepted:
             ts = now()
+            if budget is not None:
+                _spend_start_token(conn, new.tenant, budget, ts)
             if idempotency is not None:
                 row = conn.execute(
                     "SELECT fingerprint, job_id, expires_at FROM idempotency_keys WHERE tenant = ? AND key = ?",
@@ -236,7 +261,7 @@ class Store:
             _enqueue_work(conn, job)
             return Accepted(job=job, replayed=False, event=event)
 
-        accepted = await self.db.write(tx)
+        accepted = await self._db.write(tx)
         if accepted.event is not None:
             self._committed(accepted.job, accepted.event)
         return accepted
@@ -292,7 +317,7 @@ class Store:
             return Transition(before=before, after=after, event=event)
 
         try:
-            result = await self.db.write(tx)
+            result = await self._db.write(tx)
         except TransitionRejected as exc:
             # A stale, late or duplicate writer: normal under retries and races, never silent.
             _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
@@ -313,23 +338,23 @@ class Store:
             )
             return _fetch(conn, job_id) if cursor.rowcount else None
 
-        return await self.db.write(tx)
+        return await self._db.write(tx)
 
     # ----- reads (on the loop: point lookups and bounded index scans) -------------------
 
-    def get(self, job_id: str) -> JobRow | None:
-        rows = self.db.read("SELECT * FROM jobs WHERE id = ?", (job_id,))
-        return JobRow.from_row(rows[0]) if rows else None
+    async def get(self, job_id: str) -> JobRow | None:
+        rows = self._db.read("SELECT * FROM jobs WHERE id = ?", (job_id,))
+        return JobRow.from_mapping(rows[0]) if rows else None
 
-    def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None:
-        job = self.get(job_id)
+    async def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None:
+        job = await self.get(job_id)
         return job if job is not None and job.tenant == tenant else None
 
-    def tombstone_tenant(self, job_id: str) -> str | None:
-        rows = self.db.read("SELECT tenant FROM tombstones WHERE job_id = ?", (job_id,))
+    async def tombstone_tenant(self, job_id: str) -> str | None:
+        rows = self._db.read("SELECT tenant FROM tombstones WHERE job_id = ?", (job_id,))
         return rows[0]["tenant"] if rows else None
 
-    def list_jobs(
+    async def list_jobs(
         self,
         tenant: str,
         *,
@@ -351,63 +376,56 @@ class Store:
             params.extend([before[0], before[0], before[1]])
         sql.append("ORDER BY created_at DESC, id DESC LIMIT ?")
         params.append(limit)
-        return [JobRow.from_row(r) for r in self.db.read(" ".join(sql), params)]
+        return [JobRow.from_mapping(r) for r in self._db.read(" ".join(sql), params)]
 
-    def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]:
-        rows = self.db.read(
+    async def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]:
+        rows = self._db.read(
             "SELECT * FROM events WHERE job_id = ? AND version > ? ORDER BY version LIMIT ?",
             (job_id, after_version, limit),
         )
         return [_event_from_row(r) for r in rows]
 
-    def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
+    async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
         if kind is None:
-            rows = self.db.read(
+            rows = self._db.read(
                 "SELECT * FROM events WHERE tenant = ? AND seq > ? ORDER BY seq LIMIT ?", (tenant, after_seq, limit)
             )
         else:
-            rows = self.db.read(
+            rows = self._db.read(
                 "SELECT * FROM events WHERE tenant = ? AND seq > ? AND kind = ? ORDER BY seq LIMIT ?",
                 (tenant, after_seq, kind, limit),
             )
         return [_event_from_row(r) for r in rows]
 
-    def oldest_event_seq(self, tenant: str) -> int | None:
-        rows = self.db.read("SELECT MIN(seq) AS s FROM events WHERE tenant = ?", (tenant,))
-        return rows[0]["s"] if rows and rows[0]["s"] is not None else None
-
-    def last_event_seq(self, tenant: str) -> int:
-        rows = self.db.read("SELECT last FROM tenant_seq WHERE tenant = ?", (tenant,))
+    async def last_event_seq(self, tenant: str) -> int:
+        rows = self._db.read("SELECT last FROM tenant_seq WHERE tenant = ?", (tenant,))
         return int(rows[0]["last"]) if rows else 0
 
-    def oldest_queued_age(self) -> float:
-        rows = self.db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued'")
-        return max(0.0, now() - rows[0]["t"]) if rows and rows[0]["t"] is not None else 0.0
-
-    def outbox_pending(self) -> int:
-        return int(self.db.read("SELECT COUNT(*) AS n FROM outbox")[0]["n"])
-
-    def outbox_oldest_age(self) -> float:
-        rows = self.db.read("SELECT MIN(created_at) AS t FROM outbox")
-        return max(0.0, now() - rows[0]["t"]) if rows and rows[0]["t"] is not None else 0.0
+    async def stats(self) -> StoreStats:
+        ts = now()
+        queued = self._db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued'")[0]["t"]
+        outbox = self._db.read("SELECT COUNT(*) AS n, MIN(created_at) AS t FROM outbox")[0]
+        return StoreStats(
+            oldest_queued_age_s=max(0.0, ts - queued) if queued is not None else 0.0,
+            outbox_pending=int(outbox["n"]),
+            outbox_oldest_age_s=max(0.0, ts - outbox["t"]) if outbox["t"] is not None else 0.0,
+        )
 
     # ----- outbox ---------------------------------------------------------------------
 
-    async def outbox_batch(self, limit: int, older_than: float | None = None) -> list[sqlite3.Row]:
-        def read(conn: sqlite3.Connection) -> list[sqlite3.Row]:
-            if older_than is None:
-                return conn.execute("SELECT * FROM outbox ORDER BY seq LIMIT ?", (limit,)).fetchall()
-            return conn.execute(
-                "SELECT * FROM outbox WHERE created_at < ? ORDER BY seq LIMIT ?", (older_than, limit)
-            ).fetchall()
+    async def outbox_batch(self, limit: int) -> list[OutboxRow]:
+        def read(conn: sqlite3.Connection) -> list[OutboxRow]:
+            rows = conn.execute("SELECT seq, subject, msg_id, payload FROM outbox ORDER BY seq LIMIT ?", (limit,))
+            return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]))
+                    for r in rows.fetchall()]
 
-        return await self.db.read_in_thread(read)
+        return await self._db.read_in_thread(read)
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
         def tx(conn: sqlite3.Connection) -> None:
             conn.executemany("DELETE FROM outbox WHERE seq = ?", [(s,) for s in seqs])
 
-        await self.db.write(tx)
+        await self._db.write(tx)
 
     # ----- sweeping -------------------------------------------------------------------
 
@@ -420,9 +438,9 @@ class Store:
                 " AND ((state = 'running' AND COALESCE(heartbeat_at, 0) < ?) OR deadline_at < ?)",
                 (stale_before, deadline_before),
             ).fetchall()
-            return [JobRow.from_row(r) for r in rows]
+            return [JobRow.from_mapping(r) for r in rows]
 
-        return await self.db.read_in_thread(read)
+        return await self._db.read_in_thread(read)
 
     async def expired(self, at: float, limit: int = 500) -> list[JobRow]:
         """Jobs whose retention has passed; the caller removes their results, then ``forget``s them."""
@@ -431,9 +449,9 @@ class Store:
             rows = conn.execute(
                 "SELECT * FROM jobs WHERE expires_at IS NOT NULL AND expires_at <= ? LIMIT ?", (at, limit)
             ).fetchall()
-            return [JobRow.from_row(r) for r in rows]
+            return [JobRow.from_mapping(r) for r in rows]
 
-        return await self.db.read_in_thread(read)
+        return await self._db.read_in_thread(read)
 
     async def forget(self, jobs: Sequence[JobRow], at: float) -> None:
         """Delete the jobs with their history and keys, leave tombstones (410), drop expired keys."""
@@ -449,7 +467,22 @@ class Store:
                 )
             conn.execute("DELETE FROM idempotency_keys WHERE expires_at <= ?", (at,))
 
-        await self.db.write(tx)
+        await self._db.write(tx)
+
+    # ----- shared secrets ---------------------------------------------------------------
+
+    async def signing_key(self) -> bytes:
+        rows = self._db.read("SELECT value FROM herald_secrets WHERE name = 'url-signing'")
+        if rows:
+            return bytes(rows[0]["value"])
+
+        def tx(conn: sqlite3.Connection) -> bytes:
+            # The first process to get here wins; the others read what it wrote.
+            conn.execute("INSERT OR IGNORE INTO herald_secrets (name, value) VALUES ('url-signing', ?)",
+                         (secrets.token_bytes(32),))
+            return bytes(conn.execute("SELECT value FROM herald_secrets WHERE name = 'url-signing'").fetchone()[0])
+
+        return await self._db.write(tx)
 
 
 def _event_from_row(row: sqlite3.Row) -> JobEvent:
@@ -463,3 +496,4 @@ def _event_from_row(row: sqlite3.Row) -> JobEvent:
         at=rfc3339(row["at"]) or "",
         data=msgspec.Raw(row["data"]),
     )
+
