@@ -17,6 +17,8 @@ from schemas import JobEvent
 
 PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
 CALLBACK_PREFIX = "callback:"
+# herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again).
+DELIVERY_OUTCOMES = ("delivered", "retry", "failed", "superseded", "dropped")
 
 
 def callback_owner(tenant: str) -> str:

@@ -46,6 +46,23 @@ class Metrics:
         self.transitions_rejected = Counter("herald_transitions_rejected_total", "Stale or duplicate transitions refused")
         self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading",
                                    ["reason"])
+        self._zero_known_labels()
+
+    def _zero_known_labels(self) -> None:
+        """Every known label set exists at 0 from the start (Prometheus instrumentation
+        guidelines), so dashboards and alerts see a series, not a gap, before the first event.
+        In multiprocess mode creating the child writes its 0 to this process's file."""
+        from herald.deliveries import DELIVERY_OUTCOMES
+        from herald.kinds import declared_kinds
+        from schemas import TERMINAL_STATES
+
+        for kind in declared_kinds():
+            self.jobs_accepted.labels(kind=kind)
+            self.job_run_seconds.labels(kind=kind)
+            for state in TERMINAL_STATES:
+                self.jobs_finished.labels(kind=kind, state=state)
+        for outcome in DELIVERY_OUTCOMES:
+            self.webhook_deliveries.labels(outcome=outcome)
 
 
     def observe(self, job: "JobRow", event: "JobEvent") -> None:

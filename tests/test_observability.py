@@ -142,6 +142,17 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
     up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log)
     try:
         wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        fresh_start = scrape(base)
+        # Before anything happened every known series is there, at 0: no gaps for dashboards.
+        def at_zero(name: str, **labels: str) -> bool:
+            return fresh_start.get((name, frozenset(labels.items()))) == 0.0
+
+        for kind in ("report", "export"):
+            assert all(at_zero("herald_jobs_finished_total", kind=kind, state=state)
+                       for state in ("succeeded", "failed", "cancelled")), kind
+            assert at_zero("herald_job_run_seconds_count", kind=kind) and at_zero("herald_jobs_accepted_total", kind=kind)
+        assert all(at_zero("herald_webhook_deliveries_total", outcome=outcome)
+                   for outcome in ("delivered", "retry", "failed", "superseded", "dropped"))
         receiver = Receiver()
         register_webhook(base, receiver.url)
         before = scrape(base)

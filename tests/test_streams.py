@@ -66,6 +66,9 @@ def test_resume_with_last_event_id_misses_nothing_and_repeats_nothing(herald: De
         # A resume point we never gave out: the current status as job.snapshot.
         odd = read_job_stream(http, f"/jobs/{job['id']}/events", headers={"Last-Event-ID": "99999"})
         assert [e["event"] for e in odd] == ["job.snapshot"]
+        # ...also when it is no number at all, and the job has finished (not its terminal type).
+        garbled = read_job_stream(http, f"/jobs/{job['id']}/events", headers={"Last-Event-ID": "not-an-id"})
+        assert [(e["event"], e["data"]["state"]) for e in garbled] == [("job.snapshot", "succeeded")]
 
 
 def test_signed_stream_url_works_without_a_key(herald: Deployment) -> None:

@@ -49,13 +49,17 @@ def _parse_cursor(raw: str | None, what: str) -> int | None:
     return int(raw)
 
 
+UNREPLAYABLE = -1  # a resume point that is no event id we gave out: answered with a job.snapshot
+
+
 def _resume_point(request: Request, query_value: str | None) -> int | None:
+    """None: a fresh stream. An int: resume after it (``UNREPLAYABLE`` for ids we never gave out)."""
     # The header wins: a browser keeps the query string on every reconnect.
     header = request.headers.get("last-event-id")
     try:
         return _parse_cursor(header if header is not None else query_value, "Last-Event-ID")
     except ValueError:
-        return None  # an id we never gave out: start from the current status
+        return UNREPLAYABLE
 
 
 async def _next(subscriber: Subscriber) -> JobEvent | None | bytes:
@@ -95,7 +99,7 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
         yield RETRY_FRAME
         last = 0
         ended = False
-        history = await svc.store.job_events(job_id, resume) if resume is not None else []
+        history = await svc.store.job_events(job_id, resume) if resume is not None and resume >= 0 else []
         current = await svc.store.get(job_id)
         if current is None:
             return
@@ -282,6 +286,8 @@ async def tenant_events(
         feed = await _feed(svc, tenant, kind, after, limit, wait)
         return Response(feed, headers={"Cache-Control": "no-store"})
     resume = _resume_point(request, last_event_id)
+    if resume == UNREPLAYABLE:
+        resume = None  # the tenant stream sends no snapshot: it goes live from now
     svc.limiter.open_stream(tenant)
     return EventStream(_closing(svc, tenant, _tenant_stream(svc, tenant, kind, resume)))
 
