@@ -34,6 +34,7 @@ from herald.signing import UrlSigner
 from herald.storage import build_storage
 from herald.storage.results import open_result_store
 from herald.sweeper import run_sweeper
+from herald.tasks import spawn, stop_all
 from herald.kinds import declared_kinds
 
 log = logging.getLogger("herald.gateway")
@@ -41,18 +42,11 @@ log = logging.getLogger("herald.gateway")
 MAX_BODY_BYTES = 1024 * 1024
 
 
-async def _cancel(tasks: list[asyncio.Task[None]]) -> None:
-    for task in tasks:
-        task.cancel()
-    for task in tasks:
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-
-
 async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
-    """Connect (retrying until NATS is there), then start the relay and attach the hub.
+    """Connect (retrying until NATS is there), create the topology (retrying until it is
+    there), then start the relay and the sweeper and attach the hub.
 
-    Until then the gateway still accepts jobs: the outbox keeps them.
+    Until then the gateway still accepts jobs: the outbox keeps them; /readyz says 503.
     """
 
     async def reconnected() -> None:
@@ -67,16 +61,23 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
             log.warning("NATS not reachable yet, retrying: %s", exc)
             await asyncio.sleep(0.5)
     js = nc.jetstream()
-    await jetstream.ensure_topology(js, svc.settings)
-    if svc.settings.effective_result_store == "nats":
-        svc.results = await open_result_store(svc.settings, js)
+    while True:
+        try:
+            await jetstream.ensure_topology(js, svc.settings)
+            if svc.settings.effective_result_store == "nats":
+                svc.results = await open_result_store(svc.settings, js)
+            break
+        except Exception:  # a cluster without a JetStream leader yet, a node restarting
+            log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
+            await asyncio.sleep(1.0)
     # Retention deletes results, so the sweeper starts once the result store is reachable.
-    tasks.append(asyncio.create_task(run_sweeper(svc.store, svc.results, svc.settings), name="sweeper"))
+    spawn(run_sweeper(svc.store, svc.results, svc.settings), "sweeper", tasks)
     svc.nats = nc
     await svc.hub.attach(nc)
     relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
     relay.kick()
-    tasks.append(asyncio.create_task(relay.run(), name="relay"))
+    spawn(relay.run(), "relay", tasks)
+    log.info("NATS connected, streams ready")
 
 
 def _oldest_queued_age(store: JobStore) -> Callable[[], Awaitable[float]]:
@@ -91,7 +92,7 @@ async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     await svc.store.open()
     if not svc.signer.ready:
         svc.signer.set_keys((await svc.store.signing_key(),))
-    tasks.append(asyncio.create_task(_connect_nats(svc, tasks), name="nats-connect"))
+    spawn(_connect_nats(svc, tasks), "nats-connect", tasks)
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -120,9 +121,8 @@ def create_app(settings: Settings) -> Litestar:
             )
             app.state.services = svc
             tasks: list[asyncio.Task[None]] = []
-            stack.push_async_callback(_cancel, tasks)
-            opening = asyncio.create_task(_open_store(svc, tasks), name="store-open")
-            tasks.append(opening)
+            stack.push_async_callback(stop_all, tasks)
+            opening = spawn(_open_store(svc, tasks), "store-open", tasks)
             if not settings.uses_postgres:
                 await opening  # a local file: open before serving. PostgreSQL may take a while: /readyz says 503 meanwhile
 

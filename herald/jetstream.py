@@ -3,6 +3,8 @@ bucket), created idempotently, on one server or a cluster."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 
@@ -50,6 +52,19 @@ async def connect(
         reconnected_cb=reconnected,
         pending_size=64 * 1024 * 1024,
     )
+
+
+async def connect_until_ready(settings: Settings, name: str, *, stop: asyncio.Event) -> NATS | None:
+    """``connect``, retrying until NATS answers (a process may start before it); None if
+    ``stop`` is set first."""
+    while not stop.is_set():
+        try:
+            return await connect(settings, name)
+        except Exception as exc:
+            log.warning("NATS not reachable yet, retrying: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.5)
+    return None
 
 
 def stream_configs(settings: Settings) -> list[StreamConfig]:

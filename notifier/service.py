@@ -21,7 +21,6 @@ import logging
 from contextlib import AsyncExitStack
 
 import msgspec
-from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -40,18 +39,6 @@ log = logging.getLogger("herald.notifier")
 
 FETCH_BATCH = 128
 _event_decoder = msgspec.json.Decoder(JobEvent)
-
-
-async def _connect(settings: Settings, stop: asyncio.Event) -> NATS | None:
-    """Connect, retrying until NATS is there; None if asked to stop first."""
-    while not stop.is_set():
-        try:
-            return await jetstream.connect(settings, name="herald-notifier")
-        except Exception as exc:
-            log.warning("NATS not reachable yet, retrying: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
-    return None
 
 
 async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Scheduler) -> None:
@@ -121,7 +108,7 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             await scheduler_task
 
         stack.push_async_callback(stop_scheduler)
-        nc = await _connect(settings, stop)
+        nc = await jetstream.connect_until_ready(settings, name="herald-notifier", stop=stop)
         if nc is None:
             return
 

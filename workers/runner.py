@@ -16,6 +16,7 @@ import logging
 from pathlib import Path
 
 import msgspec
+from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
@@ -152,6 +153,7 @@ class Worker:
             if self._stopping.is_set():
                 await self._finish(job, Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True))
                 log.info("job handed back on shutdown", extra={"job_id": job.id})
+            raise  # cleaned up; the cancellation still ends this task (whoever cancelled awaits it)
         except Exception:
             _remove_scratch(output)
             log.exception("job handler raised", extra={"job_id": job.id})
@@ -196,41 +198,51 @@ def _remove_scratch(path: Path) -> None:
 
 
 async def _stop(task: asyncio.Task[None]) -> None:
-    """Cancel a helper task and wait until it has really ended."""
+    """Cancel a helper task and wait until it has really ended (without eating our own cancellation)."""
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
+    try:
         await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
-    """The ``herald worker`` process body."""
+    """The ``herald worker`` process body.
+
+    Every resource and task is entered on one exit stack, so whichever step fails (the
+    store, NATS, the topology, the result store), what was already started is stopped and
+    awaited in reverse order: no task outlives the store it uses.
+    """
     registry.kinds()  # import every handler now: a broken one stops the worker at start, by name
-    storage = await open_storage(settings)
-    store = storage.jobs
-    store.on_commit(log_transition)
-    store.on_commit(metrics().observe)
-    nc = await jetstream.connect(settings, name="herald-worker")
-    try:
+    async with contextlib.AsyncExitStack() as stack:
+        storage = await open_storage(settings)
+        stack.push_async_callback(storage.close)
+        store = storage.jobs
+        store.on_commit(log_transition)
+        store.on_commit(metrics().observe)
+        nc = await jetstream.connect_until_ready(settings, name="herald-worker", stop=stop)
+        if nc is None:
+            return
+        stack.push_async_callback(_drain, nc)
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
-        relay_task = asyncio.create_task(relay.run())
+        relay_task = asyncio.create_task(relay.run(), name="relay")
+        stack.push_async_callback(_stop, relay_task)
+        stack.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
         subscription = await js.pull_subscribe_bind(WORKERS_CONSUMER, JOBS_STREAM)
+        stack.push_async_callback(subscription.unsubscribe)
         worker = Worker(settings, store, await open_result_store(settings, js))
+        stack.push_async_callback(worker.shutdown, settings.worker_grace_s)
+        fetching = asyncio.create_task(worker.run(subscription, stop), name="fetch")
+        stack.push_async_callback(_stop, fetching)
         log.info("worker ready", extra={"concurrency": settings.worker_concurrency})
-        fetching = asyncio.create_task(worker.run(subscription, stop))
         await stop.wait()
-        fetching.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await fetching
-        await worker.shutdown(settings.worker_grace_s)
-        await relay.publish_pending()
-        relay_task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await relay_task
-        await subscription.unsubscribe()
-    finally:
-        with contextlib.suppress(Exception):
-            await nc.drain()
-        await storage.close()
+        log.info("worker stopping")
 
+
+async def _drain(nc: NATS) -> None:
+    with contextlib.suppress(Exception):
+        await nc.drain()
