@@ -1,9 +1,18 @@
-"""``python -m bench [--smoke] [--only accept,poll,...] [--out bench/out] [--keep] [--without wrk,nchan]``
+"""``python -m bench [--smoke] [--only accept,poll,...] [--store sqlite|postgres|both] [--shape one|cluster]
+[--out bench/out] [--keep] [--without wrk,nchan]``
 
 Starts everything it needs on 127.0.0.1 (own temp dir, free ports), runs each scenario
 against Herald and its baseline in the same run, stops everything, prints a table and
 writes ``results.json`` and ``results.png`` to the output dir. Exit status 1 if a
 scenario failed to run (a missed target is not a failure).
+
+``--store postgres`` runs every scenario against Herald on the PostgreSQL store: the bench
+starts a PostgreSQL server (``herald.pgserver``) in its temp dir on a free port, gives each
+deployment a fresh database and stops the server at the end. ``--store both`` runs each
+scenario on SQLite, then on PostgreSQL, and prints them side by side: each store's value and
+its ratio to the baseline, and PostgreSQL's value as a ratio to SQLite's from the same run.
+``--shape cluster`` also runs the end-to-end scenario on ``herald up --cluster`` (3 NATS
+nodes, PostgreSQL, 2 gateways, 2 workers, 2 notifiers), beside the one-machine shape.
 """
 
 from __future__ import annotations
@@ -21,8 +30,9 @@ from bench import report
 from bench.config import FULL, SMOKE
 from bench.procs import Procs
 from bench.profile import summarize
-from bench.scenario import Context, Outcome
-from bench.scenarios import SCENARIOS
+from bench.pg import BenchPostgres
+from bench.scenario import STORES, Context, Outcome
+from bench.scenarios import CLUSTER_SHAPED, SCENARIOS
 from bench.systems import INSTALL_HINT, nchan_missing
 from bench.wrk import wrk_path
 
@@ -46,6 +56,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="a setting for every Herald process (experiments, e.g. HERALD_LOG_LEVEL=warning)")
     parser.add_argument("--profile", default="", help="py-spy these Herald roles: gateway,worker,notifier "
                         "(raw stacks in <out>/profiles/, summaries printed)")
+    parser.add_argument("--store", choices=("sqlite", "postgres", "both"), default="sqlite",
+                        help="Herald's store: SQLite (default), PostgreSQL (a server the bench starts), or both "
+                        "side by side")
+    parser.add_argument("--shape", choices=("one", "cluster"), default="one",
+                        help="cluster: the e2e scenario also on `herald up --cluster`, beside the one-machine shape")
+    parser.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
+                        help="a PostgreSQL server setting for --store postgres/both (what-ifs, e.g. "
+                        "synchronous_commit=off)")
     args = parser.parse_args(argv)
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -73,24 +91,39 @@ def main(argv: list[str] | None = None) -> int:
     if any(not k.startswith("HERALD_") for k in overrides):
         parser.error("--set takes HERALD_* settings")
     roles = frozenset(r.strip() for r in args.profile.split(",") if r.strip())
-    with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
-        ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
-                      herald_env=overrides)
-        for name in names:
-            ctx.say(f"scenario {name}")
-            t0 = time.monotonic()
-            try:
-                outcome = SCENARIOS[name](ctx)
-            except Exception as exc:  # one broken scenario must not hide the others' numbers
-                failed = True
-                traceback.print_exc()
-                outcome = Outcome(name, name, "-")
-                outcome.error = f"{type(exc).__name__}: {exc}"
-                outcome.baseline_unavailable("the scenario failed")
-            finally:
-                procs.stop_all()
-            outcome.elapsed_s = time.monotonic() - t0
-            results.append(outcome.as_dict())
+    stores = list(STORES) if args.store == "both" else [args.store]
+    pg_settings = dict(item.split("=", 1) for item in args.pg_set)
+    postgres = BenchPostgres(root / "postgres", pg_settings) if "postgres" in stores else None
+    try:
+        with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
+            ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
+                          herald_env=overrides, postgres=postgres)
+            for name in names:
+                # Each scenario on each store in turn (interleaved: noise hits the stores alike).
+                variants = [(store, "one") for store in stores]
+                if args.shape == "cluster" and name in CLUSTER_SHAPED:
+                    variants.append(("postgres", "cluster"))
+                for store, shape in variants:
+                    ctx.store, ctx.shape = store, shape
+                    ctx.say(f"scenario {name}" + (f" ({ctx.variant})" if len(variants) > 1 or store != "sqlite" else ""))
+                    t0 = time.monotonic()
+                    try:
+                        outcome = SCENARIOS[name](ctx)
+                    except Exception as exc:  # one broken scenario must not hide the others' numbers
+                        failed = True
+                        traceback.print_exc()
+                        outcome = Outcome(name, name, "-")
+                        outcome.error = f"{type(exc).__name__}: {exc}"
+                        outcome.baseline_unavailable("the scenario failed")
+                    finally:
+                        procs.stop_all()
+                    outcome.store, outcome.shape = store, shape
+                    outcome.elapsed_s = time.monotonic() - t0
+                    results.append(outcome.as_dict())
+        postgres_info = postgres.describe() if postgres is not None else {}
+    finally:
+        if postgres is not None:
+            postgres.stop()
 
     document = {
         "mode": "smoke" if args.smoke else "full",
@@ -99,7 +132,11 @@ def main(argv: list[str] | None = None) -> int:
         "environment": report.environment(),
         "tools": {"wrk": have_wrk, "nchan": nchan is None},
         "herald_settings": overrides,
+        "stores": stores,
+        "shape": args.shape,
+        "postgres": postgres_info,
         "scenarios": results,
+        "comparison": report.compare(results),
     }
     out_json = args.out / "results.json"
     report.write_json(out_json, document)
@@ -107,6 +144,11 @@ def main(argv: list[str] | None = None) -> int:
     print()
     print(report.table(results))
     print()
+    if document["comparison"]:
+        print("stores and shapes side by side (each value's ratio to its same-run baseline in brackets; "
+              "the last columns: ratio to SQLite's value, same run):")
+        print(report.comparison_table(document["comparison"]))
+        print()
     print("targets:")
     print(report.targets(results))
     print()

@@ -1,14 +1,17 @@
 """Making committed changes from the bench process, the way a worker makes them.
 
-``Driver`` opens its own job store (the SQLite backend) on the deployment's data file and runs
-its own outbox ``Relay`` to NATS, exactly as a ``herald worker`` process does. So a
-transition it commits travels the production path to every subscriber: SQLite commit,
-relay, JetStream, the gateway's hub, the stream or long poll. The bench notes the wall
-clock just before it asks for the transition: latencies include the commit itself.
+``Driver`` opens its own job store on the deployment's store (``build_storage``: the SQLite
+file, or the PostgreSQL database) and runs its own outbox ``Relay`` to NATS, exactly as a
+``herald worker`` process does. So a transition it commits travels the production path to
+every subscriber: store commit, relay, JetStream, the gateway's hub, the stream or long
+poll. The bench notes the wall clock just before it asks for the transition: latencies
+include the commit itself.
 
-``seed_jobs`` writes many queued jobs fast for the poll scenario: the same job and
-history rows ``Store.accept`` writes (it reuses the store's own helpers), thousands per
-transaction and without outbox rows, since these jobs are only ever read.
+``seed_jobs`` writes many queued jobs fast for the poll scenario: the same job and history
+rows ``accept`` writes, without outbox rows, since these jobs are only ever read. SQLite:
+thousands per transaction, with the store's own helpers. PostgreSQL: ``COPY`` into
+``jobs`` and ``events`` and the tenant's ``tenant_seq`` row moved past them, in one
+transaction holding that row, as ``herald_append_event`` would have it (gap-free seq).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore, _append_event, _fetch
 from herald.transitions import Change
 from herald.timefmt import now
-from schemas import ReportParams
+from schemas import JobEvent, ReportParams
 
 REPORT_PARAMS = msgspec.json.encode(ReportParams(title="bench", pages=1))
 
@@ -43,8 +46,10 @@ def new_job(tenant: str, callback_url: str | None = None) -> NewJob:
 
 
 class Driver:
-    def __init__(self, db_path: Path, nats_url: str) -> None:
-        self.settings = Settings(data_dir=db_path.parent, nats_url=nats_url)
+    """``Driver(herald.store_settings())``: the deployment's store and NATS."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
         self.store = build_storage(self.settings).jobs
         self._relay_task: asyncio.Task[None] | None = None
         self._nc = None
@@ -77,6 +82,10 @@ class Driver:
             ids.append(accepted.job.id)
         return ids
 
+    async def last_event(self, job_id: str) -> JobEvent:
+        """The job's newest history event (its status JSON is what subscribers receive)."""
+        return (await self.store.job_events(job_id, 0))[-1]
+
     async def transition(self, job_id: str, change: Change) -> float:
         """Commit ``change``; returns the wall-clock time just before it was asked for."""
         started = time.time()
@@ -102,15 +111,28 @@ def step(k: int) -> Change:
     return Change(expect={"running"}, attempt=1, progress=min(99, k * 5))
 
 
-async def seed_jobs(db_path: Path, tenant: str, n: int, chunk: int = 5000) -> list[str]:
-    """``n`` queued report jobs (rows and history as ``Store.accept`` writes them, no outbox)."""
+def new_jobs(tenant: str, n: int) -> list[NewJob]:
+    return [new_job(tenant) for _ in range(n)]
+
+
+async def seed_jobs(settings: Settings, jobs: list[NewJob], chunk: int = 5000) -> list[str]:
+    """``jobs`` as queued report jobs in the store ``settings`` name (no outbox rows)."""
+    if settings.database_url is not None:
+        await _seed_postgres(settings.database_url, jobs, chunk)
+    else:
+        await seed_sqlite(settings.db_path, jobs, chunk)
+    return [job.id for job in jobs]
+
+
+async def seed_sqlite(db_path: Path, jobs: list[NewJob], chunk: int = 5000) -> None:
+    """Rows and history as ``SqliteJobStore.accept`` writes them, no outbox."""
+    db_path.parent.mkdir(parents=True, exist_ok=True)
     db = Database(db_path, SCHEMA)
     store = SqliteJobStore(db, retention_s=86400.0)
     await store.open()
-    ids: list[str] = []
     try:
-        for start in range(0, n, chunk):
-            batch = [new_job(tenant) for _ in range(min(chunk, n - start))]
+        for start in range(0, len(jobs), chunk):
+            batch = jobs[start:start + chunk]
 
             def tx(conn: sqlite3.Connection, batch: list[NewJob] = batch) -> None:
                 ts = now()
@@ -129,7 +151,49 @@ async def seed_jobs(db_path: Path, tenant: str, n: int, chunk: int = 5000) -> li
                 conn.execute("DELETE FROM outbox WHERE seq > ?", (last_outbox,))
 
             await db.write(tx)
-            ids.extend(job.id for job in batch)
     finally:
         await store.close()
-    return ids
+
+
+_JOB_COLUMNS = ("id", "tenant", "kind", "collection", "state", "params", "progress", "version", "attempt",
+                "cancel_requested", "created_at", "updated_at", "heartbeat_at", "deadline_at", "finished_at",
+                "expires_at", "result_path", "media_type", "error", "callback_url")
+_EVENT_COLUMNS = ("tenant", "seq", "job_id", "kind", "version", "type", "at", "data")
+
+
+async def _seed_postgres(url: str, jobs: list[NewJob], chunk: int) -> None:
+    """Rows and history as ``herald_accept`` writes them (its own row builder), no outbox."""
+    import asyncpg
+
+    from herald.storage.postgres.jobs import _queued_row
+
+    # The schema first, as a Herald process creates it (migrations under the advisory lock).
+    storage = build_storage(Settings(database_url=url))
+    await storage.jobs.open()
+    await storage.jobs.close()
+    encoder = msgspec.json.Encoder()
+    conn = await asyncpg.connect(url)
+    try:
+        for start in range(0, len(jobs), chunk):
+            batch = jobs[start:start + chunk]
+            async with conn.transaction():
+                ts = float(await conn.fetchval("SELECT extract(epoch from clock_timestamp())::double precision"))
+                tenants = sorted({job.tenant for job in batch})
+                last: dict[str, int] = {}
+                for tenant in tenants:  # locked until commit: no accept interleaves its seq
+                    last[tenant] = int(await conn.fetchval(
+                        "INSERT INTO tenant_seq AS s (tenant, last) VALUES ($1, 0)"
+                        " ON CONFLICT (tenant) DO UPDATE SET last = s.last RETURNING s.last", tenant))
+                job_rows, event_rows = [], []
+                for job in batch:
+                    row = _queued_row(job, ts)
+                    last[job.tenant] += 1
+                    job_rows.append(tuple(getattr(row, c) for c in _JOB_COLUMNS))
+                    event_rows.append((row.tenant, last[job.tenant], row.id, row.kind, 1, "job.queued", ts,
+                                       encoder.encode(row.status())))
+                await conn.copy_records_to_table("jobs", records=job_rows, columns=list(_JOB_COLUMNS))
+                await conn.copy_records_to_table("events", records=event_rows, columns=list(_EVENT_COLUMNS))
+                for tenant in tenants:
+                    await conn.execute("UPDATE tenant_seq SET last = $2 WHERE tenant = $1", tenant, last[tenant])
+    finally:
+        await conn.close()

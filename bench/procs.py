@@ -123,6 +123,41 @@ class Proc:
 
 
 @dataclass
+class PidGroup:
+    """Processes the bench did not start itself (PostgreSQL, ``herald up --cluster``'s children),
+    measured like a ``Proc``: CPU and RSS of each pid and its descendants, summed."""
+
+    name: str
+    pids: list[int]
+
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(pid) for pid in self.pids)
+
+    def rss_kib(self) -> int:
+        return sum(rss_kib(pid) for pid in self.pids)
+
+
+def cmdline(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as handle:
+            return [part.decode(errors="replace") for part in handle.read().split(b"\0") if part]
+    except OSError:
+        return []
+
+
+def children(pid: int) -> list[int]:
+    """The direct children of ``pid``."""
+    found: list[int] = []
+    try:
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/children") as handle:
+                found.extend(int(child) for child in handle.read().split())
+    except OSError:
+        pass
+    return found
+
+
+@dataclass
 class Procs:
     """Starts processes and guarantees they are stopped (newest first) when the block ends."""
 
@@ -171,7 +206,7 @@ class Procs:
                              stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
 
     def stop(self, proc: Proc) -> None:
-        proc.stop(getattr(proc, "stop_signal", signal.SIGTERM))
+        proc.stop(getattr(proc, "stop_signal", signal.SIGTERM), getattr(proc, "stop_timeout", 10.0))
         if proc in self.started:
             self.started.remove(proc)
 

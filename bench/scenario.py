@@ -13,11 +13,17 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.config import Sizes
 from bench.procs import Procs
 from bench.stats import ratio
+
+if TYPE_CHECKING:
+    from bench.pg import BenchPostgres
+    from bench.systems import Herald
+
+STORES = ("sqlite", "postgres")
 
 
 @dataclass
@@ -29,12 +35,41 @@ class Context:
     wrk: bool
     nchan_missing: str | None  # why nginx + nchan cannot run, or None
     herald_env: dict[str, str] = field(default_factory=dict)  # --set: settings for every Herald process
+    store: str = "sqlite"  # the store of the Herald deployments this scenario starts: sqlite or postgres
+    shape: str = "one"  # one: `herald up`'s processes by hand; cluster: `herald up --cluster` (e2e only)
+    postgres: BenchPostgres | None = None  # the run's PostgreSQL server (--store postgres or both)
     started: float = field(default_factory=time.monotonic)
+
+    @property
+    def variant(self) -> str:
+        """What a result is labelled with: the store, or ``cluster`` for the cluster shape."""
+        return "cluster" if self.shape == "cluster" else self.store
 
     def dir(self, name: str) -> Path:
         path = self.root / name
         path.mkdir(parents=True, exist_ok=True)
         return path
+
+    def store_meters(self) -> dict[str, Any]:
+        """The PostgreSQL server (all its backends) for a ``CpuMeter``, when this run uses it."""
+        from bench.procs import PidGroup
+
+        server = self.postgres.server if self.postgres is not None and self.store == "postgres" else None
+        if server is None or server.pid is None:
+            return {}
+        return {"postgres": PidGroup("postgres", [server.pid])}
+
+    def herald(self, scenario: str, **settings: str) -> Herald:
+        """A Herald deployment of this run's store under ``<scenario>/herald`` (SQLite) or
+        ``<scenario>/herald-pg`` (PostgreSQL: a fresh database on the run's server)."""
+        from bench.systems import Herald
+
+        if self.store == "postgres":
+            assert self.postgres is not None, "--store postgres needs the run's PostgreSQL server"
+            url = self.postgres.database(scenario)
+            return Herald(self.procs, self.dir(scenario) / "herald-pg", database_url=url,
+                          **{**self.herald_env, **settings})
+        return Herald(self.procs, self.dir(scenario) / "herald", **{**self.herald_env, **settings})
 
     def say(self, message: str) -> None:
         print(f"[{time.monotonic() - self.started:6.1f}s] {message}", file=sys.stderr, flush=True)
@@ -71,6 +106,8 @@ class Outcome:
     unavailable: str | None = None
     error: str | None = None
     elapsed_s: float = 0.0
+    store: str = "sqlite"
+    shape: str = "one"
 
     def row(self, case: str, metric: str, herald: float | None, baseline: float | None, *, better: str,
             unit: str = "") -> Row:
@@ -90,6 +127,9 @@ class Outcome:
         baseline = {"name": self.baseline_name, **self.baseline, **available}
         return {
             "scenario": self.scenario,
+            "variant": "cluster" if self.shape == "cluster" else self.store,
+            "store": self.store,
+            "shape": self.shape,
             "title": self.title,
             "herald": self.herald,
             "baseline": baseline,

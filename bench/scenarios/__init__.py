@@ -15,3 +15,6 @@ SCENARIOS: dict[str, Callable[[Context], Outcome]] = {
     "webhooks": webhooks.run,
     "e2e": e2e.run,
 }
+
+# Scenarios that also run on `herald up --cluster` (``--shape cluster``).
+CLUSTER_SHAPED = frozenset({"e2e"})

@@ -13,20 +13,20 @@ from bench.procs import CpuMeter
 from bench.scenario import Context, Outcome
 from bench.scenarios.http import fixed_rate, post_report, saturate
 from bench.stats import median
-from bench.systems import BareApp, Herald
+from bench.systems import BareApp
 
 
 def run(ctx: Context) -> Outcome:
     out = Outcome("accept", "POST /reports -> 202 (durable commit)", "bare Litestar POST (same uvicorn: h11, 1 process)")
     work = ctx.dir("accept")
-    herald = Herald(ctx.procs, work / "herald", **ctx.herald_env)
+    herald = ctx.herald("accept")
     herald.start_gateway()
     bare = BareApp(ctx.procs, None)
     h_target, b_target = post_report(herald.port, auth=True), post_report(bare.port, auth=False)
     h_runs, b_runs = [], []
     for index in range(ctx.sizes.rounds):
         ctx.say(f"accept: saturation round {index + 1}/{ctx.sizes.rounds}")
-        meter = CpuMeter({"gateway": herald.gateway(), "nats": herald.nats.proc}).start()
+        meter = CpuMeter({"gateway": herald.gateway(), "nats": herald.nats.proc, **ctx.store_meters()}).start()
         h = saturate(ctx, h_target, script="post-report", auth=True, workdir=work)
         h["server_cpu_pct"] = meter.stop()
         meter = CpuMeter({"bare": bare.proc}).start()

@@ -11,13 +11,20 @@ notifier), reports of 1 page at ``HERALD_REPORT_PAGE_MS=0``; one webhook endpoin
   (every event on the tenant stream) and commit → webhook (``job.succeeded``), the
   commit time being the status object's ``updated_at`` (millisecond precision).
 
-Baseline: nats-py publish+consume through JetStream on the same nats-server
+Shapes (``--shape``): ``one`` is the above, on the run's store (SQLite or PostgreSQL);
+``cluster`` is ``herald up --cluster`` itself (3 NATS nodes at R3, PostgreSQL, 2 gateways,
+2 workers, 2 notifiers, each with its own data dir), started in the run's temp dir on free
+ports, the starts sent to the first gateway, the webhook registered there, and the tenant
+stream read on the second gateway (so every event crosses NATS between gateways).
+
+Baseline: nats-py publish+consume through JetStream on a single nats-server
 (``bench/natsceiling.py``): the rate one message per job could reach.
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
@@ -31,7 +38,7 @@ from bench.scenarios.http import post_report
 from bench.scenarios.webhooks import _register
 from bench.stats import latency_summary
 from bench.subscribers import Subscribers
-from bench.systems import API_KEY, Herald
+from bench.systems import API_KEY, ClusterHerald, Herald
 
 
 def _ts(value: str) -> float:
@@ -83,27 +90,69 @@ def _wait_for(receiver: Receiver, ids: set[str], timeout: float) -> dict[str, tu
     return found
 
 
-def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
-    sizes = ctx.sizes
-    herald = Herald(ctx.procs, ctx.dir("e2e") / "herald", **ctx.herald_env)
+@dataclass
+class Deployment:
+    """What the measurement drives: starts go to ``port``, the tenant stream is read on
+    ``sse_port``, the webhook is registered through ``base``; ``meters`` for CPU, ``log`` for
+    the gateways' lines (slow SSE readers dropped)."""
+
+    port: int
+    sse_port: int
+    base: str
+    meters: dict[str, Any]
+    log: Any
+    description: dict[str, Any] = field(default_factory=dict)
+
+
+def _one_machine(ctx: Context) -> Deployment:
+    """``herald up``'s processes, started one by one: a gateway, two workers, a notifier."""
+    herald = ctx.herald("e2e")
     herald.start_gateway()
     workers = [herald.start_worker(f"worker{i}") for i in range(2)]
     notifier = herald.start_notifier()
-    port = free_port()
-    secret = _register(herald, f"http://127.0.0.1:{port}/hook/e2e", ["job.succeeded"])
-    target = post_report(herald.port, auth=True)
-    request = (f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{herald.port}\r\nAccept: text/event-stream\r\n"
-               f"Authorization: Bearer {API_KEY}\r\n\r\n").encode()
-    result: dict[str, Any] = {"workers": len(workers), "worker_concurrency": herald.env().get(
-        "HERALD_WORKER_CONCURRENCY", "4 (default)")}
-    with Receiver({"e2e": secret}, processes=1, port=port) as receiver:
-        procs = {"gateway": herald.gateway(), "notifier": notifier, "nats": herald.nats.proc,
-                 **{w.name.rsplit("-", 1)[-1]: w for w in workers}}
+    meters = {"gateway": herald.gateway(), "notifier": notifier, "nats": herald.nats.proc,
+              **{w.name.rsplit("-", 1)[-1]: w for w in workers}, **ctx.store_meters()}
+    return Deployment(port=herald.port, sse_port=herald.port, base=herald.base, meters=meters, log=herald.gateway(),
+                      description={"shape": "one machine: 1 gateway, 2 workers, 1 notifier, 1 nats-server",
+                                   "store": herald.store, "workers": len(workers),
+                                   "worker_concurrency": herald.env().get("HERALD_WORKER_CONCURRENCY", "4 (default)")})
 
-        ctx.say(f"e2e: {sizes.e2e_jobs} jobs as fast as they go")
-        with Subscribers(herald.port, request, 1, mode="sse", ready_frames=1) as watcher:
+
+def _cluster(ctx: Context) -> Deployment:
+    """``herald up --cluster``: starts through the first gateway, the tenant stream on the second."""
+    ctx.say("e2e: starting herald up --cluster")
+    started = time.monotonic()
+    cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster", **ctx.herald_env)
+    return Deployment(port=cluster.port, sse_port=cluster.port + 1, base=cluster.base, meters=cluster.roles(),
+                      log=cluster.proc,
+                      description={"shape": "herald up --cluster: 3 NATS nodes (R3), PostgreSQL, 2 gateways, "
+                                   "2 workers, 2 notifiers", "store": "postgres", "workers": 2,
+                                   "worker_concurrency": ctx.herald_env.get("HERALD_WORKER_CONCURRENCY", "4 (default)"),
+                                   "startup_s": round(time.monotonic() - started, 1),
+                                   "starts_via": cluster.base, "tenant_stream_via": cluster.base_of(1)})
+
+
+class _Registrar:
+    """``_register`` wants something with ``base``."""
+
+    def __init__(self, base: str) -> None:
+        self.base = base
+
+
+def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
+    sizes = ctx.sizes
+    deployment = _cluster(ctx) if ctx.shape == "cluster" else _one_machine(ctx)
+    port = free_port()
+    secret = _register(_Registrar(deployment.base), f"http://127.0.0.1:{port}/hook/e2e", ["job.succeeded"])  # type: ignore[arg-type]
+    target = post_report(deployment.port, auth=True)
+    request = (f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{deployment.sse_port}\r\nAccept: text/event-stream\r\n"
+               f"Authorization: Bearer {API_KEY}\r\n\r\n").encode()
+    result: dict[str, Any] = dict(deployment.description)
+    with Receiver({"e2e": secret}, processes=1, port=port) as receiver:
+        ctx.say(f"e2e: {sizes.e2e_jobs} jobs as fast as they go ({ctx.variant})")
+        with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1) as watcher:
             watcher.open()
-            meter = CpuMeter(procs).start()
+            meter = CpuMeter(deployment.meters).start()
             load = httpclient.run(target, processes=1, connections=16, count=sizes.e2e_jobs, keep_records=True)
             sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
             found = _wait_for(receiver, set(sent), sizes.wait_s)
@@ -128,7 +177,7 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
         receiver.reset()
         # A stream of its own for this phase: under the saturation burst above, the gateway
         # may drop a tenant stream as a slow reader (a client would resume by Last-Event-ID).
-        with Subscribers(herald.port, request, 1, mode="sse", ready_frames=1, keep_frames=True) as sse:
+        with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1, keep_frames=True) as sse:
             sse.open()
             since = time.time()
             load = httpclient.run(target, processes=1, connections=16, duration_s=sizes.e2e_fixed_s,
@@ -138,7 +187,7 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
             time.sleep(0.2)  # the last events' frames
             frames = sse.collect().frames[0]
         sse_latency = _sse_latencies(frames, since)
-        dropped = _log_count(herald.gateway(), "slow SSE client dropped")
+        dropped = _log_count(deployment.log, "slow SSE client dropped")
         result["sse_streams_dropped"] = dropped
         result["fixed"] = {
             "rate": sizes.e2e_rate, "jobs": len(sent), "completed": sum(1 for j in sent if j in found),
@@ -156,7 +205,7 @@ def run(ctx: Context) -> Outcome:
                   "nats-py JetStream publish+consume (2 processes, same nats-server)")
     h = _herald(ctx, out)
     ctx.say(f"e2e: JetStream ceiling, {ctx.sizes.nats_msgs} messages")
-    herald_nats = Herald(ctx.procs, ctx.dir("e2e") / "ceiling")  # a fresh server, same binary and config
+    herald_nats = Herald(ctx.procs, ctx.dir("e2e") / f"ceiling-{ctx.variant}")  # a fresh server, same binary and config
     b = natsceiling.measure(herald_nats.nats.url, ctx.sizes.nats_msgs)
     out.herald, out.baseline = h, b
     sat, fixed = h["saturation"], h["fixed"]

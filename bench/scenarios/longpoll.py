@@ -16,7 +16,7 @@ from bench.driver import Driver, step
 from bench.scenario import Context, Outcome
 from bench.scenarios.fanout import long_polls
 from bench.subscribers import Subscribers
-from bench.systems import API_KEY, TENANT, Herald, Nchan
+from bench.systems import API_KEY, TENANT, Nchan
 
 
 def _request(port: int, path: str, extra: tuple[str, ...] = ()) -> bytes:
@@ -25,13 +25,13 @@ def _request(port: int, path: str, extra: tuple[str, ...] = ()) -> bytes:
 
 
 async def _herald(ctx: Context, n: int) -> dict[str, Any]:
-    herald = Herald(ctx.procs, ctx.dir("longpoll") / "herald", **ctx.herald_env)
+    herald = await asyncio.to_thread(ctx.herald, "longpoll")
     herald.data_dir.mkdir(parents=True, exist_ok=True)
     await asyncio.to_thread(herald.start_gateway)
-    async with Driver(herald.db_path, herald.nats.url) as driver:
+    async with Driver(herald.store_settings()) as driver:
         (job_id,) = await driver.accept(TENANT)
         await driver.drained()
-        version = driver.store.get(job_id).version  # type: ignore[union-attr]
+        version = (await driver.store.get(job_id)).version  # type: ignore[union-attr]
         request = _request(herald.port, f"/jobs/{job_id}?wait=60",
                            (f"Authorization: Bearer {API_KEY}", f'If-None-Match: W/"{version}"'))
         with Subscribers(herald.port, request, n, mode="longpoll") as subs:

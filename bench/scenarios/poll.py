@@ -1,40 +1,47 @@
 """2. Poll: ``GET /jobs/{id}`` over ``poll_jobs`` stored jobs, against bare Litestar + aiosqlite.
 
 The jobs are seeded straight into the store before the gateway starts (the rows
-``Store.accept`` writes). Each request asks for a random one of them. The baseline is a
-primary-key lookup with aiosqlite in the very same file and table, the row as JSON.
+``accept`` writes). Each request asks for a random one of them. The baseline is a
+primary-key lookup with aiosqlite in the very same file and table, the row as JSON. With
+the PostgreSQL store, the same jobs are seeded into the database and into a SQLite file
+of the same schema for the baseline, which stays the same reference for both stores.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from bench.driver import seed_jobs
+from bench.driver import new_jobs, seed_jobs, seed_sqlite
 from bench.procs import CpuMeter
 from bench.scenario import Context, Outcome
 from bench.scenarios.http import get_jobs, saturate
 from bench.stats import median
-from bench.systems import TENANT, BareApp, Herald
+from bench.systems import TENANT, BareApp
 
 
 def run(ctx: Context) -> Outcome:
     out = Outcome("poll", f"GET /jobs/{{id}} over {ctx.sizes.poll_jobs:,} jobs",
                   "bare Litestar + aiosqlite primary-key lookup (same file)")
     work = ctx.dir("poll")
-    herald = Herald(ctx.procs, work / "herald", **ctx.herald_env)
+    herald = ctx.herald("poll")
     herald.data_dir.mkdir(parents=True, exist_ok=True)
-    ctx.say(f"poll: seeding {ctx.sizes.poll_jobs:,} jobs")
-    ids = asyncio.run(seed_jobs(herald.db_path, TENANT, ctx.sizes.poll_jobs))
-    ids_file = work / "ids.txt"
+    ctx.say(f"poll: seeding {ctx.sizes.poll_jobs:,} jobs ({herald.store})")
+    jobs = new_jobs(TENANT, ctx.sizes.poll_jobs)
+    ids = asyncio.run(seed_jobs(herald.store_settings(), jobs))
+    bare_db = herald.db_path
+    if herald.store != "sqlite":  # the baseline's file: the same jobs
+        bare_db = work / "bare" / "herald.db"
+        asyncio.run(seed_sqlite(bare_db, jobs))
+    ids_file = work / f"ids-{herald.store}.txt"
     ids_file.write_text("\n".join(ids) + "\n")
     herald.start_gateway()
-    bare = BareApp(ctx.procs, herald.db_path)
+    bare = BareApp(ctx.procs, bare_db)
     sample = ids if ctx.wrk else ids[:20_000]  # the Python fallback ships its paths to each process
     h_target, b_target = get_jobs(herald.port, sample, auth=True), get_jobs(bare.port, sample, auth=False)
     h_runs, b_runs = [], []
     for index in range(ctx.sizes.rounds):
         ctx.say(f"poll: round {index + 1}/{ctx.sizes.rounds}")
-        meter = CpuMeter({"gateway": herald.gateway()}).start()
+        meter = CpuMeter({"gateway": herald.gateway(), **ctx.store_meters()}).start()
         h = saturate(ctx, h_target, script="get-random-job", auth=True, workdir=work, ids_file=ids_file)
         h["server_cpu_pct"] = meter.stop()
         meter = CpuMeter({"bare": bare.proc}).start()

@@ -49,8 +49,7 @@ async def _herald_case(ctx: Context, herald: Herald, driver: Driver, n: int, str
             result = await fan_out(subs, ready, ctx.sizes.sse_events, publish, gateway, ctx.sizes.wait_s)
         result["rss_per_stream_kib"] = rss
         result["gateway_rss_mib"] = round(rss0 / 1024, 1)
-        sample = driver.store.get(job_id)
-        result["payload_bytes"] = len(driver.store.job_events(job_id, 0)[-1].data) if sample else 0
+        result["payload_bytes"] = len((await driver.last_event(job_id)).data)
         return result
     finally:
         await asyncio.to_thread(herald.stop, "gateway")
@@ -80,11 +79,11 @@ async def _nchan_case(ctx: Context, n: int, payload: bytes) -> dict[str, Any]:
 
 
 async def _run(ctx: Context, out: Outcome) -> None:
-    herald = Herald(ctx.procs, ctx.dir("sse") / "herald", **ctx.herald_env)
+    herald = await asyncio.to_thread(ctx.herald, "sse")
     herald.data_dir.mkdir(parents=True, exist_ok=True)
     herald_cases: dict[str, Any] = {}
     nchan_cases: dict[str, Any] = {}
-    async with Driver(herald.db_path, herald.nats.url) as driver:
+    async with Driver(herald.store_settings()) as driver:
         for n in ctx.sizes.sse_n:
             for stream in ("job", "tenant"):
                 ctx.say(f"sse: Herald {stream} stream, N={n}")
@@ -92,7 +91,7 @@ async def _run(ctx: Context, out: Outcome) -> None:
             if not ctx.nchan_missing:
                 ctx.say(f"sse: nchan, N={n}")
                 (job_id,) = await driver.accept(TENANT)
-                payload = bytes(driver.store.job_events(job_id, 0)[-1].data)
+                payload = bytes((await driver.last_event(job_id)).data)
                 nchan_cases[str(n)] = await _nchan_case(ctx, n, payload)
     out.herald = herald_cases
     out.baseline = {"cases": nchan_cases}

@@ -40,14 +40,24 @@ def _register(herald: Herald, url: str, event_types: list[str] | None = None) ->
     return str(body["secret"])  # type: ignore[index]
 
 
-def _attempt_latencies(herald: Herald, since: float) -> list[float]:
+async def _attempt_latencies(herald: Herald, since: float) -> list[float]:
+    """The notifier's own record of each attempt's latency (``webhook_attempts``), from the store."""
+    if herald.database_url:
+        import asyncpg
+
+        conn = await asyncpg.connect(herald.database_url)
+        try:
+            rows = await conn.fetch("SELECT latency_ms FROM webhook_attempts WHERE at >= $1", since)
+        finally:
+            await conn.close()
+        return [row[0] for row in rows]
     with sqlite3.connect(f"file:{herald.db_path}?mode=ro", uri=True) as conn:
         return [row[0] for row in conn.execute("SELECT latency_ms FROM webhook_attempts WHERE at >= ?", (since,))]
 
 
 async def _herald(ctx: Context, herald: Herald, receiver: Receiver, endpoints: int) -> dict[str, Any]:
     sizes = ctx.sizes
-    async with Driver(herald.db_path, herald.nats.url) as driver:
+    async with Driver(herald.store_settings()) as driver:
         # One event through the whole path first: the endpoints, receiver and notifier work.
         await driver.accept(TENANT)
         await asyncio.to_thread(wait_until, lambda: receiver.count() >= endpoints, timeout=30,
@@ -57,12 +67,12 @@ async def _herald(ctx: Context, herald: Herald, receiver: Receiver, endpoints: i
         job_ids = await driver.accept(TENANT, sizes.webhook_events)
         if not await driver.drained(60):
             raise BenchError("the driver's relay did not publish the seeded events")
-        payload = driver.store.job_events(job_ids[0], 0)[-1]
+        payload = await driver.last_event(job_ids[0])
         body = msgspec.json.encode(WebhookPayload(type=payload.type, timestamp=payload.at, data=payload.data))
     expected = sizes.webhook_events * endpoints
     since = time.time()
     notifier = await asyncio.to_thread(herald.start_notifier)
-    meter = CpuMeter({"notifier": notifier, "nats": herald.nats.proc}).start()
+    meter = CpuMeter({"notifier": notifier, "nats": herald.nats.proc, **ctx.store_meters()}).start()
     await asyncio.to_thread(wait_until, lambda: receiver.count() >= expected, timeout=sizes.wait_s,
                             what=f"{expected} webhook deliveries", interval=0.1)
     cpu = meter.stop()
@@ -76,7 +86,7 @@ async def _herald(ctx: Context, herald: Herald, receiver: Receiver, endpoints: i
         "unique": len(unique),
         "invalid_signatures": stats["invalid"],
         "rate": round((len(arrivals) - 1) / wall, 1) if wall else 0.0,
-        "attempt_latency": latency_summary(_attempt_latencies(herald, since)),
+        "attempt_latency": latency_summary(await _attempt_latencies(herald, since)),
         "cpu_pct": cpu,
         "receiver_cpu_s": round(stats["cpu_s"], 2),
         "body": body,
@@ -88,7 +98,7 @@ def run(ctx: Context) -> Outcome:
     endpoints = sizes.webhook_endpoints
     out = Outcome("webhooks", f"signed webhook deliveries ({endpoints} endpoints, verifying receiver)",
                   f"raw signed POSTs, one process, {sizes.webhook_concurrency} in flight: aiohttp (ratio), httpx")
-    herald = Herald(ctx.procs, ctx.dir("webhooks") / "herald", **ctx.herald_env)
+    herald = ctx.herald("webhooks")
     herald.start_gateway()
     herald.start_notifier()
     port = free_port()
