@@ -172,6 +172,31 @@ class Deployment:
 
         return asyncio.run(read())
 
+    def result_names(self, job_id: str) -> list[str]:
+        """The job's stored results (``<attempt><suffix>``), read from the result store the
+        deployment uses: files under the data dir (SQLite), the NATS object store (PostgreSQL)."""
+        if self.database_url is None:
+            directory = self.data_dir / "results" / job_id[:2] / job_id
+            return sorted(p.name for p in directory.iterdir()) if directory.exists() else []
+        import asyncio
+
+        import nats
+        from nats.js.errors import NotFoundError
+
+        from herald.constants import RESULTS_BUCKET
+
+        async def read() -> list[str]:
+            nc = await nats.connect(self.nats.url)
+            try:
+                objects = await (await nc.jetstream().object_store(RESULTS_BUCKET)).list(ignore_deletes=True)
+            except NotFoundError:
+                return []
+            finally:
+                await nc.close()
+            return sorted(o.name.split("/", 1)[1] for o in objects if o.name.startswith(job_id + "/"))
+
+        return asyncio.run(read())
+
     def url(self, name: str = "gateway") -> str:
         return f"http://127.0.0.1:{self.ports[name]}"
 
@@ -251,14 +276,17 @@ class NatsCluster:
     ``herald.cluster.node_config`` (as ``herald up --cluster`` runs them).
 
     Nodes are indexed from 0; their server names are n1..nN. ``kill(i)`` and ``restart(i)``
-    keep node i's ports and store, so a restart is a real one.
+    keep node i's ports and store, so a restart is a real one. ``max_file_store`` is each
+    node's JetStream file limit: Herald's own topology reserves 2 GiB for its events stream,
+    so a cluster that runs Herald needs more than the default.
     """
 
-    def __init__(self, root: Path, size: int = 3) -> None:
+    def __init__(self, root: Path, size: int = 3, max_file_store: str = "1GB") -> None:
         from herald.cluster import free_ports, plan_nodes
 
         ports = free_ports(2 * size)
         self.root = root
+        self.max_file_store = max_file_store
         self.nodes = plan_nodes(root, ports[:size], ports[size:])
         self.processes: list[subprocess.Popen[bytes] | None] = [None] * size
         binary = find_nats_server()
@@ -278,7 +306,7 @@ class NatsCluster:
         from herald.cluster import write_node_config
 
         for node in self.nodes:
-            write_node_config(node, self.nodes, max_file_store="1GB")
+            write_node_config(node, self.nodes, max_file_store=self.max_file_store)
         for index in range(len(self.nodes)):
             self._spawn(index)
         self.wait_jetstream(timeout)

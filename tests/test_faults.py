@@ -4,7 +4,6 @@ leases, the sweeper and retention (SPEC §4, §5, §9)."""
 from __future__ import annotations
 
 import signal
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -16,14 +15,13 @@ from tests.harness import Deployment, client, stream_state, wait_for_state, wait
 pytestmark = pytest.mark.slow
 
 
-def result_files(deployment: Deployment, job_id: str) -> list[Path]:
-    directory = deployment.data_dir / "results" / job_id[:2] / job_id
-    return sorted(directory.iterdir()) if directory.exists() else []
+def result_files(deployment: Deployment, job_id: str) -> list[str]:
+    return deployment.result_names(job_id)
 
 
 def assert_one_result(deployment: Deployment, status: dict[str, Any]) -> None:
     files = result_files(deployment, status["id"])
-    assert [f.name for f in files] == [f"{status['attempt']}.pdf"], f"exactly one final result: {files}"
+    assert files == [f"{status['attempt']}.pdf"], f"exactly one final result: {files}"
 
 
 def running_with_progress(http: httpx.Client, job_id: str) -> dict[str, Any]:

@@ -11,29 +11,16 @@ from litestar import Request, Response, post
 from litestar.handlers import HTTPRouteHandler
 
 from gateway.auth import require_tenant
+from gateway.bodies import read_body, url_errors
 from gateway.openapi import problems, with_body
 from gateway.problems import ProblemError, invalid_request
 from gateway.render import public_status, retry_after
-from gateway.services import Services, services
-from notifier.ssrf import UnsafeUrl, check_url_resolves_public
+from gateway.services import services
 from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob, RateLimited
-from schemas import FieldError, JobStatus
-from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
+from schemas import JobStatus
 from herald.kinds import KindDeclaration as JobKind
 
 IDEMPOTENCY_HEADER = "idempotency-key"
-
-
-def _check_content_type(request: Request) -> None:
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
-        raise ProblemError(
-            415,
-            "/problems/unsupported-media-type",
-            "Unsupported media type",
-            "send the body as JSON with Content-Type: application/json",
-            headers={"Accept-Post": "application/json"},
-        )
 
 
 def _idempotency_key(request: Request, required: bool) -> str | None:
@@ -54,31 +41,15 @@ def fingerprint(path: str, document: Any) -> str:
     return hashlib.sha256(path.encode() + b"\n" + canonical).hexdigest()
 
 
-async def check_callback_url(svc: Services, url: str | None) -> None:
-    """The same guard as a webhook registration: https to a public address (resolved now)."""
-    if url is None:
-        return
-    try:
-        await check_url_resolves_public(url, allow_private=svc.settings.webhook_allow_private)
-    except UnsafeUrl as exc:
-        raise invalid_request([FieldError(field="callback_url", message=str(exc))]) from exc
-
-
 async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     """Authenticate, validate, commit job + key + outbox in one transaction, answer 202."""
     svc = services(request)
     tenant = require_tenant(request, svc.settings)
     key = _idempotency_key(request, svc.settings.require_idempotency_key)
-    _check_content_type(request)
-    body = await request.body()
-    try:
-        document = decode_json(body)
-        params = validate_params(kind.params, document)
-    except MalformedBody as exc:
-        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON", f"the body is not valid JSON: {exc}") from exc
-    except InvalidBody as exc:
-        raise invalid_request(exc.errors) from exc
-    await check_callback_url(svc, params.callback_url)
+    params, document = await read_body(request, kind.params)
+    # The same guard as a webhook registration: https to a public address (resolved now).
+    if errors := await url_errors(svc.settings, "callback_url", params.callback_url):
+        raise invalid_request(errors)
     await svc.backlog.check()
     claim = None
     if key is not None:

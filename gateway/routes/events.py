@@ -17,6 +17,8 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from gateway.auth import bearer_tenant, require_tenant, unauthorized
+from gateway.cursors import MAX_SEQ
+from gateway.ids import is_uuid, kind_filter
 from gateway.hub import RESYNC, Subscriber
 from gateway.openapi import problems
 from gateway.problems import ProblemError
@@ -44,7 +46,7 @@ def _parse_cursor(raw: str | None, what: str) -> int | None:
     """A resume point: a non-negative integer this server gave out, else None (no replay)."""
     if raw is None or raw == "":
         return None
-    if len(raw) > MAX_CURSOR_LENGTH or not raw.isdigit():
+    if len(raw) > MAX_CURSOR_LENGTH or not raw.isdigit() or int(raw) > MAX_SEQ:
         raise ValueError(f"{what} must be an event id this server gave out")
     return int(raw)
 
@@ -82,7 +84,7 @@ async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str
         if not svc.signer.verify(request.url.path, EVENTS_PURPOSE, exp, sig):
             raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
                                "this signed stream URL is not valid; take links.events from a fresh status")
-        job = await svc.store.get(job_id) if len(job_id) <= 64 else None
+        job = await svc.store.get(job_id) if is_uuid(job_id) else None
         if job is None:
             raise ProblemError(404, "/problems/not-found", "Not found", "no such job")
         return job
@@ -282,6 +284,7 @@ async def tenant_events(
 ) -> Any:
     svc = services(request)
     tenant = _tenant_for_feed(request, svc)
+    kind = kind_filter(kind)
     if _wants_json(request):
         feed = await _feed(svc, tenant, kind, after, limit, wait)
         return Response(feed, headers={"Cache-Control": "no-store"})

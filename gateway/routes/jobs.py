@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Annotated
 
 from litestar import Request, Response, delete, get
@@ -12,6 +10,8 @@ from litestar.params import Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.auth import require_tenant
+from gateway.cursors import decode_position, encode_position
+from gateway.ids import is_uuid, kind_filter
 from gateway.openapi import problems
 from gateway.problems import ProblemError, not_found
 from gateway.render import etag, etag_matches, public_status, retry_after
@@ -25,10 +25,12 @@ STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 
 async def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
     """The tenant's job, or 404 (unknown, or another tenant's) / 410 (deleted after retention)."""
-    job = await svc.store.get_for_tenant(tenant, job_id) if len(job_id) <= 64 else None
+    if not is_uuid(job_id):
+        raise not_found()
+    job = await svc.store.get_for_tenant(tenant, job_id)
     if job is not None:
         return job
-    if len(job_id) <= 64 and await svc.store.tombstone_tenant(job_id) == tenant:
+    if await svc.store.tombstone_tenant(job_id) == tenant:
         raise ProblemError(410, "/problems/gone", "Gone", "this job ended and its retention period has passed")
     raise not_found()
 
@@ -79,19 +81,6 @@ async def get_job(
     return status_response(job, svc, if_none_match)
 
 
-def _encode_cursor(job: JobRow) -> str:
-    return base64.urlsafe_b64encode(f"{job.created_at!r}|{job.id}".encode()).decode().rstrip("=")
-
-
-def _decode_cursor(cursor: str) -> tuple[float, str]:
-    try:
-        created, _, job_id = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode().partition("|")
-        return float(created), job_id
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise ProblemError(400, "/problems/invalid-cursor", "Invalid cursor",
-                           "cursor is not one this server gave out") from exc
-
-
 @get("/jobs", operation_id="list_jobs", tags=["jobs"], summary="The tenant's jobs, newest first",
      responses=problems(400, 401))
 async def list_jobs(
@@ -105,12 +94,12 @@ async def list_jobs(
     tenant = require_tenant(request, svc.settings)
     if job_state is not None and job_state not in STATES:
         raise ProblemError(400, "/problems/invalid-request", "Invalid request", f"state must be one of {', '.join(STATES)}")
-    before = _decode_cursor(cursor) if cursor else None
-    rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind, before=before, limit=limit + 1)
+    before = decode_position(cursor) if cursor else None
+    rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]
     return JobList(
         items=[public_status(job, svc.signer) for job in page],
-        next_cursor=_encode_cursor(page[-1]) if len(rows) > limit else None,
+        next_cursor=encode_position(page[-1].created_at, page[-1].id) if len(rows) > limit else None,
     )
 
 

@@ -7,8 +7,6 @@ Another tenant's endpoint or delivery is answered exactly like a missing one: ``
 
 from __future__ import annotations
 
-import base64
-import binascii
 import uuid
 from typing import Annotated, Any, TypeVar
 
@@ -17,16 +15,17 @@ from litestar import Controller, Request, Response, delete, get, patch, post
 from litestar.params import Parameter
 
 from gateway.auth import require_tenant
+from gateway.bodies import read_body, url_errors
+from gateway.cursors import decode_position, decode_seq, encode_position, encode_seq
+from gateway.ids import is_uuid
 from gateway.openapi import problems, with_body
 from gateway.problems import ProblemError, invalid_request, not_found
 from gateway.services import services
 from herald.timefmt import rfc3339
-from notifier.ssrf import UnsafeUrl, check_url_resolves_public
 from notifier.signing import SigningKey
 from herald.deliveries import AttemptRow, DeliveryRow, EndpointRow
 from herald.storage.ports import WebhookStore
 from schemas import FieldError
-from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
 from schemas.webhooks import (
     DEFAULT_EVENT_TYPES,
     DELIVERY_STATUSES,
@@ -56,20 +55,8 @@ def _webhooks(request: Request) -> WebhookStore:
 
 
 async def _body(request: Request, body_type: type[B]) -> B:
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    is_json = media_type == "application/json" or (
-        media_type.startswith("application/") and media_type.endswith("+json"))
-    if not is_json:
-        raise ProblemError(415, "/problems/unsupported-media-type", "Unsupported media type",
-                           "send the body as JSON with Content-Type: application/json")
-    try:
-        document = decode_json(await request.body())
-        return validate_params(body_type, document)  # type: ignore[type-var,unused-ignore]
-    except MalformedBody as exc:
-        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON",
-                           f"the body is not valid JSON: {exc}") from exc
-    except InvalidBody as exc:
-        raise invalid_request(exc.errors) from exc
+    body, _document = await read_body(request, body_type)
+    return body
 
 
 def _kind_errors(kinds: list[str] | None) -> list[FieldError]:
@@ -82,11 +69,7 @@ def _kind_errors(kinds: list[str] | None) -> list[FieldError]:
 
 
 async def _url_errors(request: Request, url: str) -> list[FieldError]:
-    try:
-        await check_url_resolves_public(url, allow_private=services(request).settings.webhook_allow_private)
-    except UnsafeUrl as exc:
-        return [FieldError(field="url", message=str(exc))]
-    return []
+    return await url_errors(services(request).settings, "url", url)
 
 
 def _unique(values: list[str]) -> list[str]:
@@ -107,23 +90,6 @@ def _limit(raw: str | None, errors: list[FieldError]) -> int:
         errors.append(FieldError(field="limit", message=f"must be an integer from 1 to {MAX_LIMIT}"))
         return DEFAULT_LIMIT
     return int(raw)
-
-
-def _encode_cursor(value: str) -> str:
-    return base64.urlsafe_b64encode(value.encode()).decode().rstrip("=")
-
-
-def _decode_cursor(raw: str | None) -> str | None:
-    if raw is None:
-        return None
-    try:
-        return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode()
-    except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise _bad_cursor() from exc
-
-
-def _bad_cursor() -> ProblemError:
-    return ProblemError(400, "/problems/invalid-cursor", "Invalid cursor", "cursor is not one this server gave out")
 
 
 async def _endpoint(request: Request, tenant: str, endpoint_id: str) -> EndpointRow:
@@ -217,19 +183,13 @@ class WebhooksController(Controller):
         size = _limit(limit, errors)
         if errors:
             raise invalid_request(errors)
-        before = None
-        if (position := _decode_cursor(cursor)) is not None:
-            created, _, endpoint_id = position.partition("|")
-            try:
-                before = (float(created), endpoint_id)
-            except ValueError as exc:
-                raise _bad_cursor() from exc
+        before = decode_position(cursor) if cursor is not None else None
         rows = await _webhooks(request).list_endpoints(tenant, before=before, limit=size + 1)
         page = rows[:size]
         more = len(rows) > size
         return EndpointList(
             items=[endpoint_view(r) for r in page],
-            next_cursor=_encode_cursor(f"{page[-1].created_at!r}|{page[-1].id}") if more else None,
+            next_cursor=encode_position(page[-1].created_at, page[-1].id) if more else None,
         )
 
     @get("/callback-secret", operation_id="get_callback_secret",
@@ -315,18 +275,14 @@ class WebhooksController(Controller):
             errors.append(FieldError(field="status", message=f"must be one of {', '.join(DELIVERY_STATUSES)}"))
         if errors:
             raise invalid_request(errors)
-        before = None
-        if (position := _decode_cursor(cursor)) is not None:
-            if not position.isdigit():
-                raise _bad_cursor()
-            before = int(position)
+        before = decode_seq(cursor) if cursor is not None else None
         store = _webhooks(request)
         rows = await store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=size + 1)
         page = rows[:size]
         attempts = await store.attempts([r.id for r in page])
         return DeliveryList(
             items=[delivery_view(r, attempts[r.id]) for r in page],
-            next_cursor=_encode_cursor(str(page[-1].seq)) if len(rows) > size else None,
+            next_cursor=encode_seq(page[-1].seq) if len(rows) > size else None,
         )
 
     @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
@@ -336,7 +292,7 @@ class WebhooksController(Controller):
         tenant = require_tenant(request, services(request).settings)
         endpoint = await _endpoint(request, tenant, endpoint_id)
         store = _webhooks(request)
-        if len(delivery_id) > 64 or await store.get_delivery(endpoint.id, delivery_id) is None:
+        if not is_uuid(delivery_id) or await store.get_delivery(endpoint.id, delivery_id) is None:
             raise not_found("delivery")
         if endpoint.status != "enabled":
             raise ProblemError(409, "/problems/endpoint-disabled", "Endpoint disabled",

@@ -469,6 +469,9 @@ BEGIN
             IF FOUND AND e_status <> 'enabled' THEN
                 o_endpoint_disabled := TRUE;
             ELSIF FOUND AND (p_gone OR ts - e_failing >= p_disable_after) THEN
+                -- As the API's disable does: FOR UPDATE waits for fan-outs holding the endpoint
+                -- (FOR KEY SHARE), so the failing below, a new snapshot, sees what they queued.
+                PERFORM 1 FROM webhook_endpoints WHERE id = d.endpoint_id FOR UPDATE;
                 UPDATE webhook_endpoints SET status = 'disabled', updated_at = ts WHERE id = d.endpoint_id;
                 -- its waiting deliveries end failed; this one is settled just below, with its attempt count
                 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,

@@ -1,0 +1,56 @@
+"""Reading a JSON request body, the same way on every route that takes one.
+
+415 for a missing or non-JSON content type, 400 ``/problems/malformed-json`` for bytes
+that are not JSON, 400 ``/problems/invalid-request`` naming every bad field, and the
+SSRF guard's verdict on a URL turned into such a field error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, TypeVar
+
+from litestar import Request
+
+from gateway.problems import ProblemError, invalid_request
+from herald.settings import Settings
+from notifier.ssrf import UnsafeUrl, check_url_resolves_public
+from schemas import FieldError
+from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
+
+T = TypeVar("T")
+
+
+def check_json_content_type(request: Request) -> None:
+    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
+        raise ProblemError(
+            415,
+            "/problems/unsupported-media-type",
+            "Unsupported media type",
+            "send the body as JSON with Content-Type: application/json",
+            headers={"Accept-Post": "application/json"},
+        )
+
+
+async def read_body(request: Request, body_type: type[T]) -> tuple[T, Any]:
+    """The validated body and the JSON document it was read from (for fingerprints)."""
+    check_json_content_type(request)
+    try:
+        document = decode_json(await request.body())
+        return validate_params(body_type, document), document  # type: ignore[type-var,unused-ignore]
+    except MalformedBody as exc:
+        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON",
+                           f"the body is not valid JSON: {exc}") from exc
+    except InvalidBody as exc:
+        raise invalid_request(exc.errors) from exc
+
+
+async def url_errors(settings: Settings, field: str, url: str | None) -> list[FieldError]:
+    """The SSRF guard (https to a public address, resolved now) as field errors."""
+    if url is None:
+        return []
+    try:
+        await check_url_resolves_public(url, allow_private=settings.webhook_allow_private)
+    except UnsafeUrl as exc:
+        return [FieldError(field=field, message=str(exc))]
+    return []
