@@ -152,6 +152,11 @@ def main(argv: list[str] | None = None) -> int:
     print("targets:")
     print(report.targets(results))
     print()
+    notes = report.notes(results)
+    if notes:
+        print("notes:")
+        print(notes)
+        print()
     print(f"wrote {out_json}" + (f" ({chart_note})" if chart_note else f" and {args.out / 'results.png'}"))
     if roles:
         time.sleep(1.0)  # py-spy writes its file once its target has exited

@@ -56,3 +56,91 @@ class BenchPostgres:
         if self.server is not None:
             self.server.stop()
             self.server = None
+
+
+WAITS_SQL = """
+SELECT coalesce(wait_event_type, 'CPU') AS type, coalesce(wait_event, '-') AS event,
+       left(regexp_replace(query, '\\s+', ' ', 'g'), 60) AS query
+FROM pg_stat_activity
+WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type = 'client backend'
+  AND state = 'active'
+"""
+
+
+class PgWaits:
+    """What the database's sessions are doing while a phase runs: ``pg_stat_activity`` sampled
+    every ``interval`` s from a thread of its own, counted by (wait event, statement). A
+    session waiting for ``Lock/transactionid`` waits for another transaction's row lock;
+    ``IO/WalSync`` and ``LWLock/WALWrite`` are commits waiting for the WAL flush; ``CPU`` is
+    running. ``with PgWaits(url) as waits: ...`` then ``waits.summary()``; ``url=None``: no-op."""
+
+    def __init__(self, url: str | None, interval: float = 0.05) -> None:
+        import threading
+        from collections import Counter
+
+        self.url = url
+        self.interval = interval
+        self.counts: Counter[tuple[str, str]] = Counter()
+        self.samples = 0
+        self.busy_samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pg-waits", daemon=True)
+        self.error: str | None = None
+
+    def __enter__(self) -> PgWaits:
+        if self.url:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        import asyncio
+
+        try:
+            asyncio.run(self._sample())
+        except Exception as exc:  # a sampler must never break the measurement
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    async def _sample(self) -> None:
+        import asyncio
+
+        import asyncpg
+
+        assert self.url is not None
+        conn = await asyncpg.connect(self.url)
+        try:
+            while not self._stop.is_set():
+                rows = await conn.fetch(WAITS_SQL)
+                self.samples += 1
+                if rows:
+                    self.busy_samples += 1
+                for row in rows:
+                    self.counts[(f"{row['type']}/{row['event']}", row["query"])] += 1
+                await asyncio.sleep(self.interval)
+        finally:
+            await conn.close()
+
+    def summary(self, top: int = 8) -> dict[str, object]:
+        """Session-samples by wait event (share of all), and the top (wait, statement) pairs."""
+        total = sum(self.counts.values())
+        by_wait: dict[str, int] = {}
+        for (wait, _query), n in self.counts.items():
+            by_wait[wait] = by_wait.get(wait, 0) + n
+        share = (lambda n: round(100 * n / total, 1)) if total else (lambda n: 0.0)
+        return {
+            "samples": self.samples,
+            "mean_active_sessions": round(total / self.samples, 2) if self.samples else 0.0,
+            "by_wait_pct": {w: share(n) for w, n in sorted(by_wait.items(), key=lambda kv: -kv[1])},
+            "top": [{"wait": w, "statement": q, "pct": share(n)} for (w, q), n in self.counts.most_common(top)],
+            **({"error": self.error} if self.error else {}),
+        }
+
+    def note(self) -> str:
+        """One line for the outcome's notes."""
+        s = self.summary(top=3)
+        waits = ", ".join(f"{w} {p:.0f} %" for w, p in list(s["by_wait_pct"].items())[:4])  # type: ignore[union-attr]
+        return f"PostgreSQL sessions ({s['mean_active_sessions']} active on average): {waits}"

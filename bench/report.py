@@ -144,6 +144,10 @@ def targets(results: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def notes(results: list[dict[str, Any]]) -> str:
+    return "\n".join(f"  {label(result)}: {note}" for result in results for note in result.get("notes", []))
+
+
 def environment() -> dict[str, Any]:
     import os
 

@@ -38,6 +38,7 @@ class Context:
     store: str = "sqlite"  # the store of the Herald deployments this scenario starts: sqlite or postgres
     shape: str = "one"  # one: `herald up`'s processes by hand; cluster: `herald up --cluster` (e2e only)
     postgres: BenchPostgres | None = None  # the run's PostgreSQL server (--store postgres or both)
+    shared: dict[str, Any] = field(default_factory=dict)  # what one store's run of a scenario leaves for the next
     started: float = field(default_factory=time.monotonic)
 
     @property

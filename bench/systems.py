@@ -205,6 +205,10 @@ class ClusterHerald:
         wait_until(lambda: all(http_ok(self.base_of(i) + "/readyz") for i in range(self.GATEWAYS)), timeout=180,
                    what="both cluster gateways ready", proc=self.proc, interval=0.25)
 
+    @property
+    def database_url(self) -> str:
+        return f"postgresql://postgres@127.0.0.1:{self.postgres_port}/herald"
+
     def base_of(self, index: int) -> str:
         return f"http://127.0.0.1:{self.port + index}"
 

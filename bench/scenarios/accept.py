@@ -9,6 +9,7 @@ Herald's saturated rate, in an open loop.
 
 from __future__ import annotations
 
+from bench.pg import PgWaits
 from bench.procs import CpuMeter
 from bench.scenario import Context, Outcome
 from bench.scenarios.http import fixed_rate, post_report, saturate
@@ -27,8 +28,11 @@ def run(ctx: Context) -> Outcome:
     for index in range(ctx.sizes.rounds):
         ctx.say(f"accept: saturation round {index + 1}/{ctx.sizes.rounds}")
         meter = CpuMeter({"gateway": herald.gateway(), "nats": herald.nats.proc, **ctx.store_meters()}).start()
-        h = saturate(ctx, h_target, script="post-report", auth=True, workdir=work)
+        with PgWaits(herald.database_url) as waits:
+            h = saturate(ctx, h_target, script="post-report", auth=True, workdir=work)
         h["server_cpu_pct"] = meter.stop()
+        if herald.database_url:
+            h["postgres_waits"] = waits.summary()
         meter = CpuMeter({"bare": bare.proc}).start()
         b = saturate(ctx, b_target, script="post-report", auth=False, workdir=work)
         b["server_cpu_pct"] = meter.stop()
@@ -36,12 +40,16 @@ def run(ctx: Context) -> Outcome:
         b_runs.append(b)
     h_rps = median([r["rps"] for r in h_runs])
     b_rps = median([r["rps"] for r in b_runs])
-    rate = max(10.0, h_rps / 2)
+    own_rate = max(10.0, h_rps / 2)
+    # With several stores in one run, all get the first one's fixed load: p99s at one offered load.
+    rate = ctx.shared.setdefault("accept.fixed_rate", own_rate)
     ctx.say(f"accept: fixed load {rate:.0f} req/s")
     h_fixed = fixed_rate(ctx, h_target, rate)
     b_fixed = fixed_rate(ctx, b_target, rate)
 
-    out.herald = {"saturation": h_runs, "fixed": h_fixed, "rps": h_rps}
+    out.herald = {"saturation": h_runs, "fixed": h_fixed, "rps": h_rps, "half_saturated_rps": round(own_rate, 1)}
+    if herald.database_url:
+        out.notes.append("saturation, " + waits.note())
     out.baseline = {"saturation": b_runs, "fixed": b_fixed, "rps": b_rps}
     sat = f"saturation, {ctx.sizes.connections} conns"
     out.row(sat, "req/s", h_rps, b_rps, better="higher", unit="req/s")
@@ -54,8 +62,14 @@ def run(ctx: Context) -> Outcome:
     out.row(fixed, "p99", h_fixed["p99_ms"], b_fixed["p99_ms"], better="lower", unit="ms")
     share = h_rps / b_rps if b_rps else 0.0
     out.target("accept >= 30 % of bare req/s", f"{100 * share:.0f} %", share >= 0.30)
-    out.target("accept p99 < 10 ms at half of Herald's saturated rate", f"{h_fixed['p99_ms']:.1f} ms",
-               h_fixed["p99_ms"] < 10)
+    if rate == own_rate:
+        out.target("accept p99 < 10 ms at half of Herald's saturated rate", f"{h_fixed['p99_ms']:.1f} ms",
+                   h_fixed["p99_ms"] < 10)
+    else:
+        out.target("accept p99 < 10 ms at half of Herald's saturated rate", f"{h_fixed['p99_ms']:.1f} ms at "
+                   f"{rate:.0f} req/s (the first store's; half of this one's: {own_rate:.0f})", h_fixed["p99_ms"] < 10)
+        out.notes.append(f"fixed load at {rate:.0f} req/s, the first store's half-saturated rate, so that the "
+                         f"stores' p99s are at one offered load (half of this store's saturated rate: {own_rate:.0f})")
     errors = sum(r["errors"] for r in h_runs) + h_fixed["errors"]
     if errors:
         out.notes.append(f"Herald answered {errors} requests with an error")

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from bench import httpclient, natsceiling
+from bench.pg import PgWaits
 from bench.procs import CpuMeter, free_port, wait_until
 from bench.receiver import Receiver
 from bench.scenario import Context, Outcome
@@ -101,6 +102,7 @@ class Deployment:
     base: str
     meters: dict[str, Any]
     log: Any
+    database_url: str | None  # PostgreSQL: its sessions' wait events are sampled during the burst
     description: dict[str, Any] = field(default_factory=dict)
 
 
@@ -113,6 +115,7 @@ def _one_machine(ctx: Context) -> Deployment:
     meters = {"gateway": herald.gateway(), "notifier": notifier, "nats": herald.nats.proc,
               **{w.name.rsplit("-", 1)[-1]: w for w in workers}, **ctx.store_meters()}
     return Deployment(port=herald.port, sse_port=herald.port, base=herald.base, meters=meters, log=herald.gateway(),
+                      database_url=herald.database_url,
                       description={"shape": "one machine: 1 gateway, 2 workers, 1 notifier, 1 nats-server",
                                    "store": herald.store, "workers": len(workers),
                                    "worker_concurrency": herald.env().get("HERALD_WORKER_CONCURRENCY", "4 (default)")})
@@ -124,7 +127,7 @@ def _cluster(ctx: Context) -> Deployment:
     started = time.monotonic()
     cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster", **ctx.herald_env)
     return Deployment(port=cluster.port, sse_port=cluster.port + 1, base=cluster.base, meters=cluster.roles(),
-                      log=cluster.proc,
+                      log=cluster.proc, database_url=cluster.database_url,
                       description={"shape": "herald up --cluster: 3 NATS nodes (R3), PostgreSQL, 2 gateways, "
                                    "2 workers, 2 notifiers", "store": "postgres", "workers": 2,
                                    "worker_concurrency": ctx.herald_env.get("HERALD_WORKER_CONCURRENCY", "4 (default)"),
@@ -153,9 +156,10 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
         with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1) as watcher:
             watcher.open()
             meter = CpuMeter(deployment.meters).start()
-            load = httpclient.run(target, processes=1, connections=16, count=sizes.e2e_jobs, keep_records=True)
-            sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
-            found = _wait_for(receiver, set(sent), sizes.wait_s)
+            with PgWaits(deployment.database_url) as waits:
+                load = httpclient.run(target, processes=1, connections=16, count=sizes.e2e_jobs, keep_records=True)
+                sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
+                found = _wait_for(receiver, set(sent), sizes.wait_s)
             cpu = meter.stop()
             time.sleep(0.2)
             watched = watcher.collect()
@@ -172,6 +176,9 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
             "sse_events_received": len(watched.times[0]) if watched.times else 0,
             "sse_stream_survived": watched.still_open == 1,
         }
+        if deployment.database_url:
+            result["saturation"]["postgres_waits"] = waits.summary()
+            result["postgres_waits_note"] = "saturation, " + waits.note()
 
         ctx.say(f"e2e: {sizes.e2e_rate:g} jobs/s for {sizes.e2e_fixed_s:g} s")
         receiver.reset()
@@ -223,6 +230,8 @@ def run(ctx: Context) -> Outcome:
                fixed["commit_to_sse"]["p99_ms"] < 20)
     out.target(f"commit -> webhook p99 < 50 ms at {fixed['rate']:g} jobs/s",
                f"{fixed['commit_to_webhook']['p99_ms']:.1f} ms", fixed["commit_to_webhook"]["p99_ms"] < 50)
+    if h.get("postgres_waits_note"):
+        out.notes.append(h["postgres_waits_note"])
     if h.get("sse_streams_dropped"):
         out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
                          "(hub queue full) during the run")
