@@ -123,7 +123,9 @@ class Worker:
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         try:
             await kind.handler(context, params)
-            await _stop(heart)
+            # The heartbeat (and the JetStream lease) keeps running until the success is
+            # committed: storing the result can take seconds (a NATS leader election), and a
+            # silent job would be swept away from under a live worker.
             key = await self.results.commit(job.id, job.attempt, output)
             try:
                 await self.store.transition(

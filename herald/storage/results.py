@@ -294,14 +294,15 @@ class NatsResultStore:
         await retry_nats(lambda: ensure_result_buckets(self._js, self._bucket, self._replicas), for_s=60.0)
 
     def scratch_path(self, job_id: str, attempt: int, suffix: str) -> Path:
+        # One flat file per attempt, no directory per job: a late attempt cleaning up after
+        # itself must never remove anything another attempt of the job is writing.
         _check_job_id(job_id)
-        directory = self._scratch_dir / job_id
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory / _scratch_name(attempt, suffix)
+        self._scratch_dir.mkdir(parents=True, exist_ok=True)
+        return self._scratch_dir / f"{job_id}.{_scratch_name(attempt, suffix)}"
 
     async def commit(self, job_id: str, attempt: int, scratch: Path) -> str:
         _check_job_id(job_id)
-        key = f"{job_id}/{_final_name(scratch)}"
+        key = f"{job_id}/{_final_name(scratch).removeprefix(job_id + '.')}"
         # Index first: whatever reaches the bucket is then findable by delete_job, even if
         # this process dies halfway through the upload.
         subject = _index_subject(self._bucket, job_id, attempt)
@@ -395,7 +396,7 @@ class NatsResultStore:
         # Only once the objects are gone: a failure above leaves the index for the next sweep.
         subject = _index_subject(self._bucket, job_id, "*")
         await retry_nats(lambda: self._js.purge_stream(index_stream(self._bucket), subject=subject))
-        await asyncio.to_thread(shutil.rmtree, self._scratch_dir / job_id, ignore_errors=True)
+        await asyncio.to_thread(_remove_job_scratch, self._scratch_dir, job_id)
 
     async def close(self) -> None:
         return None  # the NATS connection is the caller's
@@ -456,10 +457,12 @@ def _open_binary(path: Path) -> io.BufferedReader:
 
 def _remove_scratch(scratch: Path) -> None:
     scratch.unlink(missing_ok=True)
-    try:
-        scratch.parent.rmdir()  # the job's scratch dir, once its last attempt is done
-    except OSError:
-        pass
+
+
+def _remove_job_scratch(scratch_dir: Path, job_id: str) -> None:
+    """Whatever attempts of the job left in this process's scratch dir (a worker that died)."""
+    for leftover in scratch_dir.glob(f"{job_id}.*{SCRATCH_SUFFIX}"):
+        leftover.unlink(missing_ok=True)
 
 
 async def _no_chunks() -> AsyncIterator[bytes]:
