@@ -214,6 +214,11 @@ class PostgresServer:
             output = (result.stdout + result.stderr).decode(errors="replace").strip()
             raise PostgresError(f"initdb failed in {self.data_dir} (exit {result.returncode}):\n{output}")
 
+    @property
+    def socket_dir(self) -> Path:
+        """Where the server's unix socket lives (for ``postgresql://user@/db?host=<dir>`` URLs)."""
+        return self._socket_dir()
+
     def _socket_dir(self) -> Path:
         """Inside the data dir when the socket path fits, else a short private dir under /tmp."""
         if len(str(self.data_dir / f".s.PGSQL.{self.port}")) <= MAX_SOCKET_PATH:

@@ -37,6 +37,12 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 )
 
 
+async def _keep_session(_conn: asyncpg.Connection) -> None:
+    """No reset query when a connection goes back to the pool (asyncpg's default costs a
+    round trip per use). Herald leaves no session state behind: its advisory locks are
+    transaction-scoped, its settings function-scoped (``SET`` clauses), no LISTEN, no cursors."""
+
+
 class PgDatabase:
     """The pool and the migrations. ``migrations`` are (name, SQL) pairs applied once, in order."""
 
@@ -66,6 +72,11 @@ class PgDatabase:
         if wait:
             await asyncio.shield(self._opener)
 
+    @property
+    def opened(self) -> bool:
+        """``open()`` was called (it may still be connecting)."""
+        return self._opener is not None
+
     async def wait_ready(self) -> None:
         await self._ready.wait()
 
@@ -74,7 +85,8 @@ class PgDatabase:
         while True:
             try:
                 pool = await asyncpg.create_pool(
-                    self.url, min_size=self._min_size, max_size=self._max_size, command_timeout=30
+                    self.url, min_size=self._min_size, max_size=self._max_size, command_timeout=30,
+                    reset=_keep_session,
                 )
                 assert pool is not None
                 try:

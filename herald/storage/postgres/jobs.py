@@ -467,7 +467,7 @@ class PgJobStore:
     async def open(self) -> None:
         # The factory may have started opening the database already (``open(wait=False)``,
         # so that /readyz answers 503 meanwhile); a second open() would make a second pool.
-        if self._db._opener is None:
+        if not self._db.opened:
             await self._db.open()
 
     async def close(self) -> None:
