@@ -3,6 +3,7 @@ processes (gateway, workers, notifier) started the way an operator starts them."
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -144,13 +145,31 @@ class Deployment:
     def start_worker(self, name: str = "worker", **extra: str) -> subprocess.Popen[bytes]:
         process = self._spawn(name, ["worker"], self.env(**extra))
         # Ready once it logged so: the durable consumer exists and it is fetching.
-        wait_until(lambda: b"worker ready" in (self.logs / f"{name}.log").read_bytes(), what=f"{name} ready")
+        wait_until(lambda: self.logged(name, "worker ready"), what=f"{name} ready")
         return process
 
     def start_notifier(self, name: str = "notifier", **extra: str) -> subprocess.Popen[bytes]:
         process = self._spawn(name, ["notifier"], self.env(**extra))
-        wait_until(lambda: b"notifier ready" in (self.logs / f"{name}.log").read_bytes(), what=f"{name} ready")
+        wait_until(lambda: self.logged(name, "notifier ready"), what=f"{name} ready")
         return process
+
+    def log_events(self, *names: str) -> list[dict[str, Any]]:
+        """The processes' log, parsed: one JSON object per line (the default log format).
+        Lines that are not JSON (a crash's traceback on stderr) are kept as ``{"raw": line}``."""
+        events: list[dict[str, Any]] = []
+        for name in names:
+            path = self.logs / f"{name}.log"
+            for raw in path.read_text(errors="replace").splitlines() if path.exists() else []:
+                try:
+                    events.append(json.loads(raw))
+                except ValueError:
+                    events.append({"raw": raw})
+        return events
+
+    def logged(self, name: str, event: str, **fields: Any) -> list[dict[str, Any]]:
+        """The log events of process ``name`` named ``event`` with these field values."""
+        return [e for e in self.log_events(name)
+                if e.get("event") == event and all(e.get(k) == v for k, v in fields.items())]
 
     def count_rows(self, *tables: str) -> dict[str, int]:
         """Rows in the store's tables, read straight from the store (SQLite file or PostgreSQL)."""

@@ -49,11 +49,8 @@ def families(url: str) -> set[str]:
 
 
 def log_lines(deployment: Deployment, *names: str) -> list[dict[str, Any]]:
-    lines = []
-    for name in names:
-        for raw in deployment.log_text(name).splitlines():
-            if raw.strip():
-                lines.append(json.loads(raw))  # every line is one JSON event
+    lines = deployment.log_events(*names)
+    assert not [line for line in lines if "raw" in line], "every line is one JSON event"
     return lines
 
 

@@ -7,7 +7,6 @@ by itself once the database is there: never a silent crash loop.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import httpx
@@ -31,11 +30,8 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path) 
         assert not_ready.headers["content-type"].startswith("application/problem+json")
 
         def complaint() -> dict[str, object] | None:
-            for line in deployment.log_text("gateway").splitlines():
-                record = json.loads(line) if line.startswith("{") else {}
-                if "HERALD_DATABASE_URL" in str(record.get("event", "")):
-                    return record
-            return None
+            events = deployment.log_events("gateway")
+            return next((e for e in events if "HERALD_DATABASE_URL" in str(e.get("event", ""))), None)
 
         record = wait_until(complaint, what="a log line naming HERALD_DATABASE_URL")
         assert record["level"] in ("error", "warning")
