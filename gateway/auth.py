@@ -6,10 +6,8 @@ import hmac
 
 from litestar import Request
 
-from gateway.problems import ProblemError
+from gateway.problems import Unauthorized
 from herald.settings import Settings
-
-_UNAUTHORIZED_HEADERS = {"WWW-Authenticate": 'Bearer realm="herald"'}
 
 
 def _tenant_for_key(settings: Settings, presented: str) -> str | None:
@@ -32,12 +30,8 @@ def bearer_tenant(request: Request, settings: Settings) -> str | None:
     return _tenant_for_key(settings, token.strip())
 
 
-def unauthorized(detail: str = "send Authorization: Bearer <key>") -> ProblemError:
-    return ProblemError(401, "/problems/unauthorized", "Authentication required", detail, headers=_UNAUTHORIZED_HEADERS)
-
-
 def require_tenant(request: Request, settings: Settings) -> str:
     tenant = bearer_tenant(request, settings)
     if tenant is None:
-        raise unauthorized()
+        raise Unauthorized()
     return tenant

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 from litestar import Request
 
-from gateway.problems import ProblemError, invalid_request
+from gateway.problems import InvalidRequest, MalformedJson, UnsupportedMediaType
 from herald.settings import Settings
 from notifier.ssrf import UnsafeUrl, check_url_resolves_public
 from schemas import FieldError
@@ -23,10 +23,7 @@ T = TypeVar("T")
 def check_json_content_type(request: Request) -> None:
     media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
-        raise ProblemError(
-            415,
-            "/problems/unsupported-media-type",
-            "Unsupported media type",
+        raise UnsupportedMediaType(
             "send the body as JSON with Content-Type: application/json",
             headers={"Accept-Post": "application/json"},
         )
@@ -39,10 +36,9 @@ async def read_body(request: Request, body_type: type[T]) -> tuple[T, Any]:
         document = decode_json(await request.body())
         return validate_params(body_type, document), document  # type: ignore[type-var,unused-ignore]
     except MalformedBody as exc:
-        raise ProblemError(400, "/problems/malformed-json", "Malformed JSON",
-                           f"the body is not valid JSON: {exc}") from exc
+        raise MalformedJson(f"the body is not valid JSON: {exc}") from exc
     except InvalidBody as exc:
-        raise invalid_request(exc.errors) from exc
+        raise InvalidRequest(exc.errors) from exc
 
 
 async def url_errors(settings: Settings, field: str, url: str | None) -> list[FieldError]:

@@ -12,7 +12,8 @@ import base64
 import binascii
 import math
 
-from gateway.ids import bad_cursor, is_uuid
+from gateway.ids import is_uuid
+from gateway.problems import InvalidCursor
 
 MAX_SEQ = 2**63 - 1  # the largest value a BIGINT (and SQLite's INTEGER) holds
 
@@ -25,7 +26,7 @@ def _decode(raw: str) -> str:
     try:
         return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4)).decode()
     except (ValueError, binascii.Error, UnicodeDecodeError) as exc:
-        raise bad_cursor() from exc
+        raise InvalidCursor() from exc
 
 
 def encode_position(created_at: float, row_id: str) -> str:
@@ -37,9 +38,9 @@ def decode_position(raw: str) -> tuple[float, str]:
     try:
         at = float(created)
     except ValueError as exc:
-        raise bad_cursor() from exc
+        raise InvalidCursor() from exc
     if not math.isfinite(at) or not is_uuid(row_id):
-        raise bad_cursor()
+        raise InvalidCursor()
     return at, row_id
 
 
@@ -54,5 +55,5 @@ def decode_seq(raw: str) -> int:
 def parse_seq(text: str) -> int:
     """A plain sequence number (event ids, ``after=``): digits, within a 64-bit column."""
     if not text.isdigit() or len(text) > 19 or int(text) > MAX_SEQ:
-        raise bad_cursor()
+        raise InvalidCursor()
     return int(text)

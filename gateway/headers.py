@@ -14,14 +14,13 @@ from functools import lru_cache
 import msgspec
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
-from schemas import Problem
+from gateway.problems import PROBLEM_MEDIA_TYPE
+from schemas.problems import HEADERS_TOO_LARGE
 
 MAX_HEADER_BYTES = 16 * 1024
 _SPECIAL = {b"etag": b"ETag", b"www-authenticate": b"WWW-Authenticate", b"x-request-id": b"X-Request-ID"}
-_TOO_LARGE = msgspec.json.encode(Problem(
-    type="/problems/headers-too-large", title="Request header fields too large", status=431,
-    detail=f"the request's headers exceed {MAX_HEADER_BYTES} bytes",
-))
+_TOO_LARGE = HEADERS_TOO_LARGE.problem(f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
+_TOO_LARGE_BODY = msgspec.json.encode(_TOO_LARGE)
 
 
 @lru_cache(maxsize=256)
@@ -30,10 +29,10 @@ def canonical(name: bytes) -> bytes:
 
 
 async def _refuse_large_head(send: Send) -> None:
-    await send({"type": "http.response.start", "status": 431, "headers": [
-        (b"Content-Type", b"application/problem+json"), (b"Content-Length", str(len(_TOO_LARGE)).encode()),
+    await send({"type": "http.response.start", "status": _TOO_LARGE.status or 500, "headers": [
+        (b"Content-Type", PROBLEM_MEDIA_TYPE.encode()), (b"Content-Length", str(len(_TOO_LARGE_BODY)).encode()),
     ]})
-    await send({"type": "http.response.body", "body": _TOO_LARGE, "more_body": False})
+    await send({"type": "http.response.body", "body": _TOO_LARGE_BODY, "more_body": False})
 
 
 def edge(app: ASGIApp) -> ASGIApp:

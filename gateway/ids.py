@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from gateway.problems import ProblemError, invalid_request
+from gateway.problems import InvalidRequest
 from schemas import FieldError
 
 _UUID = re.compile(r"[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}")
@@ -25,8 +25,4 @@ def kind_filter(value: str | None, field: str = "kind") -> str | None:
     """A ``?kind=`` filter: None, or a kind's name; else 400 naming the field."""
     if value is None or _KIND.fullmatch(value):
         return value
-    raise invalid_request([FieldError(field=field, message="must be a job kind's name (letters, digits, _)")])
-
-
-def bad_cursor() -> ProblemError:
-    return ProblemError(400, "/problems/invalid-cursor", "Invalid cursor", "cursor is not one this server gave out")
+    raise InvalidRequest([FieldError(field=field, message="must be a job kind's name (letters, digits, _)")])

@@ -6,7 +6,8 @@
 * Results have the media types their kind declares; event routes answer
   ``text/event-stream`` (and ``/events`` also JSON, by ``Accept``).
 * Every operation needs the bearer key except the public ones.
-Problem responses are declared on the handlers with ``problems(...)``.
+Problem responses are declared on the handlers with ``problems(...)``; each status is
+described by the problem types ``schemas.problems`` gives it.
 """
 
 from __future__ import annotations
@@ -29,30 +30,26 @@ from litestar.openapi.spec import (
 
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from schemas import Problem
+from schemas.problems import types_for_status
 from schemas.events import ServerSentEvent
 from herald.kinds import KindDeclaration as JobKind
 
 PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics"})
 BEARER = [{"bearer": []}]
 
-_DESCRIPTIONS = {
-    400: "Invalid request (problem+json; `errors` names each bad field)",
-    401: "Missing or unknown key",
-    403: "Invalid or expired signature",
-    404: "Not found (also another tenant's resource)",
-    409: "Conflict",
-    410: "Gone: the job's retention passed",
-    413: "Body over 1 MiB",
-    415: "Body is not JSON",
-    422: "Idempotency-Key reused with another request",
-    429: "Rate limited (Retry-After)",
-    503: "Overloaded or not ready (Retry-After)",
-}
+def _description(status: int) -> str:
+    """The problem types an answer of this status can carry, from the one list of them."""
+    carried = types_for_status(status)
+    if not carried:
+        raise ValueError(f"no problem type answers with status {status}: add it to schemas.problems")
+    return "A problem: " + "; ".join(
+        f"`{kind.type}` ({kind.title}{': ' + kind.note if kind.note else ''})" for kind in carried
+    )
 
 
 def problems(*codes: int) -> dict[int, ResponseSpec]:
     return {
-        code: ResponseSpec(data_container=Problem, description=_DESCRIPTIONS.get(code, "Problem"),
+        code: ResponseSpec(data_container=Problem, description=_description(code),
                            media_type=PROBLEM_MEDIA_TYPE, generate_examples=False)
         for code in codes
     }

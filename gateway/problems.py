@@ -4,59 +4,154 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from typing import ClassVar
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException
 
 from herald.jobs import StoreUnavailable
 from schemas import FieldError, Problem
+from schemas.problems import (
+    BAD_REQUEST, CONFLICT, ENDPOINT_DISABLED, FORBIDDEN, GENERIC, GONE, IDEMPOTENCY_KEY_MISMATCH,
+    IDEMPOTENCY_KEY_REQUIRED, INTERNAL, INVALID_CURSOR, INVALID_IDEMPOTENCY_KEY, INVALID_REQUEST,
+    INVALID_SIGNATURE, JOB_FINISHED, MALFORMED_JSON, METHOD_NOT_ALLOWED, NOT_ACCEPTABLE, NOT_FOUND,
+    NOT_READY, NO_RESULT, OVERLOADED, PAYLOAD_TOO_LARGE, RATE_LIMITED, RESULT_NOT_READY,
+    STORE_UNAVAILABLE, TOO_MANY_STREAMS, UNAUTHORIZED, UNAVAILABLE, UNPROCESSABLE,
+    UNSUPPORTED_MEDIA_TYPE, ProblemType,
+)
 
 log = logging.getLogger("herald.gateway")
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
 
-# Framework errors get a stable type of their own.
-_TYPES_BY_STATUS: Mapping[int, tuple[str, str]] = {
-    400: ("/problems/bad-request", "Bad request"),
-    401: ("/problems/unauthorized", "Authentication required"),
-    403: ("/problems/forbidden", "Forbidden"),
-    404: ("/problems/not-found", "Not found"),
-    405: ("/problems/method-not-allowed", "Method not allowed"),
-    406: ("/problems/not-acceptable", "Not acceptable"),
-    409: ("/problems/conflict", "Conflict"),
-    413: ("/problems/payload-too-large", "Request body too large"),
-    415: ("/problems/unsupported-media-type", "Unsupported media type"),
-    422: ("/problems/unprocessable", "Unprocessable request"),
-    429: ("/problems/rate-limited", "Too many requests"),
-    500: ("/problems/internal", "Internal server error"),
-    503: ("/problems/unavailable", "Service unavailable"),
+# An error the framework raises gets the type of its status.
+_FRAMEWORK_TYPES: Mapping[int | None, ProblemType] = {
+    problem_type.status: problem_type
+    for problem_type in (
+        BAD_REQUEST, UNAUTHORIZED, FORBIDDEN, NOT_FOUND, METHOD_NOT_ALLOWED, NOT_ACCEPTABLE, CONFLICT,
+        PAYLOAD_TOO_LARGE, UNSUPPORTED_MEDIA_TYPE, UNPROCESSABLE, RATE_LIMITED, INTERNAL, UNAVAILABLE,
+    )
 }
+_SERVER_ERROR_DETAIL = "the server could not answer this request"
 
 
 class ProblemError(HTTPException):
-    """Raise anywhere in the gateway to answer with a problem."""
+    """Raise anywhere in the gateway to answer with a problem: one subclass per problem type.
+
+    ``kind`` is the type's entry in ``schemas.problems`` (URI, title, status); an instance
+    adds the detail and what may come with it: field errors, headers, ``Retry-After``.
+    """
+
+    kind: ClassVar[ProblemType]
 
     def __init__(
         self,
-        status: int,
-        type_: str,
-        title: str,
         detail: str,
         *,
         errors: list[FieldError] | None = None,
         headers: Mapping[str, str] | None = None,
+        retry_after: int | None = None,
     ) -> None:
-        super().__init__(status_code=status, detail=detail, headers=dict(headers or {}))
-        self.problem = Problem(type=type_, title=title, status=status, detail=detail, errors=errors)
+        assert self.kind.status is not None, f"{self.kind.type} is not an answer to a request"
+        all_headers = dict(headers or {})
+        if retry_after is not None:
+            all_headers["Retry-After"] = str(retry_after)
+        super().__init__(status_code=self.kind.status, detail=detail, headers=all_headers)
+        self.problem = self.kind.problem(detail, errors)
 
 
-def invalid_request(errors: list[FieldError]) -> ProblemError:
-    names = ", ".join(e.field for e in errors)
-    return ProblemError(400, "/problems/invalid-request", "Invalid request", f"invalid fields: {names}", errors=errors)
+class InvalidRequest(ProblemError):
+    kind = INVALID_REQUEST
+
+    def __init__(self, errors: list[FieldError] | None = None, *, detail: str | None = None) -> None:
+        names = ", ".join(e.field for e in errors or ())
+        super().__init__(detail or f"invalid fields: {names}", errors=errors)
 
 
-def not_found(what: str = "job") -> ProblemError:
-    return ProblemError(404, "/problems/not-found", "Not found", f"no such {what}")
+class MalformedJson(ProblemError):
+    kind = MALFORMED_JSON
+
+
+class InvalidCursor(ProblemError):
+    kind = INVALID_CURSOR
+
+    def __init__(self, detail: str = "cursor is not one this server gave out") -> None:
+        super().__init__(detail)
+
+
+class IdempotencyKeyRequired(ProblemError):
+    kind = IDEMPOTENCY_KEY_REQUIRED
+
+
+class InvalidIdempotencyKey(ProblemError):
+    kind = INVALID_IDEMPOTENCY_KEY
+
+
+class Unauthorized(ProblemError):
+    kind = UNAUTHORIZED
+
+    def __init__(self, detail: str = "send Authorization: Bearer <key>") -> None:
+        super().__init__(detail, headers={"WWW-Authenticate": 'Bearer realm="herald"'})
+
+
+class InvalidSignature(ProblemError):
+    kind = INVALID_SIGNATURE
+
+
+class NotFound(ProblemError):
+    kind = NOT_FOUND
+
+
+class ResultNotReady(ProblemError):
+    kind = RESULT_NOT_READY
+
+
+class NoResult(ProblemError):
+    kind = NO_RESULT
+
+
+class Conflict(ProblemError):
+    kind = CONFLICT
+
+
+class JobFinished(ProblemError):
+    kind = JOB_FINISHED
+
+
+class EndpointDisabled(ProblemError):
+    kind = ENDPOINT_DISABLED
+
+
+class Gone(ProblemError):
+    kind = GONE
+
+
+class UnsupportedMediaType(ProblemError):
+    kind = UNSUPPORTED_MEDIA_TYPE
+
+
+class IdempotencyKeyMismatch(ProblemError):
+    kind = IDEMPOTENCY_KEY_MISMATCH
+
+
+class RateLimited(ProblemError):
+    kind = RATE_LIMITED
+
+
+class TooManyStreams(ProblemError):
+    kind = TOO_MANY_STREAMS
+
+
+class Unavailable(ProblemError):
+    kind = UNAVAILABLE
+
+
+class Overloaded(ProblemError):
+    kind = OVERLOADED
+
+
+class NotReady(ProblemError):
+    kind = NOT_READY
 
 
 def problem_response(problem: Problem, headers: Mapping[str, str] | None = None) -> Response[Problem]:
@@ -72,16 +167,16 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response[Prob
     if isinstance(exc, ProblemError):
         return problem_response(exc.problem, exc.headers)
     status = exc.status_code
-    type_, title = _TYPES_BY_STATUS.get(status, ("/problems/error", "Error"))
-    detail = exc.detail if isinstance(exc.detail, str) and exc.detail else title
+    kind = _FRAMEWORK_TYPES.get(status, GENERIC)
+    detail = exc.detail if isinstance(exc.detail, str) and exc.detail else kind.title
     if status == 405:
         detail = f"{request.method} is not allowed on {request.url.path}"
     elif status == 404:
         detail = f"no route or resource at {request.url.path}"
     elif status >= 500:
         log.error("server error", extra={"path": request.url.path, "detail": str(exc.detail)})
-        detail = "the server could not answer this request"
-    return problem_response(Problem(type=type_, title=title, status=status, detail=detail), exc.headers)
+        detail = _SERVER_ERROR_DETAIL
+    return problem_response(kind.problem(detail, status=status), exc.headers)
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response[Problem]:
@@ -89,12 +184,8 @@ def handle_unexpected(request: Request, exc: Exception) -> Response[Problem]:
         # The store is starting, failing over or unreachable: the client can outwait it.
         log.warning("store unavailable", extra={"path": request.url.path, "detail": str(exc)})
         return problem_response(
-            Problem(type="/problems/store-unavailable", title="Store unavailable", status=503,
-                    detail="the job store cannot be reached right now; retry shortly"),
+            STORE_UNAVAILABLE.problem("the job store cannot be reached right now; retry shortly"),
             {"Retry-After": "1"},
         )
     log.exception("unhandled error", extra={"path": request.url.path})
-    return problem_response(
-        Problem(type="/problems/internal", title="Internal server error", status=500,
-                detail="the server could not answer this request")
-    )
+    return problem_response(INTERNAL.problem(_SERVER_ERROR_DETAIL))

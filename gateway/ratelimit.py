@@ -12,7 +12,7 @@ import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
-from gateway.problems import ProblemError
+from gateway.problems import Overloaded, RateLimited, TooManyStreams
 from herald.storage.ports import StartBudget
 
 
@@ -24,21 +24,15 @@ class TenantLimits:
         self.max_held = max_held
         self._held: Counter[str] = Counter()
 
-    def rate_limited(self, wait_s: float) -> ProblemError:
+    def rate_limited(self, wait_s: float) -> RateLimited:
         wait = max(1, math.ceil(wait_s))
-        return ProblemError(
-            429, "/problems/rate-limited", "Too many requests",
-            f"job starts are limited to {self.rate:g}/s per tenant; retry after {wait} s",
-            headers={"Retry-After": str(wait)},
-        )
+        return RateLimited(f"job starts are limited to {self.rate:g}/s per tenant; retry after {wait} s", retry_after=wait)
 
     def open_stream(self, tenant: str) -> None:
         """Count one held connection (SSE stream or long poll) or refuse it with 429."""
         if self._held[tenant] >= self.max_held:
-            raise ProblemError(
-                429, "/problems/too-many-streams", "Too many open streams",
-                f"this tenant already holds {self.max_held} streams and long polls; close some first",
-                headers={"Retry-After": "5"},
+            raise TooManyStreams(
+                f"this tenant already holds {self.max_held} streams and long polls; close some first", retry_after=5
             )
         self._held[tenant] += 1
 
@@ -71,9 +65,8 @@ class BacklogGuard:
         if now - self._read_at >= self._refresh_s:
             self._age, self._read_at = await self._oldest_queued_age(), now
         if self._age > self.max_age_s:
-            raise ProblemError(
-                503, "/problems/overloaded", "Overloaded",
+            raise Overloaded(
                 f"the oldest queued job has waited {self._age:.0f} s (limit {self.max_age_s:g} s); "
                 "retry later instead of growing the backlog",
-                headers={"Retry-After": "5"},
+                retry_after=5,
             )

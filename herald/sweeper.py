@@ -15,20 +15,17 @@ from herald.jobs import JobRow, TransitionRejected
 from herald.settings import Settings
 from herald.storage.ports import JobStore, ResultStore
 from herald.transitions import Change
-from schemas import Problem
+from schemas.problems import DEADLINE_EXCEEDED, WORKER_LOST
 
 log = logging.getLogger("herald.sweeper")
-
-WORKER_LOST = "/problems/worker-lost"
-DEADLINE_EXCEEDED = "/problems/deadline-exceeded"
 
 
 def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     if job.deadline_at < at:
         return Change(
             expect={"queued", "running"}, to="failed", attempt=job.attempt,
-            error=Problem(type=DEADLINE_EXCEEDED, title="Deadline exceeded",
-                          detail=f"the job did not finish within its deadline of {job.deadline_at - job.created_at:g} s"),
+            error=DEADLINE_EXCEEDED.problem(
+                f"the job did not finish within its deadline of {job.deadline_at - job.created_at:g} s"),
         )
     stale_before = at - settings.heartbeat_timeout_s
     if job.state != "running" or (job.heartbeat_at or 0) >= stale_before:
@@ -36,8 +33,8 @@ def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     if job.attempt >= settings.max_attempts:
         return Change(
             expect={"running"}, to="failed", attempt=job.attempt, stale_before=stale_before,
-            error=Problem(type=WORKER_LOST, title="Worker lost",
-                          detail=f"the worker stopped heartbeating on attempt {job.attempt} of {settings.max_attempts}"),
+            error=WORKER_LOST.problem(
+                f"the worker stopped heartbeating on attempt {job.attempt} of {settings.max_attempts}"),
         )
     return Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True, stale_before=stale_before)
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from schemas import Problem
+from schemas.problems import ProblemType
 
 
 class JobStop(Exception):
@@ -18,8 +18,9 @@ class JobLost(JobStop):
 
 
 class JobFailed(JobStop):
-    """The work itself failed; the job ends ``failed`` with this problem."""
+    """The work itself failed; the job ends ``failed`` with a problem of this type (its
+    entry in ``schemas.problems``, the list of every problem type Herald emits)."""
 
-    def __init__(self, type_: str, title: str, detail: str) -> None:
+    def __init__(self, kind: ProblemType, detail: str) -> None:
         super().__init__(detail)
-        self.problem = Problem(type=type_, title=title, detail=detail)
+        self.problem = kind.problem(detail)

@@ -31,7 +31,8 @@ from herald.storage import open_storage
 from herald.storage.ports import JobStore, ResultStore
 from herald.storage.results import open_result_store
 from herald.transitions import Change
-from schemas import JobMessage, Problem
+from schemas import JobMessage
+from schemas.problems import JOB_FAILED
 from workers import registry
 from workers.context import JobContext
 from workers.errors import JobCancelled, JobFailed, JobLost
@@ -159,10 +160,8 @@ class Worker:
         except Exception:
             _remove_scratch(output)
             log.exception("job handler raised", extra={"job_id": job.id})
-            problem = Problem(
-                type="/problems/job-failed",
-                title="The job failed",
-                detail=f"the {job.kind} handler stopped with an internal error; see the worker log for job {job.id}",
+            problem = JOB_FAILED.problem(
+                f"the {job.kind} handler stopped with an internal error; see the worker log for job {job.id}"
             )
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
         finally:

@@ -13,7 +13,7 @@ from litestar.handlers import HTTPRouteHandler
 from gateway.auth import require_tenant
 from gateway.bodies import read_body, url_errors
 from gateway.openapi import problems, with_body
-from gateway.problems import ProblemError, invalid_request
+from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, InvalidIdempotencyKey, InvalidRequest
 from gateway.render import public_status, retry_after
 from gateway.services import services
 from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob, RateLimited
@@ -27,12 +27,10 @@ def _idempotency_key(request: Request, required: bool) -> str | None:
     key = request.headers.get(IDEMPOTENCY_HEADER)
     if key is None:
         if required:
-            raise ProblemError(400, "/problems/idempotency-key-required", "Idempotency-Key required",
-                               "this server requires an Idempotency-Key header on every start request")
+            raise IdempotencyKeyRequired("this server requires an Idempotency-Key header on every start request")
         return None
     if not 1 <= len(key) <= 255 or not all(" " <= ch <= "~" for ch in key):
-        raise ProblemError(400, "/problems/invalid-idempotency-key", "Invalid Idempotency-Key",
-                           "Idempotency-Key must be 1..255 printable ASCII characters")
+        raise InvalidIdempotencyKey("Idempotency-Key must be 1..255 printable ASCII characters")
     return key
 
 
@@ -49,7 +47,7 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     params, document = await read_body(request, kind.params)
     # The same guard as a webhook registration: https to a public address (resolved now).
     if errors := await url_errors(svc.settings, "callback_url", params.callback_url):
-        raise invalid_request(errors)
+        raise InvalidRequest(errors)
     await svc.backlog.check()
     claim = None
     if key is not None:
@@ -70,8 +68,7 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     except RateLimited as exc:
         raise svc.limiter.rate_limited(exc.wait_s) from exc
     except IdempotencyMismatch as exc:
-        raise ProblemError(422, "/problems/idempotency-key-mismatch", "Idempotency-Key reused",
-                           "this Idempotency-Key was used with a different request (path or body)") from exc
+        raise IdempotencyKeyMismatch("this Idempotency-Key was used with a different request (path or body)") from exc
     job = accepted.job
     headers = {
         "Location": f"/jobs/{job.id}",

@@ -16,12 +16,12 @@ from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from gateway.auth import bearer_tenant, require_tenant, unauthorized
+from gateway.auth import bearer_tenant, require_tenant
 from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
 from gateway.hub import RESYNC, Subscriber
 from gateway.openapi import problems
-from gateway.problems import ProblemError
+from gateway.problems import InvalidRequest, InvalidSignature, NotFound, Unauthorized
 from gateway.render import EVENTS_PURPOSE
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
@@ -35,7 +35,7 @@ from gateway.sse import (
     tenant_frame,
 )
 from herald.jobs import JobRow
-from schemas import JobEvent
+from schemas import FieldError, JobEvent
 from schemas.events import EventFeed, EventLink, FeedEvent
 
 TENANT_EVENTS_PURPOSE = "tenant-events"
@@ -82,15 +82,14 @@ async def _next(subscriber: Subscriber) -> JobEvent | None | bytes:
 async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str | None, sig: str | None) -> JobRow:
     if exp is not None or sig is not None:
         if not svc.signer.verify(request.url.path, EVENTS_PURPOSE, exp, sig):
-            raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
-                               "this signed stream URL is not valid; take links.events from a fresh status")
+            raise InvalidSignature("this signed stream URL is not valid; take links.events from a fresh status")
         job = await svc.store.get(job_id) if is_uuid(job_id) else None
         if job is None:
-            raise ProblemError(404, "/problems/not-found", "Not found", "no such job")
+            raise NotFound("no such job")
         return job
     tenant = bearer_tenant(request, svc.settings)
     if tenant is None:
-        raise unauthorized("send Authorization: Bearer <key> or use the signed links.events URL")
+        raise Unauthorized("send Authorization: Bearer <key> or use the signed links.events URL")
     return await find_job(svc, tenant, job_id)
 
 
@@ -179,8 +178,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
         tenant = query.get("tenant") or ""
         if len(tenant) > 64 or not svc.signer.verify("/events", TENANT_EVENTS_PURPOSE, query.get("exp"),
                                                      query.get("sig"), extra=tenant):
-            raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
-                               "this signed stream URL is not valid; ask POST /events/link for a fresh one")
+            raise InvalidSignature("this signed stream URL is not valid; ask POST /events/link for a fresh one")
         return tenant
     return require_tenant(request, svc.settings)
 
@@ -223,20 +221,13 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
         svc.hub.unsubscribe(subscriber)
 
 
-def _bad(field: str, message: str) -> ProblemError:
-    from gateway.problems import invalid_request
-    from schemas import FieldError
-
-    return invalid_request([FieldError(field=field, message=message)])
-
-
 async def _feed(
     svc: Services, tenant: str, kind: str | None, after: str | None, limit: int, wait: int | None
 ) -> EventFeed:
     try:
         cursor = _parse_cursor(after, "after")
     except ValueError as exc:
-        raise _bad("after", str(exc)) from exc
+        raise InvalidRequest([FieldError(field="after", message=str(exc))]) from exc
     position = cursor or 0
     events = await svc.store.tenant_events(tenant, position, limit, kind)
     if not events and wait is not None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from litestar import Request, Response, get
 
 from gateway.openapi import problems
-from gateway.problems import ProblemError
+from gateway.problems import NotReady
 from gateway.services import services
 from herald.metrics import exposition
 
@@ -22,9 +22,9 @@ async def readyz(request: Request) -> dict[str, str]:
     try:
         await svc.store.ping()
     except Exception as exc:
-        raise ProblemError(503, "/problems/not-ready", "Not ready", "the job store is not reachable") from exc
+        raise NotReady("the job store is not reachable") from exc
     if svc.nats is None or not svc.nats.is_connected:
-        raise ProblemError(503, "/problems/not-ready", "Not ready", "NATS is not connected", headers={"Retry-After": "1"})
+        raise NotReady("NATS is not connected", retry_after=1)
     return {"status": "ready"}
 
 

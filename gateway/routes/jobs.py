@@ -13,7 +13,7 @@ from gateway.auth import require_tenant
 from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
 from gateway.openapi import problems
-from gateway.problems import ProblemError, not_found
+from gateway.problems import Conflict, Gone, InvalidRequest, JobFinished, NotFound
 from gateway.render import etag, etag_matches, public_status, retry_after
 from gateway.services import Services, services
 from herald.jobs import JobRow, TransitionRejected
@@ -26,13 +26,13 @@ STATES = ("queued", "running", "succeeded", "failed", "cancelled")
 async def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
     """The tenant's job, or 404 (unknown, or another tenant's) / 410 (deleted after retention)."""
     if not is_uuid(job_id):
-        raise not_found()
+        raise NotFound("no such job")
     job = await svc.store.get_for_tenant(tenant, job_id)
     if job is not None:
         return job
     if await svc.store.tombstone_tenant(job_id) == tenant:
-        raise ProblemError(410, "/problems/gone", "Gone", "this job ended and its retention period has passed")
-    raise not_found()
+        raise Gone("this job ended and its retention period has passed")
+    raise NotFound("no such job")
 
 
 async def _version(svc: Services, job_id: str) -> int | None:
@@ -93,7 +93,7 @@ async def list_jobs(
     svc = services(request)
     tenant = require_tenant(request, svc.settings)
     if job_state is not None and job_state not in STATES:
-        raise ProblemError(400, "/problems/invalid-request", "Invalid request", f"state must be one of {', '.join(STATES)}")
+        raise InvalidRequest(detail=f"state must be one of {', '.join(STATES)}")
     before = decode_position(cursor) if cursor else None
     rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]
@@ -127,6 +127,5 @@ async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
             continue
         if job.state == "cancelled":
             return Response(public_status(job, svc.signer), status_code=HTTP_200_OK)
-        raise ProblemError(409, "/problems/job-finished", "Job already finished",
-                           f"the job is {job.state}; only queued or running jobs can be cancelled")
-    raise ProblemError(409, "/problems/conflict", "Conflict", "the job kept changing; try again")
+        raise JobFinished(f"the job is {job.state}; only queued or running jobs can be cancelled")
+    raise Conflict("the job kept changing; try again")

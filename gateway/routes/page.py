@@ -13,7 +13,7 @@ from litestar.datastructures import CacheControlHeader
 from litestar.enums import MediaType
 from litestar.response import File
 
-from gateway.problems import not_found
+from gateway.problems import NotFound
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8"}
@@ -43,6 +43,6 @@ async def asset(name: str) -> File:
     """The page's script and style sheet; nothing else in the folder is served."""
     media_type = ASSETS.get(name)
     if media_type is None:
-        raise not_found("file")
+        raise NotFound("no such file")
     return File(STATIC_DIR / name, content_disposition_type="inline", media_type=media_type,
                 headers={"X-Content-Type-Options": "nosniff"})

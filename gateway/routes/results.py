@@ -16,9 +16,9 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 from litestar.response import Stream
 
-from gateway.auth import bearer_tenant, unauthorized
+from gateway.auth import bearer_tenant
 from gateway.openapi import problems
-from gateway.problems import ProblemError, not_found
+from gateway.problems import Gone, InvalidSignature, NoResult, NotFound, ResultNotReady, Unauthorized, Unavailable
 from gateway.render import RESULT_PURPOSE, etag_matches
 from gateway.routes.jobs import find_job
 from gateway.services import services
@@ -32,28 +32,25 @@ async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: s
     svc = services(request)
     if sig is not None or exp is not None:
         if not svc.signer.verify(request.url.path, RESULT_PURPOSE, exp, sig):
-            raise ProblemError(403, "/problems/invalid-signature", "Invalid or expired signature",
-                               "this signed URL is not valid (tampered or expired); get a fresh one from the job status")
+            raise InvalidSignature("this signed URL is not valid (tampered or expired); get a fresh one from the job status")
         job = await svc.store.get(job_id)
         if job is None:
-            raise not_found("result")
+            raise NotFound("no such result")
         return job
     tenant = bearer_tenant(request, svc.settings)
     if tenant is None:
-        raise unauthorized("send Authorization: Bearer <key> or use the signed links.result URL")
+        raise Unauthorized("send Authorization: Bearer <key> or use the signed links.result URL")
     return await find_job(svc, tenant, job_id)
 
 
 async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | None, sig: str | None) -> Any:
     job = await _job_for_result(request, job_id, exp, sig)
     if job.kind != kind.name:
-        raise not_found("result")
+        raise NotFound("no such result")
     if job.state in ("queued", "running"):
-        raise ProblemError(404, "/problems/result-not-ready", "Result not ready",
-                           f"the job is {job.state}; poll /jobs/{job.id} until it answers 303",
-                           headers={"Retry-After": "1"})
+        raise ResultNotReady(f"the job is {job.state}; poll /jobs/{job.id} until it answers 303", retry_after=1)
     if job.state != "succeeded" or job.result_path is None:
-        raise ProblemError(404, "/problems/no-result", "No result", f"the job ended {job.state} and has no result")
+        raise NoResult(f"the job ended {job.state} and has no result")
     tag = f'"{job.id}-{job.attempt}"'
     if etag_matches(request.headers.get("if-none-match"), tag):
         return Response(None, status_code=304, headers={"ETag": tag})
@@ -78,11 +75,9 @@ async def _open_result(request: Request, key: str) -> ResultBody:
     try:
         body = await services(request).results.open(key)
     except ResultStoreUnavailable as exc:
-        raise ProblemError(503, "/problems/unavailable", "Service unavailable",
-                           "the result store is not reachable yet; try again shortly",
-                           headers={"Retry-After": "1"}) from exc
+        raise Unavailable("the result store is not reachable yet; try again shortly", retry_after=1) from exc
     if body is None:
-        raise ProblemError(410, "/problems/gone", "Gone", "the result was removed (retention)")
+        raise Gone("the result was removed (retention)")
     return body
 
 

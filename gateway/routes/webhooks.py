@@ -19,7 +19,7 @@ from gateway.bodies import read_body, url_errors
 from gateway.cursors import decode_position, decode_seq, encode_position, encode_seq
 from gateway.ids import is_uuid
 from gateway.openapi import problems, with_body
-from gateway.problems import ProblemError, invalid_request, not_found
+from gateway.problems import EndpointDisabled, InvalidRequest, NotFound
 from gateway.services import services
 from herald.timefmt import rfc3339
 from notifier.signing import SigningKey
@@ -83,6 +83,9 @@ Cursor = Annotated[str | None, Parameter(query="cursor", description="next_curso
 StatusFilter = Annotated[str | None, Parameter(query="status", description=" or ".join(DELIVERY_STATUSES))]
 
 
+NO_ENDPOINT = "no such webhook endpoint"
+
+
 def _limit(raw: str | None, errors: list[FieldError]) -> int:
     if raw is None:
         return DEFAULT_LIMIT
@@ -96,10 +99,10 @@ async def _endpoint(request: Request, tenant: str, endpoint_id: str) -> Endpoint
     try:
         uuid.UUID(endpoint_id)
     except ValueError:
-        raise not_found("webhook endpoint") from None
+        raise NotFound(NO_ENDPOINT) from None
     endpoint = await _webhooks(request).get_endpoint(tenant, endpoint_id)
     if endpoint is None:
-        raise not_found("webhook endpoint")
+        raise NotFound(NO_ENDPOINT)
     return endpoint
 
 
@@ -162,7 +165,7 @@ class WebhooksController(Controller):
         body = await _body(request, EndpointCreate)
         errors = _kind_errors(body.kinds) + await _url_errors(request, body.url)
         if errors:
-            raise invalid_request(errors)
+            raise InvalidRequest(errors)
         row, key = await _webhooks(request).create_endpoint(
             tenant,
             url=body.url,
@@ -182,7 +185,7 @@ class WebhooksController(Controller):
         errors: list[FieldError] = []
         size = _limit(limit, errors)
         if errors:
-            raise invalid_request(errors)
+            raise InvalidRequest(errors)
         before = decode_position(cursor) if cursor is not None else None
         rows = await _webhooks(request).list_endpoints(tenant, before=before, limit=size + 1)
         page = rows[:size]
@@ -232,10 +235,10 @@ class WebhooksController(Controller):
         if body.status is not msgspec.UNSET:
             changes["status"] = body.status
         if errors:
-            raise invalid_request(errors)
+            raise InvalidRequest(errors)
         row = await _webhooks(request).update_endpoint(tenant, endpoint_id, changes)
         if row is None:  # deleted meanwhile
-            raise not_found("webhook endpoint")
+            raise NotFound(NO_ENDPOINT)
         return endpoint_view(row)
 
     @delete("/{endpoint_id:str}", operation_id="delete_webhook", status_code=204,
@@ -244,7 +247,7 @@ class WebhooksController(Controller):
         tenant = require_tenant(request, services(request).settings)
         await _endpoint(request, tenant, endpoint_id)
         if not await _webhooks(request).delete_endpoint(tenant, endpoint_id):
-            raise not_found("webhook endpoint")
+            raise NotFound(NO_ENDPOINT)
 
     @post("/{endpoint_id:str}/rotate-secret", operation_id="rotate_webhook_secret", status_code=200,
           summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=problems(401, 404))
@@ -253,7 +256,7 @@ class WebhooksController(Controller):
         await _endpoint(request, tenant, endpoint_id)
         key = await _webhooks(request).rotate_endpoint_key(tenant, endpoint_id)
         if key is None:
-            raise not_found("webhook endpoint")
+            raise NotFound(NO_ENDPOINT)
         return secret_view(key)
 
     @get("/{endpoint_id:str}/deliveries", operation_id="list_webhook_deliveries",
@@ -274,7 +277,7 @@ class WebhooksController(Controller):
         if status is not None and status not in DELIVERY_STATUSES:
             errors.append(FieldError(field="status", message=f"must be one of {', '.join(DELIVERY_STATUSES)}"))
         if errors:
-            raise invalid_request(errors)
+            raise InvalidRequest(errors)
         before = decode_seq(cursor) if cursor is not None else None
         store = _webhooks(request)
         rows = await store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=size + 1)
@@ -293,12 +296,11 @@ class WebhooksController(Controller):
         endpoint = await _endpoint(request, tenant, endpoint_id)
         store = _webhooks(request)
         if not is_uuid(delivery_id) or await store.get_delivery(endpoint.id, delivery_id) is None:
-            raise not_found("delivery")
+            raise NotFound("no such delivery")
         if endpoint.status != "enabled":
-            raise ProblemError(409, "/problems/endpoint-disabled", "Endpoint disabled",
-                               "enable the endpoint (PATCH status: enabled) before retrying its deliveries")
+            raise EndpointDisabled("enable the endpoint (PATCH status: enabled) before retrying its deliveries")
         row = await store.retry_now(endpoint.id, delivery_id)
         if row is None:
-            raise not_found("delivery")
+            raise NotFound("no such delivery")
         return Response(delivery_view(row, (await store.attempts([row.id]))[row.id]), status_code=202,
                         headers={"Cache-Control": "no-store"})

@@ -7,6 +7,7 @@ import asyncio
 from fpdf import FPDF
 
 from schemas import ReportParams
+from schemas.problems import REPORT_RENDER_FAILED
 from workers.context import JobContext
 from workers.errors import JobFailed
 
@@ -19,11 +20,7 @@ async def run_report(ctx: JobContext, params: ReportParams) -> None:
     for page in range(1, params.pages + 1):
         await ctx.checkpoint()
         if params.fail_on_page == page:
-            raise JobFailed(
-                "/problems/report-render-failed",
-                "Report rendering failed",
-                f"rendering failed on page {page} of {params.pages} (fail_on_page)",
-            )
+            raise JobFailed(REPORT_RENDER_FAILED, f"rendering failed on page {page} of {params.pages} (fail_on_page)")
         if page_s:
             await asyncio.sleep(page_s)
         pdf.add_page()
