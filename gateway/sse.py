@@ -29,7 +29,6 @@ log = logging.getLogger("herald.sse")
 SEND_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 RETRY_MS = 3000
-TERMINAL_EVENT_TYPES = frozenset({"job.succeeded", "job.failed", "job.cancelled"})
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
 
 RETRY_FRAME = f"retry: {RETRY_MS}\n\n".encode()

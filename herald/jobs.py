@@ -9,7 +9,7 @@ from typing import Any
 import msgspec
 
 from herald.timefmt import rfc3339
-from schemas import JobEvent, JobLinks, JobStatus, Problem, TERMINAL_STATES
+from schemas import JobEvent, JobLinks, JobState, JobStatus, Problem, TERMINAL_STATES
 
 _problem_decoder = msgspec.json.Decoder(Problem)
 
@@ -20,7 +20,7 @@ class JobRow:
     tenant: str
     kind: str
     collection: str
-    state: str
+    state: JobState
     params: bytes
     progress: int | None
     version: int
@@ -61,7 +61,7 @@ class JobRow:
         return JobStatus(
             id=self.id,
             kind=self.kind,
-            state=self.state,  # type: ignore[arg-type]
+            state=self.state,
             progress=self.progress,
             version=self.version,
             attempt=self.attempt,

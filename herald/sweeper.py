@@ -15,6 +15,7 @@ from herald.jobs import JobRow, TransitionRejected
 from herald.settings import Settings
 from herald.storage.ports import JobStore, ResultStore
 from herald.transitions import Change
+from schemas.jobs import LIVE_STATES
 from schemas.problems import DEADLINE_EXCEEDED, WORKER_LOST
 
 log = logging.getLogger("herald.sweeper")
@@ -23,7 +24,7 @@ log = logging.getLogger("herald.sweeper")
 def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     if job.deadline_at < at:
         return Change(
-            expect={"queued", "running"}, to="failed", attempt=job.attempt,
+            expect=LIVE_STATES, to="failed", attempt=job.attempt,
             error=DEADLINE_EXCEEDED.problem(
                 f"the job did not finish within its deadline of {job.deadline_at - job.created_at:g} s"),
         )

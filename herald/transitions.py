@@ -7,14 +7,14 @@ start from and the attempt that writes it; ``refusal`` says why a change may not
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from herald.jobs import JobRow
-from schemas import Problem
+from schemas import JobState, Problem
 
 # Which state may follow which. Terminal states have no entry: they never change.
-ALLOWED_NEXT: dict[str, frozenset[str]] = {
+ALLOWED_NEXT: Mapping[JobState, frozenset[JobState]] = {
     "queued": frozenset({"running", "cancelled", "failed"}),
     "running": frozenset({"running", "queued", "succeeded", "failed", "cancelled"}),
 }
@@ -24,8 +24,8 @@ ALLOWED_NEXT: dict[str, frozenset[str]] = {
 class Change:
     """One requested transition. ``expect`` lists the states it may start from."""
 
-    expect: Collection[str]
-    to: str | None = None  # None: the state stays
+    expect: Collection[JobState]
+    to: JobState | None = None  # None: the state stays
     attempt: int | None = None  # fencing: only the worker of this attempt may write
     progress: int | None = None
     cancel_requested: bool | None = None
@@ -35,6 +35,8 @@ class Change:
     result_path: str | None = None
     media_type: str | None = None
     stale_before: float | None = None  # only if the heartbeat is older than this
+    # A test seam, not dead code: called with the row as read, after the rules above, so a
+    # test can commit a competing write before the compare-and-set (test_store_postgres_jobs).
     extra_check: Callable[[JobRow], str | None] | None = field(default=None, compare=False)
 
 

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 import msgspec
 
 from schemas.problems import Problem
 
-JobState = Literal["queued", "running", "succeeded", "failed", "cancelled"]
-TERMINAL_STATES: frozenset[str] = frozenset({"succeeded", "failed", "cancelled"})
+# The one spelling of the job states; every list of them is derived from these.
+LiveState = Literal["queued", "running"]
+TerminalState = Literal["succeeded", "failed", "cancelled"]
+JobState = Literal[LiveState, TerminalState]
+JOB_STATES: tuple[JobState, ...] = get_args(JobState)
+LIVE_STATES: tuple[LiveState, ...] = get_args(LiveState)
+TERMINAL_STATES: frozenset[str] = frozenset(get_args(TerminalState))
 
 EventType = Literal[
     "job.queued",
@@ -20,6 +25,9 @@ EventType = Literal[
     "job.failed",
     "job.cancelled",
 ]
+# A state change is announced as ``job.<state>``: a stream ends with one of these.
+TERMINAL_EVENT_TYPES: frozenset[str] = frozenset(f"job.{state}" for state in TERMINAL_STATES)
+assert TERMINAL_EVENT_TYPES <= set(get_args(EventType))
 
 
 class JobLinks(msgspec.Struct, kw_only=True):

@@ -17,7 +17,7 @@ DeliveryStatus = Literal["pending", "delivered", "failed", "superseded"]
 ALL_EVENT_TYPES: tuple[str, ...] = get_args(EventType)
 # job.progress is opt-in: a fast job would flood an endpoint that did not ask for it.
 DEFAULT_EVENT_TYPES: tuple[str, ...] = tuple(t for t in ALL_EVENT_TYPES if t != "job.progress")
-DELIVERY_STATUSES: tuple[str, ...] = ("pending", "delivered", "failed", "superseded")
+DELIVERY_STATUSES: tuple[str, ...] = get_args(DeliveryStatus)
 
 WebhookUrl = Annotated[str, msgspec.Meta(min_length=8, max_length=2048, description="https URL receiving events")]
 EventTypes = Annotated[list[EventType], msgspec.Meta(min_length=1, max_length=len(ALL_EVENT_TYPES))]

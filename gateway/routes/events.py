@@ -29,7 +29,6 @@ from gateway.sse import (
     KEEPALIVE_FRAME,
     KEEPALIVE_S,
     RETRY_FRAME,
-    TERMINAL_EVENT_TYPES,
     EventStream,
     job_frame,
     tenant_frame,
@@ -37,6 +36,7 @@ from gateway.sse import (
 from herald.jobs import JobRow
 from schemas import FieldError, JobEvent
 from schemas.events import EventFeed, EventLink, FeedEvent
+from schemas.jobs import TERMINAL_EVENT_TYPES
 
 TENANT_EVENTS_PURPOSE = "tenant-events"
 MAX_CURSOR_LENGTH = 20

@@ -19,8 +19,9 @@ from gateway.services import Services, services
 from herald.jobs import JobRow, TransitionRejected
 from herald.transitions import Change
 from schemas import JobList, JobStatus
+from schemas.jobs import JOB_STATES
 
-STATES = ("queued", "running", "succeeded", "failed", "cancelled")
+_STATE_CHOICES = f"{', '.join(JOB_STATES[:-1])} or {JOB_STATES[-1]}"
 
 
 async def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
@@ -85,15 +86,15 @@ async def get_job(
      responses=problems(400, 401))
 async def list_jobs(
     request: Request,
-    job_state: Annotated[str | None, Parameter(query="state", description="queued, running, succeeded, failed or cancelled")] = None,
+    job_state: Annotated[str | None, Parameter(query="state", description=_STATE_CHOICES)] = None,
     kind: Annotated[str | None, Parameter(query="kind", max_length=64)] = None,
     limit: Annotated[int, Parameter(query="limit", ge=1, le=100)] = 20,
     cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
 ) -> JobList:
     svc = services(request)
     tenant = require_tenant(request, svc.settings)
-    if job_state is not None and job_state not in STATES:
-        raise InvalidRequest(detail=f"state must be one of {', '.join(STATES)}")
+    if job_state is not None and job_state not in JOB_STATES:
+        raise InvalidRequest(detail=f"state must be one of {', '.join(JOB_STATES)}")
     before = decode_position(cursor) if cursor else None
     rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]

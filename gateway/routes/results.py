@@ -47,7 +47,7 @@ async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | 
     job = await _job_for_result(request, job_id, exp, sig)
     if job.kind != kind.name:
         raise NotFound("no such result")
-    if job.state in ("queued", "running"):
+    if not job.terminal:
         raise ResultNotReady(f"the job is {job.state}; poll /jobs/{job.id} until it answers 303", retry_after=1)
     if job.state != "succeeded" or job.result_path is None:
         raise NoResult(f"the job ended {job.state} and has no result")
