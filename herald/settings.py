@@ -6,9 +6,10 @@ Nothing else in Herald reads ``os.environ``.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
+from typing import Annotated, Any, get_args, get_type_hints
 
 DEV_TENANT = "dev"
 DEV_KEY = "dev-key"
@@ -18,10 +19,31 @@ class SettingsError(ValueError):
     """A HERALD_* variable has a value we cannot use; the message names it."""
 
 
-def _parse_api_keys(raw: str | None) -> dict[str, str]:
+@dataclass(frozen=True, slots=True)
+class Env:
+    """How a setting is read from the environment: ``parse(variable, raw)`` of the first of
+    ``names`` that is set and not empty (no names: ``HERALD_<FIELD NAME>``); unset, the
+    field keeps its default."""
+
+    parse: Callable[[str, str], Any]
+    names: tuple[str, ...] = ()
+
+
+def _number(cast: Callable[[str], float], floor: float | None = None) -> Env:
+    def parse(name: str, raw: str) -> float:
+        try:
+            value = cast(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{name} must be a number, got {raw!r}") from exc
+        if value < 0:
+            raise SettingsError(f"{name} must not be negative")
+        return value if floor is None else max(floor, value)
+
+    return Env(parse)
+
+
+def _api_keys(name: str, raw: str) -> dict[str, str]:
     """``tenant:key,tenant:key`` -> {key: tenant}."""
-    if not raw:
-        return {DEV_KEY: DEV_TENANT}
     keys: dict[str, str] = {}
     for item in raw.split(","):
         item = item.strip()
@@ -29,55 +51,90 @@ def _parse_api_keys(raw: str | None) -> dict[str, str]:
             continue
         tenant, sep, key = item.partition(":")
         if not sep or not tenant or not key:
-            raise SettingsError("HERALD_API_KEYS must look like 'tenant:key,tenant:key'")
+            raise SettingsError(f"{name} must look like 'tenant:key,tenant:key'")
         keys[key] = tenant
     if not keys:
-        raise SettingsError("HERALD_API_KEYS is set but holds no key")
+        raise SettingsError(f"{name} is set but holds no key")
     return keys
 
 
-def _schedule(raw: str) -> tuple[float, ...]:
+def _schedule(name: str, raw: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in raw.split(",") if x.strip())
     except ValueError as exc:
-        raise SettingsError("HERALD_WEBHOOK_RETRY_SCHEDULE must be comma-separated seconds") from exc
+        raise SettingsError(f"{name} must be comma-separated seconds") from exc
     if not values or any(v < 0 for v in values):
-        raise SettingsError("HERALD_WEBHOOK_RETRY_SCHEDULE must be non-negative seconds")
+        raise SettingsError(f"{name} must be non-negative seconds")
     return values
+
+
+def _comma_list(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(item for item in raw.split(",") if item)
+
+
+def _database_url(name: str, raw: str) -> str:
+    if not raw.startswith(("postgresql://", "postgres://")):
+        raise SettingsError(f"{name} must be a postgresql:// URL")
+    return raw
+
+
+def _result_store(name: str, raw: str) -> str:
+    store = raw.lower()
+    if store not in ("file", "nats"):
+        raise SettingsError(f"{name} must be 'file' or 'nats'")
+    return store
+
+
+TEXT = Env(lambda name, raw: raw)
+LOWER = Env(lambda name, raw: raw.lower())
+PATH = Env(lambda name, raw: Path(raw))
+FLAG = Env(lambda name, raw: raw.lower() in ("1", "true", "yes", "on"))
+PORT = Env(lambda name, raw: int(raw))
+NUMBER = _number(float)
+COUNT = _number(int)
+AT_LEAST_ONE = _number(int, floor=1)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings:
-    data_dir: Path = Path("./var")
-    nats_url: str | None = None
-    nats_port: int = 4222
-    http_host: str = "127.0.0.1"
-    http_port: int = 8000
-    api_keys: Mapping[str, str] = field(default_factory=lambda: {DEV_KEY: DEV_TENANT}, repr=False)
-    retention_s: float = 86400.0
-    heartbeat_timeout_s: float = 30.0
-    max_attempts: int = 3
-    job_deadline_s: float = 3600.0
-    sweep_interval_s: float = 5.0
-    signed_url_ttl_s: float = 900.0
-    rate_limit: float = 50.0
-    require_idempotency_key: bool = False
-    webhook_allow_private: bool = False
-    webhook_retry_schedule: tuple[float, ...] = (5, 300, 1800, 7200, 18000, 36000, 36000)
-    webhook_min_backoff_s: float = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
-    report_page_ms: float = 200.0
-    metrics_port: int | None = None
-    workers: int = 2
-    worker_concurrency: int = 4
-    worker_grace_s: float = 10.0
-    max_queue_age_s: float = 300.0
-    max_held_per_tenant: int = 10_000
-    log_format: str = "json"
-    log_level: str = "info"
-    signing_secrets: tuple[str, ...] = field(default=(), repr=False)
-    database_url: str | None = field(default=None, repr=False)  # postgresql://...: the PostgreSQL store
-    result_store: str = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
-    nats_replicas: int = 1
+    """Every setting with its one default and, in its ``Env``, how ``from_env`` reads it."""
+
+    data_dir: Annotated[Path, PATH] = Path("./var")
+    nats_url: Annotated[str | None, TEXT] = None
+    nats_port: Annotated[int, COUNT] = 4222
+    http_host: Annotated[str, TEXT] = "127.0.0.1"
+    http_port: Annotated[int, COUNT] = 8000
+    api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(
+        default_factory=lambda: {DEV_KEY: DEV_TENANT}, repr=False
+    )
+    retention_s: Annotated[float, NUMBER] = 86400.0
+    heartbeat_timeout_s: Annotated[float, NUMBER] = 30.0
+    max_attempts: Annotated[int, AT_LEAST_ONE] = 3
+    job_deadline_s: Annotated[float, NUMBER] = 3600.0
+    sweep_interval_s: Annotated[float, _number(float, floor=0.05)] = 5.0
+    signed_url_ttl_s: Annotated[float, NUMBER] = 900.0
+    rate_limit: Annotated[float, NUMBER] = 50.0
+    require_idempotency_key: Annotated[bool, FLAG] = False
+    webhook_allow_private: Annotated[bool, FLAG] = False
+    webhook_retry_schedule: Annotated[tuple[float, ...], Env(_schedule)] = (
+        5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0
+    )
+    webhook_min_backoff_s: Annotated[float, NUMBER] = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
+    report_page_ms: Annotated[float, NUMBER] = 200.0
+    metrics_port: Annotated[int | None, PORT] = None
+    workers: Annotated[int, AT_LEAST_ONE] = 2
+    worker_concurrency: Annotated[int, AT_LEAST_ONE] = 4
+    worker_grace_s: Annotated[float, NUMBER] = 10.0
+    max_queue_age_s: Annotated[float, NUMBER] = 300.0
+    max_held_per_tenant: Annotated[int, COUNT] = 10_000
+    log_format: Annotated[str, LOWER] = "json"
+    log_level: Annotated[str, LOWER] = "info"
+    signing_secrets: Annotated[tuple[str, ...], Env(_comma_list, ("SIGNING_KEY", "SIGNING_SECRETS"))] = field(
+        default=(), repr=False
+    )
+    database_url: Annotated[str | None, Env(_database_url)] = field(default=None, repr=False)  # the PostgreSQL store
+    result_store: Annotated[str, Env(_result_store)] = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
+    nats_replicas: Annotated[int, AT_LEAST_ONE] = 1
 
     @property
     def db_path(self) -> Path:
@@ -122,67 +179,18 @@ class Settings:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> Settings:
+        """The settings the HERALD_* variables set; the others keep their defaults."""
         env = os.environ if env is None else env
-
-        def get(name: str) -> str | None:
-            value = env.get(f"HERALD_{name}")
-            return value if value not in (None, "") else None
-
-        def num(name: str, default: float, cast: type = float) -> float:
-            raw = get(name)
-            if raw is None:
-                return default
-            try:
-                value = cast(raw)
-            except ValueError as exc:
-                raise SettingsError(f"HERALD_{name} must be a number, got {raw!r}") from exc
-            if value < 0:
-                raise SettingsError(f"HERALD_{name} must not be negative")
-            return value
-
-        def flag(name: str) -> bool:
-            return (get(name) or "").lower() in ("1", "true", "yes", "on")
-
-        metrics = get("METRICS_PORT")
-        secrets_raw = get("SIGNING_KEY") or get("SIGNING_SECRETS")
-        database_url = get("DATABASE_URL")
-        if database_url is not None and not database_url.startswith(("postgresql://", "postgres://")):
-            raise SettingsError("HERALD_DATABASE_URL must be a postgresql:// URL")
-        result_store = (get("RESULT_STORE") or "").lower()
-        if result_store not in ("", "file", "nats"):
-            raise SettingsError("HERALD_RESULT_STORE must be 'file' or 'nats'")
-        return cls(
-            data_dir=Path(get("DATA_DIR") or "./var"),
-            nats_url=get("NATS_URL"),
-            nats_port=int(num("NATS_PORT", 4222, int)),
-            http_host=get("HTTP_HOST") or "127.0.0.1",
-            http_port=int(num("HTTP_PORT", 8000, int)),
-            api_keys=_parse_api_keys(get("API_KEYS")),
-            retention_s=num("RETENTION_S", 86400.0),
-            heartbeat_timeout_s=num("HEARTBEAT_TIMEOUT_S", 30.0),
-            max_attempts=max(1, int(num("MAX_ATTEMPTS", 3, int))),
-            job_deadline_s=num("JOB_DEADLINE_S", 3600.0),
-            sweep_interval_s=max(0.05, num("SWEEP_INTERVAL_S", 5.0)),
-            signed_url_ttl_s=num("SIGNED_URL_TTL_S", 900.0),
-            rate_limit=num("RATE_LIMIT", 50.0),
-            require_idempotency_key=flag("REQUIRE_IDEMPOTENCY_KEY"),
-            webhook_allow_private=flag("WEBHOOK_ALLOW_PRIVATE"),
-            webhook_retry_schedule=_schedule(get("WEBHOOK_RETRY_SCHEDULE") or "5,300,1800,7200,18000,36000,36000"),
-            webhook_min_backoff_s=num("WEBHOOK_MIN_BACKOFF_S", 60.0),
-            report_page_ms=num("REPORT_PAGE_MS", 200.0),
-            metrics_port=int(metrics) if metrics else None,
-            workers=max(1, int(num("WORKERS", 2, int))),
-            worker_concurrency=max(1, int(num("WORKER_CONCURRENCY", 4, int))),
-            worker_grace_s=num("WORKER_GRACE_S", 10.0),
-            max_queue_age_s=num("MAX_QUEUE_AGE_S", 300.0),
-            max_held_per_tenant=int(num("MAX_HELD_PER_TENANT", 10_000, int)),
-            log_format=(get("LOG_FORMAT") or "json").lower(),
-            log_level=(get("LOG_LEVEL") or "info").lower(),
-            signing_secrets=tuple(s for s in (secrets_raw or "").split(",") if s),
-            database_url=database_url,
-            result_store=result_store,
-            nats_replicas=max(1, int(num("NATS_REPLICAS", 1, int))),
-        )
+        hints = get_type_hints(cls, include_extras=True)
+        values: dict[str, Any] = {}
+        for setting in fields(cls):
+            (how,) = (meta for meta in get_args(hints[setting.name])[1:] if isinstance(meta, Env))
+            for name in how.names or (setting.name.upper(),):
+                raw = env.get(f"HERALD_{name}")
+                if raw:
+                    values[setting.name] = how.parse(f"HERALD_{name}", raw)
+                    break
+        return cls(**values)
 
     def configured_signing_keys(self) -> tuple[bytes, ...]:
         """HERALD_SIGNING_KEY's keys (comma-separated: the first signs, all verify, for

@@ -2,8 +2,8 @@
 
 After Svix and Standard Webhooks: the n-th failure waits ``schedule[n-1]`` seconds
 (±20 % jitter) and the delivery fails once the schedule is used up. A timeout or a
-``429`` waits at least ``min_backoff_s`` (60 s in production; a setting so tests can
-shrink it), and ``Retry-After`` on ``429``/``503`` is honoured but kept within
+``429`` waits at least ``min_backoff_s`` (``Settings.webhook_min_backoff_s``, which tests
+shrink), and ``Retry-After`` on ``429``/``503`` is honoured but kept within
 [scheduled delay, 2 × scheduled delay], the jitter having been applied first. A ``410``
 means "never again": the delivery fails and its endpoint is disabled.
 """
@@ -30,8 +30,8 @@ class Plan:
 
 @dataclass(frozen=True, slots=True)
 class RetryPolicy:
-    schedule: tuple[float, ...]
-    min_backoff_s: float = 60.0
+    schedule: tuple[float, ...]  # both from Settings, which holds their defaults
+    min_backoff_s: float
     jitter: float = 0.2
 
     def plan(self, outcome: Outcome, attempts_made: int, rng: random.Random) -> Plan:
