@@ -20,6 +20,12 @@ from bench.report import VARIANT_NAMES, _fmt, label
 from bench.stats import median
 
 
+def _case(rows: list[dict[str, Any]]) -> str:
+    """A row's case, or each run's when they differ (accept's fixed load is a measured rate)."""
+    cases = list(dict.fromkeys(r["case"] for r in rows))
+    return cases[0] if len(cases) == 1 else "; ".join(cases)
+
+
 def _rows(runs: list[dict[str, Any]]) -> list[str]:
     lines = ["| scenario | case | quantity | Herald | baseline | ratio (Herald / baseline) |",
              "|---|---|---|---|---|---|"]
@@ -33,7 +39,7 @@ def _rows(runs: list[dict[str, Any]]) -> list[str]:
             ratios = [r["ratio"] for r in same if r["ratio"] is not None]
             baseline = _fmt(median(base_values), row["unit"]) if base_values else "-"
             ratio = f"{median(ratios):.2f}" if ratios else "-"
-            lines.append(f"| {label(scenario)} | {row['case']} | {row['metric']} | {_fmt(herald, row['unit'])} "
+            lines.append(f"| {label(scenario)} | {_case(same)} | {row['metric']} | {_fmt(herald, row['unit'])} "
                          f"| {baseline} | {ratio} |")
     return lines
 
@@ -75,7 +81,7 @@ def _comparison(runs: list[dict[str, Any]]) -> list[str]:
         for n in others:
             values = [e["ratios"][n] for e in same if e["ratios"].get(n) is not None]
             ratios.append(f"{median(values):.2f}" if values else "-")
-        lines.append(f"| {entry['scenario']} | {entry['case']} | {entry['metric']} | " + " | ".join(cells) + " | "
+        lines.append(f"| {entry['scenario']} | {_case(same)} | {entry['metric']} | " + " | ".join(cells) + " | "
                      + " | ".join(ratios) + " |")
     return lines
 
