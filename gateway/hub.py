@@ -29,16 +29,30 @@ RESYNC = None  # queued to a subscriber when it must re-read the store (NATS rec
 
 
 class Subscriber:
-    """One SSE stream's inbox. Overflow drops the stream (it resumes with Last-Event-ID)."""
+    """One SSE stream's inbox. Overflow drops the stream (it resumes with Last-Event-ID).
 
-    __slots__ = ("queue", "overflowed", "key")
+    An event is queued only if it is further along than every event queued before
+    (version for a job's stream, tenant sequence for a tenant's): the same event reaches
+    the hub several times (this process's own commit, and each relay that publishes the
+    shared outbox), and a copy must not take a queue slot. Skipping an older one is safe:
+    the stream already saw a newer event, and a gap it saw is filled from the store.
+    """
 
-    def __init__(self, key: str, maxsize: int) -> None:
+    __slots__ = ("queue", "overflowed", "key", "_by_seq", "_offered")
+
+    def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
         self.key = key
         self.queue: asyncio.Queue[JobEvent | None] = asyncio.Queue(maxsize)
         self.overflowed = asyncio.Event()
+        self._by_seq = by_seq
+        self._offered = 0
 
     def offer(self, event: JobEvent | None) -> bool:
+        if event is not None:
+            position = event.seq if self._by_seq else event.version
+            if position <= self._offered:
+                return True  # a copy, or older than what it already has
+            self._offered = position
         try:
             self.queue.put_nowait(event)
             return True
@@ -140,12 +154,12 @@ class Hub:
     # ----- streams ----------------------------------------------------------------------
 
     def subscribe_job(self, job_id: str) -> Subscriber:
-        subscriber = Subscriber(f"job:{job_id}", self._queue_size)
+        subscriber = Subscriber(f"job:{job_id}", self._queue_size, by_seq=False)
         self._job_subs[job_id].add(subscriber)
         return subscriber
 
     def subscribe_tenant(self, tenant: str) -> Subscriber:
-        subscriber = Subscriber(f"tenant:{tenant}", self._queue_size)
+        subscriber = Subscriber(f"tenant:{tenant}", self._queue_size, by_seq=True)
         self._tenant_subs[tenant].add(subscriber)
         return subscriber
 
