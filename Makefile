@@ -29,6 +29,7 @@ browser-deps:
 	  { echo "note: chromium not installed (see $(APT_LOG)); the browser test will be skipped"; tail -n 5 $(APT_LOG) 2>/dev/null || true; }
 
 test: $(STAMP) browser-deps
+	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
 # Benchmarks (bench/, results in bench/out/): the bench extra (matplotlib for the chart), and

@@ -35,7 +35,7 @@ from schemas.events import ServerSentEvent
 from herald.kinds import KindDeclaration as JobKind
 
 PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics"})
-BEARER = [{"bearer": []}]
+BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 
 def _description(status: int) -> str:
     """The problem types an answer of this status can carry, from the one list of them."""
@@ -83,7 +83,8 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     assert openapi.components is not None and openapi.paths is not None
     _refs, components = msgspec.json.schema_components([ServerSentEvent], ref_template="#/components/schemas/{name}")
     schemas = openapi.components.schemas if openapi.components.schemas is not None else {}
-    schemas.update(components)  # type: ignore[arg-type]  (plain JSON Schema dicts serialise as they are)
+    # Plain JSON Schema dicts serialise as they are.
+    schemas.update(components)  # type: ignore[arg-type]
     openapi.components.schemas = schemas
     binary = Schema(type=OpenAPIType.STRING, format="binary")  # type: ignore[arg-type]
 

@@ -19,7 +19,7 @@ from litestar import Request
 from litestar.response import Stream
 from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
-from litestar.types import Receive, Send
+from litestar.types import HTTPResponseBodyEvent, Receive, Send
 
 from herald.metrics import metrics
 from schemas import JobEvent
@@ -76,7 +76,8 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
         try:
             async for chunk in self.iterator:
                 sending_since = loop.time()
-                await send({"type": "http.response.body", "body": chunk, "more_body": True})  # type: ignore[typeddict-item]
+                body = chunk if isinstance(chunk, bytes) else chunk.encode()
+                await send(HTTPResponseBodyEvent(type="http.response.body", body=body, more_body=True))
                 sending_since = None
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:

@@ -6,12 +6,12 @@ webhook routes. Nothing here knows about SQL.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 import msgspec
 
+from herald.jobs import ColumnAccess
 from notifier.signing import SigningKey
 from schemas import JobEvent
 
@@ -53,7 +53,7 @@ class EndpointRow:
     failing_since: float | None
 
     @classmethod
-    def from_mapping(cls, row: Mapping[str, Any]) -> EndpointRow:
+    def from_mapping(cls, row: ColumnAccess) -> EndpointRow:
         values = {f.name: row[f.name] for f in fields(cls)}
         values["event_types"] = _decode_list(values["event_types"]) or ()
         values["kinds"] = _decode_list(values["kinds"])
@@ -99,7 +99,7 @@ class DeliveryRow:
     updated_at: float
 
     @classmethod
-    def from_mapping(cls, row: Mapping[str, Any]) -> DeliveryRow:
+    def from_mapping(cls, row: ColumnAccess) -> DeliveryRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
 
 

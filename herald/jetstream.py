@@ -132,6 +132,7 @@ async def ensure_topology(js: JetStreamContext, settings: Settings) -> None:
 
 async def _ensure_topology(js: JetStreamContext, settings: Settings) -> None:
     for config in stream_configs(settings):
+        assert config.name is not None
         try:
             await js.stream_info(config.name)
         except NotFoundError:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -12,6 +11,12 @@ from herald.timefmt import rfc3339
 from schemas import JobEvent, JobLinks, JobState, JobStatus, Problem, TERMINAL_STATES
 
 _problem_decoder = msgspec.json.Decoder(Problem)
+
+
+class ColumnAccess(Protocol):
+    """A row as any backend hands it out (``sqlite3.Row``, ``asyncpg.Record``): columns by name."""
+
+    def __getitem__(self, key: str, /) -> Any: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,7 +43,7 @@ class JobRow:
     callback_url: str | None
 
     @classmethod
-    def from_mapping(cls, row: Mapping[str, Any]) -> JobRow:
+    def from_mapping(cls, row: ColumnAccess) -> JobRow:
         """From any backend's row (sqlite3.Row, asyncpg.Record): columns named as the fields."""
         values = {f.name: row[f.name] for f in fields(cls)}
         values["cancel_requested"] = bool(values["cancel_requested"])

@@ -23,7 +23,7 @@ _CURRENCIES = ("EUR", "USD", "GBP")
 
 def order_rows(start: int, count: int) -> list[tuple[object, ...]]:
     """Rows ``start .. start+count-1``; row i depends on i alone, so every export agrees."""
-    rows = []
+    rows: list[tuple[object, ...]] = []
     for i in range(start, start + count):
         rng = random.Random(i)
         quantity = rng.randint(1, 9)
