@@ -86,6 +86,9 @@ SIGNING_KEY_NAME = "url-signing"
 
 # Tables: columns named and typed as SQLite's (times are Unix seconds, blobs are BYTEA), so
 # rows map onto JobRow and other components (the notifier's fan-out) read jobs by name.
+# State names in the SQL below are the values of ``schemas.jobs.JobState`` (the one list),
+# written out because a query must repeat a partial index's predicate literally for the
+# planner to use the index.
 _TABLES = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,

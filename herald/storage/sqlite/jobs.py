@@ -41,6 +41,9 @@ from herald.timefmt import now, rfc3339
 from herald.transitions import Change, event_type, refusal
 from schemas import JobEvent, JobMessage, TERMINAL_STATES
 
+# State names in the SQL below are the values of ``schemas.jobs.JobState`` (the one list),
+# written out because a query must repeat a partial index's predicate literally for the
+# planner to use the index.
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     id TEXT PRIMARY KEY,
