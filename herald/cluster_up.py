@@ -252,7 +252,7 @@ class ClusterSupervisor(Supervisor):
                 name = f"{kind}-{i + 1}"
                 data_dir = (self.root / name).resolve()
                 data_dir.mkdir(parents=True, exist_ok=True)
-                env = {**shared, "HERALD_DATA_DIR": str(data_dir)}
+                env = {**shared, "HERALD_DATA_DIR": str(data_dir), "HERALD_INSTANCE": name}
                 if kind == "gateway":
                     env["HERALD_HTTP_HOST"] = self.settings.http_host
                     env["HERALD_HTTP_PORT"] = str(self.settings.http_port + i)

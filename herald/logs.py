@@ -52,6 +52,8 @@ def configure_logging(settings: Settings, component: str) -> None:
 
     def add_component(_logger: object, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         event.setdefault("component", component)
+        if settings.instance:
+            event.setdefault("instance", settings.instance)
         return event
 
     renderer: structlog.typing.Processor

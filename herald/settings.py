@@ -135,6 +135,7 @@ class Settings:
     database_url: Annotated[str | None, Env(_database_url)] = field(default=None, repr=False)  # the PostgreSQL store
     result_store: Annotated[str, Env(_result_store)] = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
     nats_replicas: Annotated[int, AT_LEAST_ONE] = 1
+    instance: Annotated[str, TEXT] = ""  # this process's name in its log lines (several of a component)
 
     @property
     def db_path(self) -> Path:
