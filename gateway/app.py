@@ -19,7 +19,7 @@ from gateway.middleware import bind_job_context, instrument
 from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.ratelimit import BacklogGuard, TenantLimits
-from gateway.routes import events, health, jobs, page
+from gateway.routes import events, health, jobs, page, portal
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
 from gateway.routes.webhooks import WebhooksController
@@ -52,6 +52,7 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     async def reconnected() -> None:
         log.info("NATS reconnected")
         svc.hub.resync()
+        svc.watch.resync()
 
     while True:
         try:
@@ -74,6 +75,7 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     spawn(run_sweeper(svc.store, svc.results, svc.settings), "sweeper", tasks)
     svc.nats = nc
     await svc.hub.attach(nc)
+    await svc.watch.attach(nc)
     relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
     relay.kick()
     spawn(relay.run(), "relay", tasks)
@@ -128,6 +130,7 @@ def create_app(settings: Settings) -> Litestar:
 
             async def close_nats() -> None:
                 await hub.detach()
+                await svc.watch.detach()
                 if svc.nats is not None:
                     with contextlib.suppress(Exception):
                         await svc.nats.drain()
@@ -153,6 +156,9 @@ def create_app(settings: Settings) -> Litestar:
             WebhooksController,
             page.index,
             page.asset,
+            portal.portal_page,
+            portal.portal_link,
+            portal.portal_session,
         ],
         lifespan=[lifespan],
         before_request=bind_job_context,
@@ -165,7 +171,12 @@ def create_app(settings: Settings) -> Litestar:
             "long-poll, stream (SSE) or receive signed webhooks.",
             path="/schema",
             components=Components(
-                security_schemes={"bearer": SecurityScheme(type="http", scheme="bearer", description="API key")}
+                security_schemes={
+                    "bearer": SecurityScheme(type="http", scheme="bearer", description="API key"),
+                    "portal": SecurityScheme(type="http", scheme="bearer", bearer_format="hps_…",
+                                             description="portal session token (POST /portal/session): "
+                                             "the tenant's /webhooks routes only"),
+                }
             ),
         ),
         logging_config=None,  # herald.logs configures logging once per process

@@ -34,8 +34,10 @@ from schemas.problems import types_for_status
 from schemas.events import ServerSentEvent
 from herald.kinds import KindDeclaration as JobKind
 
-PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics"})
+PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics", "portal_session"})
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
+# The /webhooks routes also take a portal session token (POST /portal/session).
+BEARER_OR_PORTAL: list[dict[str, list[str]]] = [{"bearer": []}, {"portal": []}]
 
 def _description(status: int) -> str:
     """The problem types an answer of this status can carry, from the one list of them."""
@@ -106,7 +108,13 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     assert isinstance(feed, OpenAPIResponse) and feed.content is not None
     feed.content["text/event-stream"] = sse
 
-    for item in openapi.paths.values():
+    webhook_stream = openapi.paths["/webhooks/events"].get
+    assert webhook_stream is not None and webhook_stream.responses is not None
+    webhook_stream.responses["200"] = OpenAPIResponse(
+        description="Notices that the tenant's deliveries changed", content={"text/event-stream": sse})
+
+    for path, item in openapi.paths.items():
         for operation in (item.get, item.post, item.put, item.patch, item.delete):
             if operation is not None and operation.operation_id not in PUBLIC_OPERATIONS:
-                operation.security = BEARER  # type: ignore[assignment]
+                security = BEARER_OR_PORTAL if path.startswith("/webhooks") else BEARER
+                operation.security = security  # type: ignore[assignment]

@@ -15,7 +15,7 @@ from schemas.problems import (
     BAD_REQUEST, CONFLICT, ENDPOINT_DISABLED, FORBIDDEN, GENERIC, GONE, IDEMPOTENCY_KEY_MISMATCH,
     IDEMPOTENCY_KEY_REQUIRED, INTERNAL, INVALID_CURSOR, INVALID_IDEMPOTENCY_KEY, INVALID_REQUEST,
     INVALID_SIGNATURE, JOB_FINISHED, MALFORMED_JSON, METHOD_NOT_ALLOWED, NOT_ACCEPTABLE, NOT_FOUND,
-    NOT_READY, NO_RESULT, OVERLOADED, PAYLOAD_TOO_LARGE, RATE_LIMITED, RESULT_NOT_READY,
+    NOT_READY, NO_RESULT, OVERLOADED, PAYLOAD_TOO_LARGE, PORTAL_SCOPE, RATE_LIMITED, RESULT_NOT_READY,
     STORE_UNAVAILABLE, TOO_MANY_STREAMS, UNAUTHORIZED, UNAVAILABLE, UNPROCESSABLE,
     UNSUPPORTED_MEDIA_TYPE, ProblemType,
 )
@@ -96,6 +96,13 @@ class Unauthorized(ProblemError):
 
 class InvalidSignature(ProblemError):
     kind = INVALID_SIGNATURE
+
+
+class PortalScope(ProblemError):
+    kind = PORTAL_SCOPE
+
+    def __init__(self, detail: str = "a portal session opens the /webhooks routes only; use an API key") -> None:
+        super().__init__(detail)
 
 
 class NotFound(ProblemError):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from litestar import Request
 from nats.aio.client import Client as NATS
 
+from gateway.deliverywatch import DeliveryWatch
 from gateway.hub import Hub
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from herald.metrics import Metrics
@@ -27,6 +28,7 @@ class Services:
     backlog: BacklogGuard
     hub: Hub
     nats: NATS | None = field(default=None)
+    watch: DeliveryWatch = field(default_factory=DeliveryWatch)  # the portal's delivery notices
 
 
 def services(request: Request) -> Services:

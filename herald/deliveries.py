@@ -6,6 +6,7 @@ webhook routes. Nothing here knows about SQL.
 
 from __future__ import annotations
 
+import uuid
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -14,11 +15,41 @@ import msgspec
 from herald.jobs import ColumnAccess
 from notifier.signing import SigningKey
 from schemas import JobEvent
+from schemas.webhooks import TEST_EVENT_TYPE
 
 PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
 CALLBACK_PREFIX = "callback:"
 # herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again).
 DELIVERY_OUTCOMES = ("delivered", "retry", "failed", "superseded", "dropped")
+
+
+# A webhook.test delivery belongs to no job: its job_id column holds this prefix and the
+# test's own id, so the ordering and superseding rules (per target and job) never tie it
+# to anything else.
+TEST_JOB_PREFIX = "test:"
+HEALTH_WINDOW = 100  # an endpoint's success rate is over its newest 100 deliveries
+
+
+def new_test_event() -> tuple[str, str]:
+    """``(event_id, job_id column)`` of a new webhook.test delivery."""
+    test_id = uuid.uuid4().hex
+    return f"evt_test_{test_id}", TEST_JOB_PREFIX + test_id
+
+
+# Notices (core NATS, not a stream: hints, never the truth): "this tenant's delivery log
+# changed", published by notifiers after they commit deliveries or attempts, and by
+# gateways after the API changed deliveries. Gateways wake the tenant's
+# ``GET /webhooks/events`` streams with them; the portal then re-reads the API.
+NOTICE_SUBJECTS = "herald-webhooks.>"
+
+
+def notice_subject(tenant: str) -> str:
+    return f"herald-webhooks.{tenant}"
+
+
+class Notice(msgspec.Struct, kw_only=True):
+    tenant: str
+    endpoint_id: str | None  # None: any of the tenant's endpoints
 
 
 def callback_owner(tenant: str) -> str:
@@ -101,6 +132,15 @@ class DeliveryRow:
     @classmethod
     def from_mapping(cls, row: ColumnAccess) -> DeliveryRow:
         return cls(**{f.name: row[f.name] for f in fields(cls)})
+
+
+@dataclass(frozen=True, slots=True)
+class HealthRow:
+    """An endpoint's newest deliveries, counted (``WebhookStore.endpoint_health``)."""
+
+    delivered: int
+    failed: int
+    last: DeliveryRow | None
 
 
 @dataclass(frozen=True, slots=True)

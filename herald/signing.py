@@ -34,11 +34,16 @@ class UrlSigner:
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
     def sign(self, path: str, purpose: str, *, extra: str = "", now: float | None = None) -> str:
+        exp, sig = self.seal(path, purpose, extra=extra, now=now)
+        return f"{path}?exp={exp}&sig={sig}"
+
+    def seal(self, path: str, purpose: str, *, extra: str = "", ttl_s: float | None = None,
+             now: float | None = None) -> tuple[int, str]:
+        """``(exp, sig)`` for ``path`` and ``purpose``, valid ``ttl_s`` (default: the signed-URL TTL)."""
         if not self._keys:
             raise StoreUnavailable("the URL signing key is not loaded yet")
-        exp = int((now if now is not None else time.time()) + self._ttl_s)
-        sig = self._mac(self._keys[0], purpose, path, exp, extra)
-        return f"{path}?exp={exp}&sig={sig}"
+        exp = int((now if now is not None else time.time()) + (self._ttl_s if ttl_s is None else ttl_s))
+        return exp, self._mac(self._keys[0], purpose, path, exp, extra)
 
     def verify(self, path: str, purpose: str, exp: str | None, sig: str | None, *, extra: str = "") -> bool:
         """True when ``sig`` is valid for this path and purpose under any current key and not expired."""

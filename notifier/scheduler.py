@@ -25,6 +25,7 @@ from herald.timefmt import now
 from notifier.delivery import SUCCESS_WITHIN_S, Sender
 from herald.deliveries import Claimed
 from herald.storage.ports import DeliveryQueue
+from notifier.notices import Notices
 from notifier.retry import RetryPolicy
 from notifier.signing import signature_header
 
@@ -47,8 +48,10 @@ class Scheduler:
         *,
         idle_poll_s: float,
         retention_s: float,
+        notices: Notices | None = None,
     ) -> None:
         self.queue = queue
+        self.notices = notices
         self.sender = sender
         self.policy = policy
         self.metrics = metrics
@@ -133,6 +136,8 @@ class Scheduler:
         outcome = await self.sender.send(item.url, item.body, headers)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
         finished = await self.queue.finish(item, self.owner, started_at, outcome, plan)
+        if self.notices is not None and d.endpoint_id is not None:
+            self.notices.note(d.tenant, d.endpoint_id)
         label = "retry" if finished.status == "pending" else finished.status
         self.metrics.webhook_deliveries.labels(outcome=label).inc()
         self.metrics.webhook_delivery_seconds.observe(outcome.latency_s)

@@ -31,6 +31,7 @@ from herald.settings import Settings
 from herald.storage import open_storage
 from herald.storage.ports import DeliveryQueue
 from notifier.delivery import Sender
+from notifier.notices import Notices
 from notifier.retry import RetryPolicy
 from notifier.scheduler import Scheduler
 from schemas import JobEvent
@@ -41,7 +42,8 @@ FETCH_BATCH = 128
 _event_decoder = msgspec.json.Decoder(JobEvent)
 
 
-async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Scheduler) -> None:
+async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Scheduler,
+                   notices: Notices | None = None) -> None:
     events: list[JobEvent] = []
     decoded: list[Msg] = []
     for message in messages:
@@ -61,11 +63,15 @@ async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Schedul
         return
     if pending:
         scheduler.kick()
+        if notices is not None:
+            for tenant in {e.tenant for e in events}:
+                notices.note(tenant, None)  # which endpoints got them: the portal re-reads its own
     for message in decoded:  # only now: the deliveries are committed
         await message.ack()
 
 
-async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Scheduler, stop: asyncio.Event) -> None:
+async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Scheduler, stop: asyncio.Event,
+                   notices: Notices | None = None) -> None:
     fetch = subscription.fetch  # type: ignore[attr-defined]
     while not stop.is_set():
         try:
@@ -78,7 +84,7 @@ async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Schedu
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             continue
         try:
-            await _fan_out(messages, queue, scheduler)
+            await _fan_out(messages, queue, scheduler, notices)
         except Exception as exc:  # e.g. an ack lost to a reconnect: NATS redelivers, fan-out is idempotent
             log.warning("handling job events failed: %s", exc)
 
@@ -93,6 +99,15 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         stack.push_async_callback(storage.close)
         queue = storage.deliveries
         sender = await stack.enter_async_context(Sender(allow_private=settings.webhook_allow_private))
+        notices = Notices()
+        notices_task = asyncio.create_task(notices.run(), name="delivery-notices")
+
+        async def stop_notices() -> None:
+            notices_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await notices_task
+
+        stack.push_async_callback(stop_notices)
         scheduler = Scheduler(
             queue,
             sender,
@@ -100,6 +115,8 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             process_metrics(),
             idle_poll_s=min(1.0, settings.sweep_interval_s),
             retention_s=settings.retention_s,
+            notices=notices,
+            traces=storage.jobs.trace_contexts,  # each webhook carries its job's trace (herald.tracing)
         )
         scheduler_task = asyncio.create_task(scheduler.run(), name="webhook-scheduler")
 
@@ -117,11 +134,12 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
                 await nc.drain()
 
         stack.push_async_callback(drain)
+        notices.attach(nc)
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)
         log.info("notifier ready", extra={"owner": scheduler.owner})
-        consumer = asyncio.create_task(_consume(subscription, queue, scheduler, stop), name="event-consumer")
+        consumer = asyncio.create_task(_consume(subscription, queue, scheduler, stop, notices), name="event-consumer")
 
         async def stop_consumer() -> None:
             consumer.cancel()

@@ -60,6 +60,8 @@ INVALID_IDEMPOTENCY_KEY = _define("/problems/invalid-idempotency-key", "Invalid 
 UNAUTHORIZED = _define("/problems/unauthorized", "Authentication required", 401, "missing or unknown key")
 INVALID_SIGNATURE = _define("/problems/invalid-signature", "Invalid or expired signature", 403)
 FORBIDDEN = _define("/problems/forbidden", "Forbidden", 403)
+PORTAL_SCOPE = _define("/problems/portal-scope", "Outside the webhook portal", 403,
+                       "a portal session token opens the tenant's /webhooks routes only")
 NOT_FOUND = _define("/problems/not-found", "Not found", 404, "also another tenant's resource")
 RESULT_NOT_READY = _define("/problems/result-not-ready", "Result not ready", 404, "the job is queued or running; with Retry-After")
 NO_RESULT = _define("/problems/no-result", "No result", 404, "the job failed or was cancelled")

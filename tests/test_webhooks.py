@@ -16,6 +16,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime, timezone
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -778,3 +779,99 @@ def test_receiver_down_notifier_killed_and_restarted_still_delivers(
     finally:
         late.stop()
     assert not late.problems, late.problems
+
+
+# ----- recover and test events (the portal's actions, issue 16) --------------------------------
+
+
+def test_test_event_is_a_signed_delivery_through_the_queue(http: httpx.Client, herald_wh: Deployment,
+                                                           receiver: Receiver) -> None:
+    endpoint = register(http, receiver, "/tested", event_types=["job.succeeded"])
+    sent = http.post(f"/webhooks/{endpoint['id']}/test")
+    assert sent.status_code == 202, sent.text
+    delivery = sent.json()
+    assert delivery["type"] == "webhook.test" and delivery["job_id"] is None and delivery["version"] is None
+    assert delivery["status"] == "pending" and delivery["event_id"].startswith("evt_test_")
+    payload = json.loads(delivery["payload"])
+    assert payload["type"] == "webhook.test" and payload["data"]["endpoint_id"] == endpoint["id"]
+    assert set(payload) == {"type", "timestamp", "data"} and payload["data"]["message"]
+
+    # Signed with the endpoint's secret (the receiver verifies it) and recorded like any delivery.
+    hit = settle(lambda: next(iter(receiver.hits_for("/tested")), None), what="the test event")
+    assert hit.webhook_id == delivery["event_id"] and hit.type == "webhook.test"
+    assert hit.body.decode() == delivery["payload"]  # the payload shown is the body signed and sent
+    logged = settle(lambda: (d := http.get(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}").json())
+                    and d["status"] == "delivered" and d, what="delivered in the log")
+    assert [a["status_code"] for a in logged["attempts"]] == [200] and logged["attempts"][0]["response"] == "thanks"
+    assert logged["payload"] == delivery["payload"]
+    listed = deliveries(http, endpoint["id"])
+    assert [d["id"] for d in listed] == [delivery["id"]] and listed[0]["payload"] == delivery["payload"]
+    health = http.get(f"/webhooks/{endpoint['id']}").json()["health"]
+    assert health["delivered"] == 1 and health["success_rate"] == 1.0
+    assert health["last_delivery"]["id"] == delivery["id"] and health["last_delivery"]["status_code"] == 200
+
+    # Resent with the same webhook-id, like any delivery.
+    assert http.post(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}/retry").status_code == 202
+    wait_until(lambda: len(receiver.hits_for("/tested")) == 2, what="the test event resent")
+    assert {h.webhook_id for h in receiver.hits_for("/tested")} == {delivery["event_id"]}
+
+    # It cannot be subscribed to; a disabled endpoint gets none; another tenant sees none of it.
+    refused = http.post("/webhooks", json={"url": "https://hooks.example.com/t", "event_types": ["webhook.test"]})
+    assert refused.status_code == 400 and refused.json()["errors"][0]["field"] == "event_types"
+    http.patch(f"/webhooks/{endpoint['id']}", json={"status": "disabled"})
+    disabled = http.post(f"/webhooks/{endpoint['id']}/test")
+    assert disabled.status_code == 409 and disabled.json()["type"] == "/problems/endpoint-disabled"
+    with client(herald_wh.url(), tenant="globex") as other:
+        assert other.post(f"/webhooks/{endpoint['id']}/test").status_code == 404
+        assert other.get(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}").status_code == 404
+    assert http.get(f"/webhooks/{endpoint['id']}/deliveries/{endpoint['id']}").status_code == 404
+    assert http.get(f"/webhooks/{endpoint['id']}/deliveries/nope").status_code == 404
+
+
+def test_recover_resends_the_failed_deliveries_since_a_time(http: httpx.Client, herald_wh: Deployment,
+                                                            receiver: Receiver) -> None:
+    up = threading.Event()
+
+    def down_until_up(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        return (200, {}) if up.is_set() else (500, {})
+
+    endpoint = register(http, receiver, "/recovering", down_until_up, event_types=["job.succeeded"])
+    before = time.time() - 1
+    jobs = [export(http) for _ in range(2)]
+
+    def all_failed() -> list[dict[str, Any]] | None:
+        items = deliveries(http, endpoint["id"])
+        return items if len(items) == 2 and all(d["status"] == "failed" for d in items) else None
+
+    failed = settle(all_failed, timeout=30, what="both deliveries failed")
+    assert all(len(d["attempts"]) == 4 for d in failed)  # the first try and the schedule's three retries
+    health = http.get(f"/webhooks/{endpoint['id']}").json()["health"]
+    assert health["failed"] == 2 and health["success_rate"] == 0.0
+    assert health["last_delivery"]["status"] == "failed" and health["last_delivery"]["status_code"] == 500
+
+    # Nothing failed after "now"; a bad time is a field error; a disabled endpoint is refused.
+    later = datetime.fromtimestamp(time.time() + 60, tz=timezone.utc).isoformat()
+    assert http.post(f"/webhooks/{endpoint['id']}/recover", json={"since": later}).json() == {"count": 0}
+    for bad in ({"since": "yesterday"}, {"since": "2026-01-01T00:00:00"}, {}, {"since": 5, "extra": 1}):
+        answer = http.post(f"/webhooks/{endpoint['id']}/recover", json=bad)
+        assert answer.status_code == 400 and "since" in {e["field"] for e in answer.json()["errors"]}, bad
+    with client(herald_wh.url(), tenant="globex") as other:
+        since = datetime.fromtimestamp(before, tz=timezone.utc).isoformat()
+        assert other.post(f"/webhooks/{endpoint['id']}/recover", json={"since": since}).status_code == 404
+
+    up.set()
+    since = datetime.fromtimestamp(before, tz=timezone.utc).isoformat().replace("+00:00", "Z")
+    recovered = http.post(f"/webhooks/{endpoint['id']}/recover", json={"since": since})
+    assert recovered.status_code == 202 and recovered.json() == {"count": 2}
+    for job in jobs:
+        wait_until(lambda job=job: terminal_hit(receiver, "/recovering", job["id"]), what="recovered delivery")
+    delivered = settle(lambda: (d := deliveries(http, endpoint["id"], status="delivered")) and len(d) == 2 and d,
+                       what="both delivered")
+    for item in delivered:  # same delivery, same webhook-id, one more attempt
+        assert [a["status_code"] for a in item["attempts"]] == [500, 500, 500, 500, 200]
+        assert {h.webhook_id for h in receiver.hits_for("/recovering", {item["job_id"]})} == {item["event_id"]}
+    assert http.post(f"/webhooks/{endpoint['id']}/recover", json={"since": since}).json() == {"count": 0}
+
+    http.patch(f"/webhooks/{endpoint['id']}", json={"status": "disabled"})
+    refused = http.post(f"/webhooks/{endpoint['id']}/recover", json={"since": since})
+    assert refused.status_code == 409 and refused.json()["type"] == "/problems/endpoint-disabled"

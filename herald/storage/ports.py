@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from herald.deliveries import AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished
+from herald.deliveries import AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished, HealthRow
 from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
 from herald.transitions import Change
 from schemas import JobEvent
@@ -194,6 +194,22 @@ class WebhookStore(Protocol):
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
         """Make a delivery due now, whatever its status (same id, same webhook-id)."""
+
+    async def recover(self, tenant: str, endpoint_id: str, since: float) -> int:
+        """Make every ``failed`` delivery of the endpoint created at or after ``since`` due now,
+        as ``retry_now`` does, in one transaction; how many. Nothing while the endpoint is not
+        enabled (checked in the same transaction, so a concurrent disable wins cleanly)."""
+
+    async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
+                                body: bytes) -> DeliveryRow | None:
+        """Queue one ``webhook.test`` delivery to an enabled endpoint, due now, with its signed
+        body (``herald.deliveries.new_test_event`` names it). None: no such enabled endpoint."""
+
+    async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
+        """The bodies of these events as signed and sent (absent: pruned)."""
+
+    async def endpoint_health(self, endpoint_ids: Sequence[str], window: int) -> dict[str, HealthRow]:
+        """Per endpoint: delivered and failed among its newest ``window`` deliveries, and the newest one."""
 
 
 class DeliveryQueue(Protocol):

@@ -76,11 +76,13 @@ import msgspec
 from herald.deliveries import (
     CALLBACK_PREFIX,
     PROGRESS_INTERVAL_S,
+    TEST_EVENT_TYPE,
     AttemptRow,
     Claimed,
     DeliveryRow,
     EndpointRow,
     Finished,
+    HealthRow,
     callback_owner,
     event_id,
 )
@@ -715,6 +717,80 @@ class PgWebhookStore:
             """,
             delivery_id, endpoint_id)
         return DeliveryRow.from_mapping(row) if row is not None else None
+
+    async def recover(self, tenant: str, endpoint_id: str, since: float) -> int:
+        """Every failed delivery created since ``since`` due now, as ``retry_now`` does: one statement.
+
+        The endpoint is held ``FOR KEY SHARE`` while enabled, as fan-out holds it, so a
+        concurrent disable (which takes it ``FOR UPDATE`` first, then fails what is pending)
+        either comes after and fails these again, or came before and this finds nothing.
+        """
+        count = await self.db.pool.fetchval(
+            f"""
+            WITH endpoint AS (
+                SELECT id FROM webhook_endpoints WHERE id = $1 AND tenant = $2 AND status = 'enabled' FOR KEY SHARE),
+            clock AS (SELECT {NOW_SQL} AS ts),
+            recovered AS (
+                UPDATE webhook_deliveries d SET status = 'pending', next_attempt_at = clock.ts, updated_at = clock.ts
+                  FROM endpoint, clock
+                 WHERE d.endpoint_id = endpoint.id AND d.status = 'failed' AND d.created_at >= $3
+                RETURNING 1)
+            SELECT count(*) FROM recovered
+            """,
+            endpoint_id, tenant, since)
+        return int(count)
+
+    async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
+                                body: bytes) -> DeliveryRow | None:
+        """One webhook.test delivery, due now, in one statement; the endpoint held as in ``recover``."""
+        row = await self.db.pool.fetchrow(
+            f"""
+            WITH endpoint AS (
+                SELECT id FROM webhook_endpoints WHERE id = $1 AND tenant = $2 AND status = 'enabled' FOR KEY SHARE),
+            clock AS (SELECT {NOW_SQL} AS ts),
+            message AS (
+                INSERT INTO webhook_messages (event_id, body, created_at)
+                SELECT $3, $5, clock.ts FROM endpoint, clock)
+            INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
+                                            status, scheduled_at, next_attempt_at, created_at, updated_at)
+            SELECT gen_random_uuid()::TEXT, $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
+                   'pending', clock.ts, clock.ts, clock.ts, clock.ts
+              FROM endpoint, clock
+            RETURNING *
+            """,
+            endpoint_id, tenant, event_id, job_key, body, TEST_EVENT_TYPE)
+        return DeliveryRow.from_mapping(row) if row is not None else None
+
+    async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
+        if not event_ids:
+            return {}
+        rows = await self.db.pool.fetch(
+            "SELECT event_id, body FROM webhook_messages WHERE event_id = ANY($1::TEXT[])", list(event_ids))
+        return {r["event_id"]: bytes(r["body"]) for r in rows}
+
+    async def endpoint_health(self, endpoint_ids: Sequence[str], window: int) -> dict[str, HealthRow]:
+        """One statement for a page of endpoints: each an index range scan of its newest ``window``."""
+        if not endpoint_ids:
+            return {}
+        rows = await self.db.pool.fetch(
+            """
+            SELECT e.id AS endpoint_id, recent.delivered, recent.failed, newest AS last
+              FROM unnest($1::TEXT[]) AS e(id)
+             CROSS JOIN LATERAL (
+                SELECT count(*) FILTER (WHERE r.status = 'delivered') AS delivered,
+                       count(*) FILTER (WHERE r.status = 'failed') AS failed
+                  FROM (SELECT d.status FROM webhook_deliveries d WHERE d.endpoint_id = e.id
+                         ORDER BY d.seq DESC LIMIT $2) r) recent
+              LEFT JOIN LATERAL (
+                SELECT d FROM webhook_deliveries d WHERE d.endpoint_id = e.id ORDER BY d.seq DESC LIMIT 1
+              ) latest(newest) ON TRUE
+            """,
+            list(endpoint_ids), window)
+        return {
+            r["endpoint_id"]: HealthRow(delivered=int(r["delivered"]), failed=int(r["failed"]),
+                                        last=DeliveryRow.from_mapping(r["last"]) if r["last"] is not None else None)
+            for r in rows
+        }
 
 
 class PgDeliveryQueue:

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from herald.deliveries import AttemptRow, DeliveryRow, EndpointRow, callback_owner
+from herald.deliveries import TEST_EVENT_TYPE, AttemptRow, DeliveryRow, EndpointRow, HealthRow, callback_owner
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now
 from notifier.signing import ROTATION_OVERLAP_S, SigningKey, new_key
@@ -292,6 +292,64 @@ class SqliteWebhookStore:
             return DeliveryRow.from_mapping(row) if row else None
 
         return await self.db.write(tx)
+
+    async def recover(self, tenant: str, endpoint_id: str, since: float) -> int:
+        """Every failed delivery created since ``since`` due now (one transaction: the writer lock)."""
+
+        def tx(conn: sqlite3.Connection) -> int:
+            ts = now()
+            if not conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = ? AND tenant = ? AND status = 'enabled'",
+                                (endpoint_id, tenant)).fetchone():
+                return 0
+            return conn.execute(
+                "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = ?, updated_at = ?"
+                " WHERE endpoint_id = ? AND status = 'failed' AND created_at >= ?",
+                (ts, ts, endpoint_id, since),
+            ).rowcount
+
+        return await self.db.write(tx)
+
+    async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
+                                body: bytes) -> DeliveryRow | None:
+        """One webhook.test delivery, due now, through the same queue as every other."""
+
+        def tx(conn: sqlite3.Connection) -> DeliveryRow | None:
+            ts = now()
+            if not conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = ? AND tenant = ? AND status = 'enabled'",
+                                (endpoint_id, tenant)).fetchone():
+                return None
+            conn.execute("INSERT INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
+                         (event_id, body, ts))
+            delivery_id = str(uuid.uuid4())
+            conn.execute(
+                "INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,"
+                " status, scheduled_at, next_attempt_at, created_at, updated_at)"
+                " VALUES (?,?,?,?,NULL,?,?,0,?,'pending',?,?,?,?)",
+                (delivery_id, tenant, endpoint_id, endpoint_id, event_id, job_key, TEST_EVENT_TYPE, ts, ts, ts, ts),
+            )
+            row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ?", (delivery_id,)).fetchone()
+            return DeliveryRow.from_mapping(row)
+
+        return await self.db.write(tx)
+
+    async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
+        if not event_ids:
+            return {}
+        marks = ",".join("?" * len(event_ids))
+        rows = self.db.read(f"SELECT event_id, body FROM webhook_messages WHERE event_id IN ({marks})",
+                            list(event_ids))
+        return {r["event_id"]: bytes(r["body"]) for r in rows}
+
+    async def endpoint_health(self, endpoint_ids: Sequence[str], window: int) -> dict[str, HealthRow]:
+        found: dict[str, HealthRow] = {}
+        for endpoint_id in endpoint_ids:  # each an index range scan of at most ``window`` rows
+            rows = self.db.read(
+                "SELECT * FROM webhook_deliveries WHERE endpoint_id = ? ORDER BY seq DESC LIMIT ?",
+                (endpoint_id, window))
+            statuses = [r["status"] for r in rows]
+            found[endpoint_id] = HealthRow(delivered=statuses.count("delivered"), failed=statuses.count("failed"),
+                                           last=DeliveryRow.from_mapping(rows[0]) if rows else None)
+        return found
 
 
 def current_callback_key(conn: sqlite3.Connection, tenant: str, at: float) -> SigningKey:
