@@ -41,6 +41,9 @@ class JobRow:
     media_type: str | None
     error: bytes | None
     callback_url: str | None
+    # The job's W3C trace context (herald.tracing): the accept span's, kept for every later span.
+    traceparent: str | None = None
+    tracestate: str | None = None
 
     @classmethod
     def from_mapping(cls, row: ColumnAccess) -> JobRow:
@@ -55,6 +58,11 @@ class JobRow:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL_STATES
+
+    @property
+    def trace_id(self) -> str | None:
+        """The job's trace id (32 hex digits), from its ``traceparent``."""
+        return self.traceparent[3:35] if self.traceparent else None
 
     @property
     def result_url(self) -> str:
@@ -77,6 +85,7 @@ class JobRow:
             result=result,
             error=_problem_decoder.decode(self.error) if self.error else None,
             links=JobLinks(self=f"/jobs/{self.id}", events=f"/jobs/{self.id}/events", result=result),
+            trace_id=self.trace_id,
         )
 
 
@@ -89,6 +98,8 @@ class NewJob:
     params: bytes
     deadline_s: float
     callback_url: str | None = None
+    traceparent: str | None = None  # the accept span's context (herald.tracing.job_trace)
+    tracestate: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

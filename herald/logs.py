@@ -18,6 +18,7 @@ from typing import Any
 import structlog
 
 from herald.settings import Settings
+from herald.tracing import add_trace_ids
 
 REDACTED = "[redacted]"
 _SECRET_FIELDS = frozenset({
@@ -48,6 +49,7 @@ def configure_logging(settings: Settings, component: str) -> None:
         structlog.stdlib.ExtraAdder(),
         structlog.processors.TimeStamper(fmt="iso", utc=True),
         redact_secrets,
+        add_trace_ids,  # trace_id, span_id of the current span (herald.tracing)
     ]
 
     def add_component(_logger: object, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
@@ -103,5 +105,6 @@ def log_transition(job: object, event: object) -> None:
             "version": event.version,  # type: ignore[attr-defined]
             "state": job.state,  # type: ignore[attr-defined]
             "attempt": job.attempt,  # type: ignore[attr-defined]
+            "trace_id": job.trace_id,  # type: ignore[attr-defined]
         },
     )

@@ -4,6 +4,9 @@ Every process that commits transitions runs one, woken right after its own commi
 events reach NATS in milliseconds. A row left behind by a crash is picked up by any
 relay's periodic pass. Publishing the same row twice is harmless: the message id makes
 JetStream drop the repeat, and every consumer is idempotent by job id and version.
+
+Each message carries its job's W3C trace context as ``traceparent``/``tracestate``
+headers (``herald.tracing``): with tracing on, the context of its publish span.
 """
 
 from __future__ import annotations
@@ -13,6 +16,7 @@ import logging
 
 from nats.js import JetStreamContext
 
+from herald import tracing
 from herald.constants import MSG_ID_HEADER
 from herald.storage.ports import JobStore, OutboxRow
 
@@ -64,4 +68,20 @@ class Relay:
         return len(rows)
 
     async def _publish(self, row: OutboxRow) -> None:
-        await self._js.publish(row.subject, row.payload, headers={MSG_ID_HEADER: row.msg_id}, timeout=5.0)
+        headers = {MSG_ID_HEADER: row.msg_id}
+        if row.traceparent is not None and tracing.enabled():
+            # A span of the job's trace; the message carries its context, so the consumer's
+            # span (the worker's run) is its child.
+            context = tracing.context_from(row.traceparent, row.tracestate)
+            attributes = {"messaging.system": "nats", "messaging.operation.type": "send",
+                          "messaging.destination.name": row.subject, "messaging.message.id": row.msg_id}
+            with tracing.span(f"publish {row.subject.split('.', 1)[0]}", context, kind=tracing.SpanKind.PRODUCER,
+                              attributes=attributes):
+                tracing.inject(headers)
+                await self._js.publish(row.subject, row.payload, headers=headers, timeout=5.0)
+            return
+        if row.traceparent is not None:  # tracing off: the job's context as kept
+            headers[tracing.TRACEPARENT] = row.traceparent
+            if row.tracestate:
+                headers[tracing.TRACESTATE] = row.tracestate
+        await self._js.publish(row.subject, row.payload, headers=headers, timeout=5.0)

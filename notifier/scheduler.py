@@ -19,10 +19,15 @@ import socket
 import time
 import uuid
 from collections import Counter
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from urllib.parse import urlsplit
 
+from opentelemetry.trace import Span, StatusCode
+
+from herald import tracing
 from herald.metrics import Metrics
 from herald.timefmt import now
-from notifier.delivery import SUCCESS_WITHIN_S, Sender
+from notifier.delivery import SUCCESS_WITHIN_S, Outcome, Sender
 from herald.deliveries import Claimed
 from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
@@ -37,6 +42,8 @@ LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
 PRUNE_EVERY_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
 
+TraceLookup = Callable[[Sequence[str]], Awaitable[Mapping[str, tuple[str, str | None]]]]
+
 
 class Scheduler:
     def __init__(
@@ -49,6 +56,7 @@ class Scheduler:
         idle_poll_s: float,
         retention_s: float,
         notices: Notices | None = None,
+        traces: TraceLookup | None = None,
     ) -> None:
         self.queue = queue
         self.notices = notices
@@ -57,6 +65,7 @@ class Scheduler:
         self.metrics = metrics
         self.idle_poll_s = idle_poll_s
         self.retention_s = retention_s
+        self.traces = traces  # each job's kept trace context (JobStore.trace_contexts)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         self._rng = random.Random()
         self._wake = asyncio.Event()
@@ -99,8 +108,10 @@ class Scheduler:
         claimed = await self.queue.claim(
             self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
         )
+        contexts = await self._trace_contexts(claimed)
         for item in claimed:
-            task = asyncio.create_task(self._attempt(item), name=f"webhook-{item.delivery.id}")
+            context = contexts.get(item.delivery.job_id)
+            task = asyncio.create_task(self._attempt(item, context), name=f"webhook-{item.delivery.id}")
             self._tasks[task] = item
             self._in_flight[item.delivery.target] += 1
             task.add_done_callback(self._done)
@@ -122,7 +133,26 @@ class Scheduler:
         due = await self.queue.next_due_after(ts)
         return self.idle_poll_s if due is None else max(0.0, min(self.idle_poll_s, due - ts))
 
-    async def _attempt(self, item: Claimed) -> None:
+    async def _trace_contexts(self, claimed: list[Claimed]) -> Mapping[str, tuple[str, str | None]]:
+        """The claimed deliveries' jobs' trace contexts, in one read (none: no ``traceparent``)."""
+        if self.traces is None or not claimed:
+            return {}
+        try:
+            return await self.traces([item.delivery.job_id for item in claimed])
+        except Exception as exc:  # the store is busy or away: send untraced rather than not at all
+            log.warning("reading trace contexts failed: %s", exc)
+            return {}
+
+    async def _attempt(self, item: Claimed, trace_context: tuple[str, str | None] | None = None) -> None:
+        """One attempt as a span of the job's trace; the request's ``traceparent`` is that span's."""
+        parent = tracing.context_from(*trace_context) if trace_context is not None else None
+        if parent is None:
+            await self._send(item)
+            return
+        with tracing.span("webhook delivery", parent, kind=tracing.SpanKind.CLIENT) as span:
+            await self._send(item, span)
+
+    async def _send(self, item: Claimed, span: Span | None = None) -> None:
         d = item.delivery
         context = {"job_id": d.job_id, "endpoint_id": d.endpoint_id, "delivery_id": d.id, "event_id": d.event_id,
                    "attempt": d.attempts + 1}
@@ -132,6 +162,8 @@ class Scheduler:
             "webhook-timestamp": str(timestamp),
             "webhook-signature": signature_header(item.keys, d.event_id, timestamp, item.body),
         }
+        if span is not None:
+            tracing.inject(headers)
         started_at = now()
         outcome = await self.sender.send(item.url, item.body, headers)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
@@ -139,6 +171,8 @@ class Scheduler:
         if self.notices is not None and d.endpoint_id is not None:
             self.notices.note(d.tenant, d.endpoint_id)
         label = "retry" if finished.status == "pending" else finished.status
+        if span is not None and span.is_recording():
+            _describe_attempt(span, item, outcome, label)
         self.metrics.webhook_deliveries.labels(outcome=label).inc()
         self.metrics.webhook_delivery_seconds.observe(outcome.latency_s)
         log.info(
@@ -164,3 +198,26 @@ class Scheduler:
             # receivers de-duplicate by webhook-id); waiting out the lease is not needed.
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.queue.release(cancelled, self.owner))
+
+
+def _describe_attempt(span: Span, item: Claimed, outcome: Outcome, label: str) -> None:
+    d = item.delivery
+    url = urlsplit(item.url)
+    span.set_attributes({
+        "http.request.method": "POST",
+        "server.address": url.hostname or "",
+        "server.port": url.port or (443 if url.scheme == "https" else 80),
+        "herald.job.id": d.job_id,
+        "herald.event.type": d.type,
+        "herald.delivery.id": d.id,
+        "herald.delivery.attempt": d.attempts + 1,
+        "herald.endpoint.id": d.endpoint_id or "callback_url",
+        "herald.delivery.outcome": label,
+    })
+    if outcome.status_code is not None:
+        span.set_attribute("http.response.status_code", outcome.status_code)
+    if not outcome.ok:
+        error = str(outcome.status_code) if outcome.status_code is not None else (
+            "timeout" if outcome.timed_out else (outcome.error or "error").split(":", 1)[0])
+        span.set_attribute("error.type", error)
+        span.set_status(StatusCode.ERROR, outcome.error or f"answered {outcome.status_code}")

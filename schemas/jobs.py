@@ -50,6 +50,8 @@ class JobStatus(msgspec.Struct, kw_only=True):
     result: str | None
     error: Problem | None
     links: JobLinks
+    # The job's W3C trace id (32 lowercase hex digits): find its spans in your tracing backend.
+    trace_id: str | None = None
 
 
 class JobList(msgspec.Struct, kw_only=True):

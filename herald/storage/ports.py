@@ -64,6 +64,8 @@ class OutboxRow:
     subject: str
     msg_id: str
     payload: bytes
+    traceparent: str | None = None  # the job's trace context, sent as the message's headers
+    tracestate: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,6 +132,10 @@ class JobStore(Protocol):
     async def last_event_seq(self, tenant: str) -> int: ...
 
     async def stats(self) -> StoreStats: ...
+
+    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+        """Each job's kept ``(traceparent, tracestate)`` (``herald.tracing``), in one read;
+        jobs without one (or gone) are absent."""
 
     # ----- outbox ----------------------------------------------------------------------
 

@@ -72,6 +72,7 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald import tracing
 from herald.metrics import metrics
 from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
@@ -110,7 +111,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     result_path TEXT,
     media_type TEXT,
     error BYTEA,
-    callback_url TEXT
+    callback_url TEXT,
+    traceparent TEXT,
+    tracestate TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
@@ -137,7 +140,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     subject TEXT NOT NULL,
     msg_id TEXT NOT NULL,
     payload BYTEA NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL
+    created_at DOUBLE PRECISION NOT NULL,
+    traceparent TEXT,
+    tracestate TEXT
 );
 
 CREATE TABLE IF NOT EXISTS idempotency_keys (
@@ -176,7 +181,8 @@ _FUNCTIONS = """
 CREATE OR REPLACE FUNCTION herald_append_event(
     p_tenant TEXT, p_job_id TEXT, p_kind TEXT, p_version INTEGER, p_type TEXT, p_at DOUBLE PRECISION,
     p_data BYTEA, p_event_subject TEXT, p_event_tail BYTEA,
-    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
+    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
+    p_traceparent TEXT, p_tracestate TEXT
 ) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
 DECLARE
     v_seq BIGINT;
@@ -190,12 +196,13 @@ BEGIN
     INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data)
     VALUES (p_tenant, v_seq, p_job_id, p_kind, p_version, p_type, p_at, p_data);
     -- The JobEvent's JSON begins with its seq: the client sent the rest.
-    INSERT INTO outbox (subject, msg_id, payload, created_at)
+    -- The job's trace context rides along: the relay sends it as the message's headers.
+    INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate)
     VALUES (p_event_subject, 'ev.' || p_job_id || '.' || p_version,
-            convert_to('{"seq":' || v_seq || ',', 'UTF8') || p_event_tail, %NOW%);
+            convert_to('{"seq":' || v_seq || ',', 'UTF8') || p_event_tail, %NOW%, p_traceparent, p_tracestate);
     IF p_work_subject IS NOT NULL THEN
-        INSERT INTO outbox (subject, msg_id, payload, created_at)
-        VALUES (p_work_subject, p_work_msg_id, p_work_payload, %NOW%);
+        INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate)
+        VALUES (p_work_subject, p_work_msg_id, p_work_payload, %NOW%, p_traceparent, p_tracestate);
     END IF;
     RETURN v_seq;
 END
@@ -208,6 +215,7 @@ CREATE OR REPLACE FUNCTION herald_accept(
     p_rate DOUBLE PRECISION, p_burst DOUBLE PRECISION,
     p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
     p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
+    p_traceparent TEXT, p_tracestate TEXT,
     OUT outcome TEXT, OUT wait_s DOUBLE PRECISION, OUT event_seq BIGINT, OUT job jobs
 ) LANGUAGE plpgsql AS $fn$
 DECLARE
@@ -273,12 +281,13 @@ BEGIN
         UPDATE rate_buckets SET tokens = v_tokens - 1, at = v_now WHERE tenant = p_tenant;
     END IF;
     INSERT INTO jobs (id, tenant, kind, collection, state, params, progress, version, attempt,
-                      created_at, updated_at, deadline_at, callback_url)
+                      created_at, updated_at, deadline_at, callback_url, traceparent, tracestate)
     VALUES (p_id, p_tenant, p_kind, p_collection, 'queued', p_params, NULL, 1, 0,
-            p_ts, p_ts, p_ts + p_deadline_s, p_callback_url)
+            p_ts, p_ts, p_ts + p_deadline_s, p_callback_url, p_traceparent, p_tracestate)
     RETURNING * INTO job;
     event_seq := herald_append_event(p_tenant, p_id, p_kind, 1, 'job.queued', p_ts, p_event_data,
-                                     p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
+                                     p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload,
+                                     p_traceparent, p_tracestate);
     outcome := 'accepted';
 END
 $fn$;
@@ -294,6 +303,8 @@ CREATE OR REPLACE FUNCTION herald_transition(
 DECLARE
     v_tenant TEXT;
     v_kind TEXT;
+    v_traceparent TEXT;
+    v_tracestate TEXT;
 BEGIN
     -- Compare-and-set: only the row the client judged. Heartbeats move updated_at (not
     -- version), so both are compared. NULL: it moved; the client reads and judges again.
@@ -303,17 +314,32 @@ BEGIN
         finished_at = p_finished_at, expires_at = p_expires_at, updated_at = p_updated_at,
         version = p_seen_version + 1
     WHERE j.id = p_id AND j.version = p_seen_version AND j.updated_at = p_seen_updated_at
-    RETURNING j.tenant, j.kind INTO v_tenant, v_kind;
+    RETURNING j.tenant, j.kind, j.traceparent, j.tracestate INTO v_tenant, v_kind, v_traceparent, v_tracestate;
     IF NOT FOUND THEN
         RETURN NULL;
     END IF;
     RETURN herald_append_event(v_tenant, p_id, v_kind, p_seen_version + 1, p_event_type, p_updated_at, p_event_data,
-                               p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
+                               p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload,
+                               v_traceparent, v_tracestate);
 END
 $fn$;
 """.replace("%NOW%", NOW_SQL)
 
-MIGRATIONS: list[tuple[str, str]] = [("jobs-1", _TABLES + _FUNCTIONS)]
+_TRACE_COLUMNS = """
+ALTER TABLE jobs ADD COLUMN IF NOT EXISTS traceparent TEXT, ADD COLUMN IF NOT EXISTS tracestate TEXT;
+ALTER TABLE outbox ADD COLUMN IF NOT EXISTS traceparent TEXT, ADD COLUMN IF NOT EXISTS tracestate TEXT;
+DROP FUNCTION IF EXISTS herald_accept(TEXT, TEXT, TEXT, TEXT, BYTEA, TEXT, DOUBLE PRECISION, DOUBLE PRECISION,
+    TEXT, TEXT, DOUBLE PRECISION, DOUBLE PRECISION, DOUBLE PRECISION, TEXT, BYTEA, BYTEA, TEXT, TEXT, BYTEA);
+DROP FUNCTION IF EXISTS herald_append_event(TEXT, TEXT, TEXT, INTEGER, TEXT, DOUBLE PRECISION, BYTEA, TEXT, BYTEA,
+    TEXT, TEXT, BYTEA);
+"""
+
+MIGRATIONS: list[tuple[str, str]] = [
+    ("jobs-1", _TABLES + _FUNCTIONS),
+    # The trace context kept with each job (herald.tracing): "jobs-1" above has it; a database
+    # made before it gets the columns and the functions that write them (a no-op elsewhere).
+    ("jobs-trace-context", _TRACE_COLUMNS + _FUNCTIONS),
+]
 
 # ----- statements ---------------------------------------------------------------------------
 
@@ -321,7 +347,7 @@ _CLOCK = f"SELECT {NOW_SQL}"
 
 _ACCEPT = (
     "SELECT a.outcome, a.wait_s, a.event_seq, (a.job).* FROM herald_accept("
-    + ", ".join(f"${n}" for n in range(1, 20))
+    + ", ".join(f"${n}" for n in range(1, 22))
     + ") AS a"
 )
 
@@ -379,7 +405,7 @@ def _queued_row(new: NewJob, ts: float) -> JobRow:
         params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
         created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
         finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
-        callback_url=new.callback_url,
+        callback_url=new.callback_url, traceparent=new.traceparent, tracestate=new.tracestate,
     )
 
 
@@ -542,6 +568,7 @@ class PgJobStore:
                 float(budget.burst) if budget else None,
                 event_subject(new.tenant, new.id), bytes(event.data), event_tail,
                 work_subject, work_msg_id, work_payload,
+                new.traceparent, new.tracestate,
             )
         assert record is not None
         outcome = record["outcome"]
@@ -561,13 +588,16 @@ class PgJobStore:
 
     async def transition(self, job_id: str, change: Change) -> Transition:
         """Apply ``change`` if the job is where the caller expects it, else raise TransitionRejected."""
+        started = tracing.now_ns()
         try:
             result = await self._compare_and_set(job_id, change)
         except TransitionRejected as exc:
             # A stale, late or duplicate writer: normal under retries and races, never silent.
             _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
             metrics().transitions_rejected.inc()
+            tracing.record_transition(started, exc.current, change, None, exc.reason)
             raise
+        tracing.record_transition(started, result.after, change, result.event, None)
         if result.event is not None:
             self._committed(result.after, result.event)
         return result
@@ -680,14 +710,26 @@ class PgJobStore:
             outbox_oldest_age_s=_age(record["now"], record["outbox_since"]),
         )
 
+    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+        if not job_ids:
+            return {}
+        records = await self._fetch(
+            "SELECT id, traceparent, tracestate FROM jobs WHERE id = ANY($1::text[]) AND traceparent IS NOT NULL",
+            list(set(job_ids)),
+        )
+        return {r["id"]: (r["traceparent"], r["tracestate"]) for r in records}
+
     # ----- outbox ------------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int) -> list[OutboxRow]:
         # A tenant's rows are inserted under its counter lock, so they commit in seq order;
         # rows of different tenants may commit out of seq order, and a later batch picks up
         # a lower seq that committed late (rows are deleted by seq, never by range).
-        records = await self._fetch("SELECT seq, subject, msg_id, payload FROM outbox ORDER BY seq LIMIT $1", limit)
-        return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]))
+        records = await self._fetch(
+            "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox ORDER BY seq LIMIT $1", limit
+        )
+        return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
+                          traceparent=r["traceparent"], tracestate=r["tracestate"])
                 for r in records]
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:

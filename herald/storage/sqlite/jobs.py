@@ -34,6 +34,7 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald import tracing
 from herald.metrics import metrics
 from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
 from herald.storage.sqlite.db import Database
@@ -65,7 +66,9 @@ CREATE TABLE IF NOT EXISTS jobs (
     result_path TEXT,
     media_type TEXT,
     error BLOB,
-    callback_url TEXT
+    callback_url TEXT,
+    traceparent TEXT,
+    tracestate TEXT
 );
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
@@ -92,7 +95,9 @@ CREATE TABLE IF NOT EXISTS outbox (
     subject TEXT NOT NULL,
     msg_id TEXT NOT NULL,
     payload BLOB NOT NULL,
-    created_at REAL NOT NULL
+    created_at REAL NOT NULL,
+    traceparent TEXT,
+    tracestate TEXT
 );
 
 CREATE TABLE IF NOT EXISTS idempotency_keys (
@@ -168,15 +173,25 @@ def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str) -> Job
         "INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data) VALUES (?,?,?,?,?,?,?,?)",
         (job.tenant, seq, job.id, job.kind, job.version, event_type, job.updated_at, data),
     )
-    _enqueue(conn, event_subject(job.tenant, job.id), f"ev.{job.id}.{job.version}", _event_encoder.encode(event))
+    _enqueue(conn, event_subject(job.tenant, job.id), f"ev.{job.id}.{job.version}", _event_encoder.encode(event), job)
     return event
 
 
-def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes) -> None:
+def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes, job: JobRow) -> None:
+    # The job's trace context rides along: the relay sends it as the message's headers.
     conn.execute(
-        "INSERT INTO outbox (subject, msg_id, payload, created_at) VALUES (?,?,?,?)",
-        (subject, msg_id, payload, now()),
+        "INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate) VALUES (?,?,?,?,?,?)",
+        (subject, msg_id, payload, now(), job.traceparent, job.tracestate),
     )
+
+
+def _add_trace_columns(conn: sqlite3.Connection) -> None:
+    """A data dir from before trace contexts were kept: add their columns (once, under the write lock)."""
+    for table in ("jobs", "outbox"):
+        columns = {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}
+        for column in ("traceparent", "tracestate"):
+            if column not in columns:
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
 
 def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
@@ -184,7 +199,7 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
     message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
-    _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message))
+    _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message), job)
 
 
 class SqliteJobStore:
@@ -197,6 +212,7 @@ class SqliteJobStore:
 
     async def open(self) -> None:
         await self._db.open()
+        await self._db.write(_add_trace_columns)
 
     async def close(self) -> None:
         await self._db.close()
@@ -248,9 +264,10 @@ class SqliteJobStore:
                     )
             conn.execute(
                 "INSERT INTO jobs (id, tenant, kind, collection, state, params, progress, version, attempt,"
-                " created_at, updated_at, deadline_at, callback_url)"
-                " VALUES (?,?,?,?, 'queued', ?, NULL, 1, 0, ?, ?, ?, ?)",
-                (new.id, new.tenant, new.kind, new.collection, new.params, ts, ts, ts + new.deadline_s, new.callback_url),
+                " created_at, updated_at, deadline_at, callback_url, traceparent, tracestate)"
+                " VALUES (?,?,?,?, 'queued', ?, NULL, 1, 0, ?, ?, ?, ?, ?, ?)",
+                (new.id, new.tenant, new.kind, new.collection, new.params, ts, ts, ts + new.deadline_s, new.callback_url,
+                 new.traceparent, new.tracestate),
             )
             if idempotency is not None:
                 conn.execute(
@@ -319,13 +336,16 @@ class SqliteJobStore:
                 _enqueue_work(conn, after)
             return Transition(before=before, after=after, event=event)
 
+        started = tracing.now_ns()
         try:
             result = await self._db.write(tx)
         except TransitionRejected as exc:
             # A stale, late or duplicate writer: normal under retries and races, never silent.
             _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
             metrics().transitions_rejected.inc()
+            tracing.record_transition(started, exc.current, change, None, exc.reason)
             raise
+        tracing.record_transition(started, result.after, change, result.event, None)
         if result.event is not None:
             self._committed(result.after, result.event)
         return result
@@ -418,8 +438,11 @@ class SqliteJobStore:
 
     async def outbox_batch(self, limit: int) -> list[OutboxRow]:
         def read(conn: sqlite3.Connection) -> list[OutboxRow]:
-            rows = conn.execute("SELECT seq, subject, msg_id, payload FROM outbox ORDER BY seq LIMIT ?", (limit,))
-            return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]))
+            rows = conn.execute(
+                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox ORDER BY seq LIMIT ?", (limit,)
+            )
+            return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
+                              traceparent=r["traceparent"], tracestate=r["tracestate"])
                     for r in rows.fetchall()]
 
         return await self._db.read_in_thread(read)
@@ -429,6 +452,17 @@ class SqliteJobStore:
             conn.executemany("DELETE FROM outbox WHERE seq = ?", [(s,) for s in seqs])
 
         await self._db.write(tx)
+
+    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
+        wanted = list(dict.fromkeys(job_ids))
+        if not wanted:
+            return {}
+        rows = self._db.read(
+            f"SELECT id, traceparent, tracestate FROM jobs WHERE id IN ({','.join('?' * len(wanted))})"
+            " AND traceparent IS NOT NULL",
+            wanted,
+        )
+        return {r["id"]: (r["traceparent"], r["tracestate"]) for r in rows}
 
     # ----- sweeping -------------------------------------------------------------------
 
