@@ -53,6 +53,7 @@ class JobStatus(msgspec.Struct, kw_only=True):
     result: str | None
     error: Problem | None
     links: JobLinks
+    trace_id: str | None = None  # the job's W3C trace id: its spans in your tracing backend
 
     @property
     def terminal(self) -> bool:
