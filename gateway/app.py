@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from litestar import Litestar
@@ -35,7 +35,7 @@ from herald.storage import build_storage
 from herald.storage.results import open_result_store
 from herald.sweeper import run_sweeper
 from herald.tasks import spawn, stop_all
-from herald.kinds import declared_kinds
+from herald.kinds import load_kinds
 
 log = logging.getLogger("herald.gateway")
 
@@ -82,9 +82,9 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     log.info("NATS connected, streams ready")
 
 
-def _oldest_queued_age(store: JobStore) -> Callable[[], Awaitable[float]]:
-    async def read() -> float:
-        return (await store.stats()).oldest_queued_age_s
+def _queued_ages(store: JobStore, kinds: list[str]) -> Callable[[], Awaitable[Mapping[str, float]]]:
+    async def read() -> Mapping[str, float]:
+        return await store.queued_ages(kinds)
 
     return read
 
@@ -98,6 +98,9 @@ async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
 
 
 def create_app(settings: Settings) -> Litestar:
+    # The kinds' declarations only: a gateway never imports a handler (or its dependencies).
+    kinds = list(load_kinds(settings.kinds).values())
+
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         async with AsyncExitStack() as stack:
@@ -119,7 +122,7 @@ def create_app(settings: Settings) -> Litestar:
                 metrics=metrics,
                 limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
                 hub=hub,
-                backlog=BacklogGuard(_oldest_queued_age(store), settings.max_queue_age_s),
+                backlog=BacklogGuard(_queued_ages(store, [kind.name for kind in kinds]), settings.max_queue_age_s),
             )
             app.state.services = svc
             tasks: list[asyncio.Task[None]] = []
@@ -139,7 +142,6 @@ def create_app(settings: Settings) -> Litestar:
             log.info("gateway ready", extra={"host": settings.http_host, "port": settings.http_port})
             yield
 
-    kinds = declared_kinds().values()
     app = Litestar(
         route_handlers=[
             health.healthz,

@@ -3,7 +3,9 @@
 * Routes that read their body themselves (to name every bad field, SPEC §3) have no
   ``data`` parameter for Litestar to see: ``with_body`` gives their operations the
   request body schema of the same Struct.
-* Results have the media types their kind declares; event routes answer
+* A kind's start route takes its params Struct (a component, with the kind's example
+  body and description), so a client or a generated form can start a kind it has never
+  seen. Results have the media types their kind declares; event routes answer
   ``text/event-stream`` (and ``/events`` also JSON, by ``Accept``).
 * Every operation needs the bearer key except the public ones.
 Problem responses are declared on the handlers with ``problems(...)``; each status is
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 from litestar import Litestar
@@ -79,6 +82,33 @@ def _sse_content() -> OpenAPIMediaType:
     return OpenAPIMediaType(schema=Reference(ref=ref["$ref"]))
 
 
+def _describe_kinds(paths: Any, schemas: dict[str, Any], kinds: list[JobKind]) -> None:
+    """Each kind's start operation: its params Struct as a component (nested types too),
+    its example body, its description."""
+    refs, components = msgspec.json.schema_components(
+        [kind.params for kind in kinds], ref_template="#/components/schemas/{name}"
+    )
+    for name, component in components.items():
+        if name in schemas and schemas[name] != component:
+            raise ValueError(f"the params type {name} has the name of another schema in the API document: rename it")
+        schemas[name] = component
+    for kind, ref in zip(kinds, refs):
+        start = paths[kind.collection].post
+        assert start is not None
+        example = dict(kind.example) if kind.example is not None else None
+        start.request_body = RequestBody(
+            required=True,
+            description=f"The {kind.name} parameters ({kind.params.__name__})",
+            content={"application/json": OpenAPIMediaType(schema=Reference(ref=ref["$ref"]), example=example)},
+        )
+        media = ", ".join(f"`{m}`" for m in kind.all_media_types)
+        start.description = "\n\n".join(part for part in (
+            kind.description,
+            f"Answers 202 at once with the status object; poll `Location`, stream `links.events` or wait for a "
+            f"webhook. Once succeeded, the result ({media}) is at `GET {kind.collection}/{{job_id}}`.",
+        ) if part)
+
+
 def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     openapi = app.openapi_schema
     kinds = list(kinds)
@@ -90,12 +120,15 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     openapi.components.schemas = schemas
     binary = Schema(type=OpenAPIType.STRING, format="binary")  # type: ignore[arg-type]
 
+    _describe_kinds(openapi.paths, schemas, kinds)
+    json_result = Schema(description="the JSON value the handler returned")
     for kind in kinds:
         result = openapi.paths[f"{kind.collection}/{{job_id}}"].get
         assert result is not None and result.responses is not None
         result.responses["200"] = OpenAPIResponse(
             description=f"The {kind.name} result",
-            content={media_type: OpenAPIMediaType(schema=binary) for media_type in kind.media_types},
+            content={media_type: OpenAPIMediaType(schema=json_result if media_type == "application/json" else binary)
+                     for media_type in kind.all_media_types},
         )
 
     sse = _sse_content()

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 
 from gateway.problems import Overloaded, RateLimited, TooManyStreams
 from herald.storage.ports import StartBudget
@@ -43,30 +43,33 @@ class TenantLimits:
 
 
 class BacklogGuard:
-    """Back-pressure: while the oldest queued job is older than the bound, starts get 503.
+    """Back-pressure: while the oldest queued job of a kind is older than the bound, starts
+    of that kind get 503. Per kind: a kind no running worker serves (its jobs wait in
+    JetStream for one) does not hold back the kinds that are being served.
 
-    The age is read from the store at most every ``refresh_s`` (a partial index makes the
+    The ages are read from the store at most every ``refresh_s`` (a partial index makes the
     read cheap, but starts are the hot path).
     """
 
     def __init__(
-        self, oldest_queued_age: Callable[[], Awaitable[float]], max_age_s: float, refresh_s: float = 0.5
+        self, queued_ages: Callable[[], Awaitable[Mapping[str, float]]], max_age_s: float, refresh_s: float = 0.5
     ) -> None:
-        self._oldest_queued_age = oldest_queued_age
+        self._queued_ages = queued_ages
         self.max_age_s = max_age_s
         self._refresh_s = refresh_s
-        self._age = 0.0
+        self._ages: Mapping[str, float] = {}
         self._read_at = -math.inf
 
-    async def check(self) -> None:
+    async def check(self, kind: str) -> None:
         if self.max_age_s <= 0:
             return
         now = time.monotonic()
         if now - self._read_at >= self._refresh_s:
-            self._age, self._read_at = await self._oldest_queued_age(), now
-        if self._age > self.max_age_s:
+            self._ages, self._read_at = await self._queued_ages(), now
+        age = self._ages.get(kind, 0.0)
+        if age > self.max_age_s:
             raise Overloaded(
-                f"the oldest queued job has waited {self._age:.0f} s (limit {self.max_age_s:g} s); "
+                f"the oldest queued {kind} job has waited {age:.0f} s (limit {self.max_age_s:g} s); "
                 "retry later instead of growing the backlog",
                 retry_after=5,
             )

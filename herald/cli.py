@@ -11,6 +11,7 @@ from typing import Any
 import signal
 import sys
 
+from herald.kinds import KindError, load_kinds
 from herald.logs import configure_logging
 from herald.settings import Settings, SettingsError
 
@@ -24,6 +25,10 @@ def _settings(args: argparse.Namespace) -> Settings:
         changes["http_host"] = args.host
     if getattr(args, "workers", None) is not None:
         changes["workers"] = args.workers
+    if getattr(args, "kinds", None) is not None:
+        changes["worker_kinds"] = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    if getattr(args, "concurrency", None) is not None:
+        changes["worker_concurrency"] = max(1, args.concurrency)
     return settings.with_changes(**changes) if changes else settings
 
 
@@ -98,6 +103,34 @@ def run_notifier(settings: Settings) -> int:
     return run_component(settings, body)
 
 
+def _load_kinds(settings: Settings, command: str) -> None:
+    """Every process finds its job kinds at start, so a clash or a broken entry point stops
+    it here, by name. Processes that run handlers (``worker``; ``up``, which starts
+    workers) also import the handlers they will serve now, not at the first job."""
+    load_kinds(settings.kinds)
+    if command in ("worker", "up"):
+        from workers import registry
+
+        registry.load(settings)
+
+
+def list_kinds(settings: Settings, *, check: bool) -> int:
+    """``herald kinds``: name, path, media types, handler and where each kind was declared."""
+    from herald.kinds import declared_kinds, kind_origins
+
+    origins = kind_origins()
+    for name, kind in sorted(declared_kinds().items()):
+        print(f"{name}  POST {kind.collection}  ->  {', '.join(kind.all_media_types) or 'application/json'}")
+        print(f"    params {kind.params.__module__}.{kind.params.__qualname__}, handler {kind.handler}")
+        print(f"    from {origins[name]}")
+    if check:
+        from workers import registry
+
+        served = registry.load(settings.with_changes(worker_kinds=()))
+        print(f"every handler imports ({len(served)} kinds)")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="herald", description="Herald: asynchronous request-reply gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -114,7 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="run the HTTP API (with relay, sweeper, retention)")
     gateway.add_argument("--port", type=int)
     gateway.add_argument("--host")
-    sub.add_parser("worker", help="run one worker process")
+    worker = sub.add_parser("worker", help="run one worker process")
+    worker.add_argument("--kinds", help="serve only these job kinds, comma-separated (HERALD_WORKER_KINDS); default: all")
+    worker.add_argument("--concurrency", type=int, help="jobs this process runs at once (HERALD_WORKER_CONCURRENCY)")
+    kinds = sub.add_parser("kinds", help="list the installed job kinds (and check that their handlers import)")
+    kinds.add_argument("--check", action="store_true", help="import every handler, as a worker does at start")
     sub.add_parser("notifier", help="run one webhook notifier process")
     with contextlib.suppress(ImportError):
         from herald.client_cli import add_client_commands
@@ -134,6 +171,13 @@ def main(argv: list[str] | None = None) -> int:
         print(f"herald: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings, args.command)
+    try:
+        _load_kinds(settings, args.command)
+    except KindError as exc:
+        print(f"herald: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "kinds":
+        return list_kinds(settings, check=args.check)
     if args.command == "up" and args.cluster:
         from herald.cluster_up import run_cluster
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 
 import nats
 from nats.aio.client import Client as NATS
@@ -22,7 +22,10 @@ from herald.constants import (
     NOTIFIER_CONSUMER,
     RESULTS_BUCKET,
     WORKERS_CONSUMER,
+    job_subject,
+    worker_consumer_name,
 )
+from herald.kinds import KindDeclaration, declared_kinds
 from herald.settings import Settings
 from herald.storage.results import ensure_result_buckets, retry_nats
 
@@ -90,16 +93,20 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
     ]
 
 
-def worker_consumer(settings: Settings) -> ConsumerConfig:
-    # The lease: a worker extends it (in_progress) with every heartbeat; a message whose
-    # worker died comes back after ack_wait. max_deliver agrees with HERALD_MAX_ATTEMPTS.
+def worker_consumer(settings: Settings, kind: KindDeclaration) -> ConsumerConfig:
+    """The durable consumer of one kind's work messages (``jobs.<kind>``): a worker binds to
+    the consumers of the kinds it serves, and the other kinds' messages wait in the stream.
+
+    The lease: a worker extends it (in_progress) with every heartbeat; a message whose
+    worker died comes back after ack_wait. max_deliver agrees with the kind's attempts
+    (HERALD_MAX_ATTEMPTS unless the kind declares its own)."""
     return ConsumerConfig(
-        durable_name=WORKERS_CONSUMER,
+        durable_name=worker_consumer_name(kind.name),
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=max(1.0, settings.heartbeat_timeout_s),
-        max_deliver=settings.max_attempts + 1,
+        max_deliver=kind.attempts(settings.max_attempts) + 1,
         max_ack_pending=10_000,
-        filter_subject=JOB_SUBJECTS,
+        filter_subject=job_subject(kind.name),
         deliver_policy=DeliverPolicy.ALL,
         num_replicas=settings.nats_replicas,
     )
@@ -123,14 +130,18 @@ def notifier_consumer(settings: Settings) -> ConsumerConfig:
 TOPOLOGY_RETRY_FOR_S = 60.0
 
 
-async def ensure_topology(js: JetStreamContext, settings: Settings) -> None:
-    """Create or update streams, durable consumers and (HERALD_RESULT_STORE=nats) the result
-    bucket, each with HERALD_NATS_REPLICAS copies. Safe to run from many processes, and
-    retried whole (every step is idempotent) while the cluster is electing its leaders."""
-    await retry_nats(lambda: _ensure_topology(js, settings), for_s=TOPOLOGY_RETRY_FOR_S)
+async def ensure_topology(
+    js: JetStreamContext, settings: Settings, kinds: Iterable[KindDeclaration] | None = None
+) -> None:
+    """Create or update streams, durable consumers (one per kind: ``kinds``, by default this
+    process's declared kinds) and (HERALD_RESULT_STORE=nats) the result bucket, each with
+    HERALD_NATS_REPLICAS copies. Safe to run from many processes, and retried whole (every
+    step is idempotent) while the cluster is electing its leaders."""
+    declared = list(declared_kinds().values() if kinds is None else kinds)
+    await retry_nats(lambda: _ensure_topology(js, settings, declared), for_s=TOPOLOGY_RETRY_FOR_S)
 
 
-async def _ensure_topology(js: JetStreamContext, settings: Settings) -> None:
+async def _ensure_topology(js: JetStreamContext, settings: Settings, kinds: list[KindDeclaration]) -> None:
     for config in stream_configs(settings):
         assert config.name is not None
         try:
@@ -142,7 +153,10 @@ async def _ensure_topology(js: JetStreamContext, settings: Settings) -> None:
             except BadRequestError:  # another process created it first (timeouts: retried whole)
                 pass
         await js.update_stream(config)
-    for stream, consumer in ((JOBS_STREAM, worker_consumer(settings)), (EVENTS_STREAM, notifier_consumer(settings))):
+    await _drop_shared_worker_consumer(js)
+    consumers = [(JOBS_STREAM, worker_consumer(settings, kind)) for kind in kinds]
+    consumers.append((EVENTS_STREAM, notifier_consumer(settings)))
+    for stream, consumer in consumers:
         try:
             info = await js.consumer_info(stream, consumer.durable_name or "")
         except NotFoundError:
@@ -152,6 +166,18 @@ async def _ensure_topology(js: JetStreamContext, settings: Settings) -> None:
             await js.add_consumer(stream, consumer)  # same durable name: updates it
     if settings.effective_result_store == "nats":
         await ensure_result_buckets(js, RESULTS_BUCKET, settings.nats_replicas)
+
+
+async def _drop_shared_worker_consumer(js: JetStreamContext) -> None:
+    """Remove the one consumer of every kind (``herald-workers`` on ``jobs.>``) that Herald
+    used before consumers per kind: on a work-queue stream it would overlap with theirs.
+    Its unacknowledged messages stay in the stream and go to the kinds' consumers."""
+    try:
+        await js.delete_consumer(JOBS_STREAM, WORKERS_CONSUMER)
+    except NotFoundError:
+        return
+    log.warning("removed the shared worker consumer of an older Herald; each kind now has its own",
+                extra={"consumer": WORKERS_CONSUMER})
 
 
 def _consumer_settings(config: ConsumerConfig) -> tuple[object, ...]:

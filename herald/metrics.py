@@ -8,6 +8,7 @@ every component.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -86,12 +87,22 @@ def metrics() -> Metrics:
 class _StoreGauges:
     """Gauges read from the store at scrape time, so they are right whoever changed it."""
 
-    def __init__(self, stats: StoreStats) -> None:
+    def __init__(self, stats: StoreStats, queued_ages: Mapping[str, float] | None = None) -> None:
         self._stats = stats
+        self._queued_ages = queued_ages
 
     def collect(self):  # type: ignore[no-untyped-def]
         yield GaugeMetricFamily("herald_queue_oldest_age_seconds", "Age of the oldest queued job",
                                 value=self._stats.oldest_queued_age_s)
+        if self._queued_ages is not None:
+            by_kind = GaugeMetricFamily(
+                "herald_kind_queue_oldest_age_seconds",
+                "Age of the oldest queued job of each kind (a kind no running worker serves keeps growing)",
+                labels=["kind"],
+            )
+            for kind, age in sorted(self._queued_ages.items()):
+                by_kind.add_metric([kind], age)
+            yield by_kind
         yield GaugeMetricFamily("herald_outbox_pending", "Committed transitions not yet published",
                                 value=self._stats.outbox_pending)
         yield GaugeMetricFamily("herald_outbox_lag_seconds", "Age of the oldest unpublished transition (outbox lag)",
@@ -125,10 +136,10 @@ def mark_process_dead(pid: int, directory: str) -> None:
     multiprocess.mark_process_dead(pid, directory)
 
 
-def exposition(stats: StoreStats | None = None) -> bytes:
+def exposition(stats: StoreStats | None = None, queued_ages: Mapping[str, float] | None = None) -> bytes:
     output = generate_latest(process_registry())
     if stats is not None:
         extra = CollectorRegistry()
-        extra.register(_StoreGauges(stats))  # type: ignore[arg-type]
+        extra.register(_StoreGauges(stats, queued_ages))  # type: ignore[arg-type]
         output += generate_latest(extra)
     return output

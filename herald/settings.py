@@ -72,6 +72,23 @@ def _comma_list(name: str, raw: str) -> tuple[str, ...]:
     return tuple(item for item in raw.split(",") if item)
 
 
+def _names(name: str, raw: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in raw.split(",") if item.strip())
+
+
+def _kind_counts(name: str, raw: str) -> dict[str, int]:
+    """``kind:n,kind:n`` -> {kind: n}."""
+    counts: dict[str, int] = {}
+    for item in raw.split(","):
+        if not item.strip():
+            continue
+        kind, sep, count = item.strip().partition(":")
+        if not sep or not kind or not count.isdigit() or int(count) < 1:
+            raise SettingsError(f"{name} must look like 'kind:n,kind:n' with n >= 1, got {item.strip()!r}")
+        counts[kind] = int(count)
+    return counts
+
+
 def _database_url(name: str, raw: str) -> str:
     if not raw.startswith(("postgresql://", "postgres://")):
         raise SettingsError(f"{name} must be a postgresql:// URL")
@@ -135,6 +152,9 @@ class Settings:
     database_url: Annotated[str | None, Env(_database_url)] = field(default=None, repr=False)  # the PostgreSQL store
     result_store: Annotated[str, Env(_result_store)] = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
     nats_replicas: Annotated[int, AT_LEAST_ONE] = 1
+    kinds: Annotated[tuple[str, ...], Env(_names)] = ()  # more job kinds, 'module:attr' (beside the entry points)
+    worker_kinds: Annotated[tuple[str, ...], Env(_names)] = ()  # the kinds a worker serves; empty: all
+    worker_kind_concurrency: Annotated[Mapping[str, int], Env(_kind_counts)] = field(default_factory=dict)
     instance: Annotated[str, TEXT] = ""  # this process's name in its log lines (several of a component)
 
     @property

@@ -1,7 +1,8 @@
 """The sweeper: every job ends. Safe to run in many processes at once (transitions are conditional).
 
 * running jobs whose heartbeat is older than HERALD_HEARTBEAT_TIMEOUT_S are re-queued
-  (attempt + 1) or, after the last attempt, failed with /problems/worker-lost;
+  (attempt + 1) or, after the last attempt (HERALD_MAX_ATTEMPTS, or the kind's own
+  ``max_attempts``), failed with /problems/worker-lost;
 * live jobs past their deadline fail with /problems/deadline-exceeded;
 * jobs past ``expires_at`` are deleted with their result, key and history (tombstone left).
 """
@@ -12,6 +13,7 @@ import asyncio
 import logging
 
 from herald.jobs import JobRow, TransitionRejected
+from herald.kinds import get_kind
 from herald.settings import Settings
 from herald.storage.ports import JobStore, ResultStore
 from herald.transitions import Change
@@ -31,11 +33,13 @@ def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     stale_before = at - settings.heartbeat_timeout_s
     if job.state != "running" or (job.heartbeat_at or 0) >= stale_before:
         return None
-    if job.attempt >= settings.max_attempts:
+    kind = get_kind(job.kind)
+    attempts = kind.attempts(settings.max_attempts) if kind is not None else settings.max_attempts
+    if job.attempt >= attempts:
         return Change(
             expect={"running"}, to="failed", attempt=job.attempt, stale_before=stale_before,
             error=WORKER_LOST.problem(
-                f"the worker stopped heartbeating on attempt {job.attempt} of {settings.max_attempts}"),
+                f"the worker stopped heartbeating on attempt {job.attempt} of {attempts}"),
         )
     return Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True, stale_before=stale_before)
 

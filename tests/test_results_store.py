@@ -25,7 +25,7 @@ from nats.js.errors import DigestMismatchError
 from gateway.problems import handle_http_exception
 from gateway.routes.results import result_route
 from herald import jetstream
-from herald.constants import EVENTS_STREAM, JOBS_STREAM, NOTIFIER_CONSUMER, RESULTS_BUCKET, WORKERS_CONSUMER
+from herald.constants import EVENTS_STREAM, JOBS_STREAM, NOTIFIER_CONSUMER, RESULTS_BUCKET, worker_consumer_name
 from herald.jobs import JobRow
 from herald.settings import DEV_KEY, DEV_TENANT, Settings
 from herald.storage.ports import ResultBody, ResultStore
@@ -308,9 +308,11 @@ async def test_topology_has_the_replicas_and_the_result_bucket(js: JetStreamCont
     await jetstream.ensure_topology(js, settings)  # a second process starting: no error, no change
     for stream in (*(c.name or "" for c in jetstream.stream_configs(settings)), object_stream(RESULTS_BUCKET)):
         assert (await js.stream_info(stream)).config.num_replicas == 1
-    for stream, consumer in ((JOBS_STREAM, WORKERS_CONSUMER), (EVENTS_STREAM, NOTIFIER_CONSUMER)):
+    consumers = [(JOBS_STREAM, worker_consumer_name(kind)) for kind in ("report", "export")]
+    for stream, consumer in (*consumers, (EVENTS_STREAM, NOTIFIER_CONSUMER)):
         info = await js.consumer_info(stream, consumer)
         assert info.config.num_replicas == 1
+    assert (await js.consumer_info(JOBS_STREAM, worker_consumer_name("report"))).config.filter_subject == "jobs.report"
 
 
 async def test_nats_result_deleted_while_read_breaks_the_download(js: JetStreamContext, tmp_path: Path) -> None:

@@ -1,1 +1,10 @@
-"""Workers: JetStream pull consumers that run job kinds."""
+"""Workers: JetStream pull consumers that run job kinds.
+
+A handler needs only these: ``from workers import JobContext, JobFailed`` (and
+``schemas.problems.ProblemType`` for its own problem types).
+"""
+
+from workers.context import JobContext
+from workers.errors import JobCancelled, JobFailed, JobLost
+
+__all__ = ["JobCancelled", "JobContext", "JobFailed", "JobLost"]

@@ -1,4 +1,21 @@
-"""What a handler sees of the runtime: where to write, how to report progress, when to stop."""
+"""What a handler sees of the runtime: where to write, how to report progress, when to stop.
+
+A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <JSON-able>``:
+
+* a **file result** is written to ``ctx.output`` (a local scratch file; the worker stores
+  it once the handler returns None); a **JSON result** is returned instead (a dict, a list,
+  a msgspec Struct...; stored as ``application/json``);
+* ``await ctx.progress(pct)`` between steps reports 0..99 (each change is one event);
+  ``await ctx.checkpoint()`` between steps without progress to report. Both raise
+  ``JobCancelled`` when the client cancelled the job and ``JobLost`` when it moved on
+  without this worker: let them propagate (partial output is removed for you);
+* ``raise JobFailed(problem_type, detail)`` ends the job ``failed`` with that problem; any
+  other exception ends it ``failed`` with ``/problems/job-failed`` (the traceback goes to
+  the worker's log only). Neither is retried;
+* a handler may be cancelled (``asyncio.CancelledError``) at any ``await``: the worker is
+  shutting down (the job is handed back and starts again, ``ctx.attempt`` + 1), its
+  deadline passed or its lease was lost. Use ``try/finally`` for clean-up, never swallow it.
+"""
 
 from __future__ import annotations
 
@@ -12,12 +29,15 @@ from workers.errors import JobCancelled, JobLost
 
 
 class JobContext:
-    def __init__(self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path) -> None:
+    def __init__(
+        self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path, kind: str = ""
+    ) -> None:
         self.store = store
         self.settings = settings
         self.job_id = job_id
-        self.attempt = attempt
-        self.output = output
+        self.attempt = attempt  # 1 on the first run, +1 each time the job was handed back or re-queued
+        self.kind = kind
+        self.output = output  # write a file result here (a local file, only yours, removed unless you succeed)
         self._progress: int | None = None
 
     async def checkpoint(self) -> None:
@@ -29,7 +49,8 @@ class JobContext:
             raise JobCancelled()
 
     async def progress(self, percent: int) -> None:
-        """Record progress 0..99 (100 is success); a no-op when the percentage did not move."""
+        """Record progress 0..99 (100 is success); a no-op when the percentage did not move.
+        Also a checkpoint: raises JobCancelled or JobLost when the job must stop."""
         percent = max(0, min(99, int(percent)))
         if percent == self._progress:
             await self.checkpoint()

@@ -18,9 +18,14 @@ class JobLost(JobStop):
 
 
 class JobFailed(JobStop):
-    """The work itself failed; the job ends ``failed`` with a problem of this type (its
-    entry in ``schemas.problems``, the list of every problem type Herald emits)."""
+    """The work itself failed; the job ends ``failed`` (not retried) with a problem of this
+    type: the job's ``error`` is ``{"type", "title", "detail"}``. Herald's own types are in
+    ``schemas.problems``; a kind of your own declares its types as
+    ``ProblemType("/problems/<your-type>", "A short title")``. ``detail`` is shown to the
+    client: say what went wrong in their terms, never a stack trace."""
 
     def __init__(self, kind: ProblemType, detail: str) -> None:
+        if not kind.type.startswith("/problems/"):
+            raise ValueError(f"a problem type is a path under /problems/, got {kind.type!r}")
         super().__init__(detail)
         self.problem = kind.problem(detail)

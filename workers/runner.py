@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
+from collections.abc import Mapping
 
 from pathlib import Path
 
@@ -21,7 +23,8 @@ from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
 from herald import jetstream
-from herald.constants import JOBS_STREAM, WORKERS_CONSUMER
+from herald.constants import JOBS_STREAM, worker_consumer_name
+from herald.kinds import JSON_MEDIA_TYPE
 from herald.logs import log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
@@ -42,40 +45,66 @@ _message_decoder = msgspec.msgpack.Decoder(JobMessage)
 
 
 class Worker:
-    def __init__(self, settings: Settings, store: JobStore, results: ResultStore) -> None:
+    def __init__(
+        self, settings: Settings, store: JobStore, results: ResultStore, kinds: Mapping[str, registry.JobKind]
+    ) -> None:
         self.settings = settings
         self.store = store
         self.results = results
+        self.kinds = dict(kinds)
+        # One budget for the process (HERALD_WORKER_CONCURRENCY), and one per kind within it.
         self._slots = asyncio.Semaphore(settings.worker_concurrency)
+        self._kind_slots = {name: asyncio.Semaphore(kind.concurrency) for name, kind in self.kinds.items()}
+        # A fetch waits holding a slot: with more kinds than slots, shorter waits let every kind have its turn.
+        self._fetch_timeout_s = 1.0 if len(self.kinds) <= settings.worker_concurrency else 0.2
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
     # ----- the loop -----------------------------------------------------------------
 
-    async def run(self, subscription: object, stop: asyncio.Event) -> None:
-        """Fetch while there are free slots; on ``stop`` let running jobs finish or hand them back."""
+    async def run(self, subscriptions: Mapping[str, object], stop: asyncio.Event) -> None:
+        """One fetch loop per kind, each on its kind's durable consumer; on ``stop`` let
+        running jobs finish or hand them back."""
+        async with asyncio.TaskGroup() as group:
+            for name, subscription in subscriptions.items():
+                group.create_task(self._fetch_loop(name, subscription, stop), name=f"fetch-{name}")
+
+    async def _fetch_loop(self, kind: str, subscription: object, stop: asyncio.Event) -> None:
+        """Fetch while this kind and the process both have a free slot."""
         fetch = subscription.fetch  # type: ignore[attr-defined]
+        kind_slots = self._kind_slots[kind]
         while not stop.is_set():
+            await kind_slots.acquire()
             await self._slots.acquire()
             try:
-                messages: list[Msg] = await fetch(batch=1, timeout=1.0)
+                messages: list[Msg] = await fetch(batch=1, timeout=self._fetch_timeout_s)
             except (NatsTimeout, asyncio.TimeoutError):
-                self._slots.release()
+                self._release(kind)
                 continue
+            except asyncio.CancelledError:
+                self._release(kind)
+                raise
             except Exception as exc:  # NATS reconnecting: wait and try again
-                self._slots.release()
-                log.warning("fetch failed: %s", exc)
+                self._release(kind)
+                log.warning("fetch failed: %s", exc, extra={"kind": kind})
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.5)
+                continue
+            if not messages:
+                self._release(kind)
                 continue
             for message in messages:
                 task = asyncio.create_task(self._handle(message))
                 self._tasks.add(task)
-                task.add_done_callback(self._done)
+                task.add_done_callback(functools.partial(self._done, kind=kind))
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        self._tasks.discard(task)
+    def _release(self, kind: str) -> None:
         self._slots.release()
+        self._kind_slots[kind].release()
+
+    def _done(self, task: asyncio.Task[None], kind: str) -> None:
+        self._tasks.discard(task)
+        self._release(kind)
         if not task.cancelled() and task.exception() is not None:
             log.error("worker task crashed", exc_info=task.exception())
 
@@ -100,11 +129,11 @@ class Worker:
             await message.term()
             return
         job = await self.store.get(work.job_id)
-        kind = registry.get(work.kind)
+        kind = self.kinds.get(work.kind)
         if job is None or job.state != "queued" or kind is None:
             # Terminal, deleted, or running under another worker (whose death the sweeper
             # handles): this message has nothing left to do.
-            if kind is None and job is not None:
+            if kind is None and job is not None:  # only on a misrouted message: each kind has its consumer
                 log.error("no handler for kind", extra={"job_id": work.job_id, "kind": work.kind})
             await message.ack()
             return
@@ -119,11 +148,21 @@ class Worker:
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
         output = self.results.scratch_path(job.id, job.attempt, kind.suffix(params))
-        context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt, output=output)
+        context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt, output=output,
+                             kind=job.kind)
         log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         try:
-            await kind.handler(context, params)
+            value = await kind.handler(context, params)
+            if value is not None:  # a JSON result: stored like a file, served as application/json
+                _remove_scratch(output)
+                output = self.results.scratch_path(job.id, job.attempt, ".json")
+                await asyncio.to_thread(output.write_bytes, msgspec.json.encode(value))
+                media_type = JSON_MEDIA_TYPE
+            else:
+                media_type = kind.media_type(params)
+                if not output.exists():
+                    raise RuntimeError(f"the {job.kind} handler returned None but wrote no result to ctx.output")
             # The heartbeat (and the JetStream lease) keeps running until the success is
             # committed: storing the result can take seconds (a NATS leader election), and a
             # silent job would be swept away from under a live worker.
@@ -132,7 +171,7 @@ class Worker:
                 await self.store.transition(
                     job.id,
                     Change(expect={"running"}, to="succeeded", attempt=job.attempt, result_path=key,
-                           media_type=kind.media_type(params)),
+                           media_type=media_type),
                 )
             except TransitionRejected as exc:
                 await self.results.discard(key)
@@ -216,7 +255,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
     store, NATS, the topology, the result store), what was already started is stopped and
     awaited in reverse order: no task outlives the store it uses.
     """
-    registry.kinds()  # import every handler now: a broken one stops the worker at start, by name
+    kinds = registry.load(settings)  # import every handler now: a broken one stops the worker at start, by name
     async with contextlib.AsyncExitStack() as stack:
         storage = await open_storage(settings)
         stack.push_async_callback(storage.close)
@@ -233,13 +272,19 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         relay_task = asyncio.create_task(relay.run(), name="relay")
         stack.push_async_callback(_stop, relay_task)
         stack.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
-        subscription = await js.pull_subscribe_bind(WORKERS_CONSUMER, JOBS_STREAM)
-        stack.push_async_callback(subscription.unsubscribe)
-        worker = Worker(settings, store, await open_result_store(settings, js))
+        subscriptions = {}
+        for name in kinds:  # each kind has its own durable consumer: unserved kinds wait in JetStream
+            subscription = await js.pull_subscribe_bind(worker_consumer_name(name), JOBS_STREAM)
+            stack.push_async_callback(subscription.unsubscribe)
+            subscriptions[name] = subscription
+        worker = Worker(settings, store, await open_result_store(settings, js), kinds)
         stack.push_async_callback(worker.shutdown, settings.worker_grace_s)
-        fetching = asyncio.create_task(worker.run(subscription, stop), name="fetch")
+        fetching = asyncio.create_task(worker.run(subscriptions, stop), name="fetch")
         stack.push_async_callback(_stop, fetching)
-        log.info("worker ready", extra={"concurrency": settings.worker_concurrency})
+        log.info("worker ready", extra={
+            "concurrency": settings.worker_concurrency,
+            "kinds": {name: kind.concurrency for name, kind in kinds.items()},
+        })
         await stop.wait()
         log.info("worker stopping")
 

@@ -7,6 +7,7 @@ from litestar import Request, Response, get
 from gateway.openapi import problems
 from gateway.problems import NotReady
 from gateway.services import services
+from herald.kinds import declared_kinds
 from herald.metrics import exposition
 
 
@@ -34,7 +35,8 @@ async def metrics(request: Request) -> Response[bytes]:
     svc = services(request)
     try:
         stats = await svc.store.stats()
+        queued_ages = await svc.store.queued_ages(list(declared_kinds()))
     except Exception:  # the store's own gauges are left out while it is unreachable, not the rest
-        stats = None
-    body = exposition(stats)
+        stats, queued_ages = None, None
+    body = exposition(stats, queued_ages)
     return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")

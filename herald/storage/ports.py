@@ -133,6 +133,11 @@ class JobStore(Protocol):
 
     async def stats(self) -> StoreStats: ...
 
+    async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:
+        """The age of the oldest queued job of each of ``kinds`` (0.0 when none is queued), on
+        the store's clock: per-kind queue age in /metrics, per-kind back-pressure. One index
+        lookup per kind (a partial index on queued jobs by kind and age)."""
+
     async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
         """Each job's kept ``(traceparent, tracestate)`` (``herald.tracing``), in one read;
         jobs without one (or gone) are absent."""

@@ -339,6 +339,9 @@ MIGRATIONS: list[tuple[str, str]] = [
     # The trace context kept with each job (herald.tracing): "jobs-1" above has it; a database
     # made before it gets the columns and the functions that write them (a no-op elsewhere).
     ("jobs-trace-context", _TRACE_COLUMNS + _FUNCTIONS),
+    # Per-kind queue age (/metrics, back-pressure): one index lookup per kind.
+    ("jobs-queued-by-kind",
+     "CREATE INDEX IF NOT EXISTS jobs_queued_by_kind ON jobs (kind, created_at) WHERE state = 'queued';"),
 ]
 
 # ----- statements ---------------------------------------------------------------------------
@@ -369,6 +372,13 @@ _STATS = (
     " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued') AS queued_since,"
     " (SELECT COUNT(*) FROM outbox) AS outbox_pending,"
     " (SELECT MIN(created_at) FROM outbox) AS outbox_since"
+)
+
+# The subquery per kind is one lookup in jobs_queued_by_kind (a GROUP BY would read every queued row).
+_QUEUED_AGES = (
+    f"SELECT k.kind, {NOW_SQL} AS now,"
+    " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued' AND jobs.kind = k.kind) AS since"
+    " FROM unnest($1::text[]) AS k(kind)"
 )
 
 # One statement (data-modifying CTEs all run, whether or not the final SELECT reads them)
@@ -718,6 +728,10 @@ class PgJobStore:
             list(set(job_ids)),
         )
         return {r["id"]: (r["traceparent"], r["tracestate"]) for r in records}
+
+    async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:
+        records = await self._fetch(_QUEUED_AGES, list(kinds))
+        return {r["kind"]: _age(r["now"], r["since"]) for r in records}
 
     # ----- outbox ------------------------------------------------------------------------
 

@@ -73,6 +73,7 @@ CREATE TABLE IF NOT EXISTS jobs (
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
 CREATE INDEX IF NOT EXISTS jobs_queued_since ON jobs (created_at) WHERE state = 'queued';
+CREATE INDEX IF NOT EXISTS jobs_queued_by_kind ON jobs (kind, created_at) WHERE state = 'queued';
 CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (expires_at) WHERE expires_at IS NOT NULL;
 
 CREATE TABLE IF NOT EXISTS events (
@@ -433,6 +434,15 @@ class SqliteJobStore:
             outbox_pending=int(outbox["n"]),
             outbox_oldest_age_s=max(0.0, ts - outbox["t"]) if outbox["t"] is not None else 0.0,
         )
+
+    async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:
+        ts = now()
+        ages: dict[str, float] = {}
+        for kind in kinds:
+            since = self._db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued' AND kind = ?",
+                                  (kind,))[0]["t"]
+            ages[kind] = max(0.0, ts - since) if since is not None else 0.0
+        return ages
 
     # ----- outbox ---------------------------------------------------------------------
 
