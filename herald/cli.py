@@ -126,7 +126,11 @@ def list_kinds(settings: Settings, *, check: bool) -> int:
     if check:
         from workers import registry
 
-        served = registry.load(settings.with_changes(worker_kinds=()))
+        try:
+            served = registry.load(settings.with_changes(worker_kinds=()))
+        except KindError as exc:
+            print(f"herald: {exc}", file=sys.stderr)
+            return 2
         print(f"every handler imports ({len(served)} kinds)")
     return 0
 

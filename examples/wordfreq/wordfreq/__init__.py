@@ -1,0 +1,1 @@
+"""A Herald job kind of its own: word frequencies of a posted text (see README.md)."""

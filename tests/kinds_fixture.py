@@ -1,0 +1,40 @@
+"""Job kinds for tests/test_kinds.py, found through HERALD_KINDS=tests.kinds_fixture:<NAME>.
+
+The handlers live in tests/kinds_fixture_handlers.py, which logs every process that
+imports it: a gateway never may.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from herald.kinds import KindDeclaration
+from schemas import JobParams
+
+
+class EchoParams(JobParams, kw_only=True):
+    message: Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
+    sleep_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+
+
+ECHO = KindDeclaration(
+    name="echo",
+    params=EchoParams,
+    collection="/echoes",
+    handler="tests.kinds_fixture_handlers:echo",
+    concurrency=1,
+    example={"message": "hello"},
+    description="Answers its message back as JSON (a test kind).",
+)
+SAME_ECHO = ECHO  # the same declaration reached twice is one kind
+CLASH_NAME = KindDeclaration(name="report", params=EchoParams, collection="/reports2",
+                             handler="tests.kinds_fixture_handlers:echo")
+CLASH_PATH = KindDeclaration(name="other", params=EchoParams, collection="/reports",
+                             handler="tests.kinds_fixture_handlers:echo")
+NO_HANDLER = KindDeclaration(name="orphan", params=EchoParams, collection="/orphans",
+                             handler="tests.no_such_module:run")
+SYNC_HANDLER = KindDeclaration(name="blocking", params=EchoParams, collection="/blocking",
+                               handler="tests.kinds_fixture_handlers:not_async")
+NOT_A_KIND = {"name": "echo"}

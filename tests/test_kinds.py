@@ -1,0 +1,215 @@
+"""Job kinds from outside Herald (issue 15): discovery through entry points and HERALD_KINDS,
+refusal of clashes and broken declarations at start, workers that serve only some kinds,
+per-kind concurrency and queue age, JSON results."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from herald.kinds import KindError, discover
+from tests.harness import Deployment, client, wait_for_state, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+FIXTURE = "tests.kinds_fixture"
+
+
+# ----- discovery, in process -------------------------------------------------------------------
+
+
+def test_builtin_kinds_come_from_entry_points_like_a_users() -> None:
+    found = discover()
+    assert {"report", "export"} <= set(found)
+    for name in ("report", "export"):
+        assert found[name].origin.startswith(f"entry point {name} = 'herald.kinds:"), found[name].origin
+        assert "distribution herald " in found[name].origin
+
+
+def test_herald_kinds_adds_a_module_attribute_and_counts_one_declaration_once() -> None:
+    found = discover([f"{FIXTURE}:ECHO", f" {FIXTURE}:SAME_ECHO "])
+    assert found["echo"].kind.collection == "/echoes"
+    assert found["echo"].origin == f"HERALD_KINDS item '{FIXTURE}:ECHO'"
+    assert "tests.kinds_fixture_handlers" not in sys.modules  # a declaration imports no handler
+    assert found["echo"].kind.handler == "tests.kinds_fixture_handlers:echo"
+
+
+@pytest.mark.parametrize(("item", "words"), [
+    (f"{FIXTURE}:CLASH_NAME", ["the name 'report'", "entry point report = 'herald.kinds:REPORT'",
+                               f"HERALD_KINDS item '{FIXTURE}:CLASH_NAME'"]),
+    (f"{FIXTURE}:CLASH_PATH", ["the path '/reports'", "entry point report", f"'{FIXTURE}:CLASH_PATH'"]),
+    (f"{FIXTURE}:NOT_A_KIND", [f"'{FIXTURE}:NOT_A_KIND'", "not a herald.kinds.KindDeclaration"]),
+    (f"{FIXTURE}:MISSING", [f"'{FIXTURE}:MISSING'", "cannot be loaded", "AttributeError"]),
+    ("tests.no_such_module:KIND", ["'tests.no_such_module:KIND'", "ModuleNotFoundError"]),
+    ("no_colon_here", ["'no_colon_here'", "module:attribute"]),
+])
+def test_bad_declarations_are_refused_by_name(item: str, words: list[str]) -> None:
+    with pytest.raises(KindError) as refused:
+        discover([item])
+    for word in words:
+        assert word in str(refused.value), str(refused.value)
+
+
+def test_a_malformed_declaration_says_what_is_wrong() -> None:
+    from herald.kinds import KindDeclaration
+    from tests.kinds_fixture import EchoParams
+
+    for changes, words in (
+        ({"name": "Bad-Name"}, "name"), ({"collection": "/a/b"}, "collection"), ({"collection": "/jobs"}, "Herald's own"),
+        ({"handler": "no_function"}, "module:function"), ({"example": {"message": ""}}, "example body is not valid"),
+        ({"max_attempts": 0}, "max_attempts"),
+    ):
+        arguments = {"name": "ok", "params": EchoParams, "collection": "/oks", "handler": "m:f", **changes}
+        with pytest.raises(KindError, match=words):
+            KindDeclaration(**arguments)  # type: ignore[arg-type]
+
+
+# ----- refusals at a process's start -------------------------------------------------------------
+
+
+def _herald(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    base.update(HERALD_DATA_DIR=str(tmp_path / "var"), HERALD_NATS_URL="nats://127.0.0.1:1", **(env or {}))
+    return subprocess.run([sys.executable, "-m", "herald.cli", *argv], env=base, cwd=REPO,
+                          capture_output=True, text=True, timeout=60)
+
+
+def _broken_distribution(site: Path) -> None:
+    """An installed distribution whose herald.kinds entry point names a module that does not exist."""
+    info = site / "broken_kinds-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: broken-kinds\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text("[herald.kinds]\nbroken = broken_kinds_missing.kinds:KIND\n")
+
+
+def test_processes_refuse_to_start_naming_the_fault(tmp_path: Path) -> None:
+    clash = _herald(tmp_path, "gateway", env={"HERALD_KINDS": f"{FIXTURE}:CLASH_NAME"})
+    assert clash.returncode == 2
+    assert "two job kinds claim the name 'report'" in clash.stderr and "CLASH_NAME" in clash.stderr
+
+    unknown = _herald(tmp_path, "worker", "--kinds", "report,nope")
+    assert unknown.returncode == 2 and "'nope'" in unknown.stderr and "declared kinds: export, report" in unknown.stderr
+    unknown_env = _herald(tmp_path, "worker", env={"HERALD_WORKER_KINDS": "nope"})
+    assert unknown_env.returncode == 2 and "'nope'" in unknown_env.stderr
+    counts = _herald(tmp_path, "worker", env={"HERALD_WORKER_KIND_CONCURRENCY": "nope:2"})
+    assert counts.returncode == 2 and "HERALD_WORKER_KIND_CONCURRENCY" in counts.stderr and "'nope'" in counts.stderr
+
+    no_handler = _herald(tmp_path, "worker", env={"HERALD_KINDS": f"{FIXTURE}:NO_HANDLER"})
+    assert no_handler.returncode == 2
+    assert "job kind 'orphan'" in no_handler.stderr and "cannot import handler 'tests.no_such_module:run'" in no_handler.stderr
+    sync = _herald(tmp_path, "kinds", "--check", env={"HERALD_KINDS": f"{FIXTURE}:SYNC_HANDLER"})
+    assert sync.returncode == 2 and "must be an 'async def" in sync.stderr
+    up = _herald(tmp_path, "up", env={"HERALD_KINDS": f"{FIXTURE}:NO_HANDLER"})  # before it starts anything
+    assert up.returncode == 2 and "cannot import handler" in up.stderr
+
+    site = tmp_path / "site"
+    _broken_distribution(site)
+    broken = _herald(tmp_path, "gateway", env={"PYTHONPATH": str(site)})
+    assert broken.returncode == 2
+    assert "entry point broken = 'broken_kinds_missing.kinds:KIND'" in broken.stderr
+    assert "distribution broken-kinds 0.1" in broken.stderr and "ModuleNotFoundError" in broken.stderr
+
+    listed = _herald(tmp_path, "kinds", "--check", env={"HERALD_KINDS": f"{FIXTURE}:ECHO"})
+    assert listed.returncode == 0, listed.stderr
+    assert "echo  POST /echoes  ->  application/json" in listed.stdout and "every handler imports (3 kinds)" in listed.stdout
+
+
+# ----- workers for some kinds --------------------------------------------------------------------
+
+
+def _metric(base: str, name: str, **labels: str) -> float | None:
+    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
+    for line in httpx.get(base + "/metrics").text.splitlines():
+        if line.startswith(f"{name}{{{want}}} ") or (not labels and line.startswith(f"{name} ")):
+            return float(line.rsplit(" ", 1)[1])
+    return None
+
+
+def test_workers_serve_only_their_kinds_and_the_rest_wait(fresh: Deployment, tmp_path: Path) -> None:
+    log = tmp_path / "kinds.log"
+    fresh.env_overrides.update(HERALD_KINDS=f"{FIXTURE}:ECHO", KINDS_TEST_LOG=str(log))
+    base = fresh.start_gateway()
+    reports_only = fresh.start_worker("reports", HERALD_WORKER_KINDS="report")
+    assert fresh.logged("reports", "worker ready")[0]["kinds"] == {"report": 4}
+    with client(base) as http:
+        echo = http.post("/echoes", json={"message": "waiting"}).json()
+        report = http.post("/reports", json={"title": "served", "pages": 2}).json()
+        wait_for_state(http, report["id"], {"succeeded"})
+        # No worker serves echo: it waits in JetStream, and its queue age shows per kind.
+        assert http.get(f"/jobs/{echo['id']}").json()["state"] == "queued"
+        wait_until(lambda: (_metric(base, "herald_kind_queue_oldest_age_seconds", kind="echo") or 0) > 0.5,
+                   what="echo's queue age growing")
+        assert _metric(base, "herald_kind_queue_oldest_age_seconds", kind="report") == 0.0
+
+        fresh._spawn("echoes", ["worker", "--kinds", "echo"], fresh.env())  # the flag, as an operator types it
+        wait_until(lambda: fresh.logged("echoes", "worker ready"), what="the echo worker ready")
+        done = wait_for_state(http, echo["id"], {"succeeded"})
+        assert done["result"] == f"/echoes/{echo['id']}"
+        result = http.get(f"/echoes/{echo['id']}")
+        assert result.status_code == 200 and result.headers["content-type"] == "application/json"
+        assert result.json() == {"echo": "waiting", "attempt": 1, "kind": "echo"}
+        assert result.headers["content-disposition"] == f'attachment; filename="echo-{echo["id"]}.json"'
+        signed = httpx.get(base + done["links"]["result"])  # the signed URL, no key
+        assert signed.status_code == 200 and signed.json()["echo"] == "waiting"
+        assert _metric(base, "herald_kind_queue_oldest_age_seconds", kind="echo") == 0.0
+
+        # Only the echo worker ever ran echo jobs; a new report still goes to the report worker.
+        again = http.post("/reports", json={"title": "again", "pages": 1}).json()
+        wait_for_state(http, again["id"], {"succeeded"})
+    assert reports_only.poll() is None
+    importers = {int(line.split()[1]) for line in log.read_text().splitlines() if line.startswith("import ")}
+    assert importers == {fresh.processes["echoes"].pid}, "only the worker serving echo imports its handler"
+    assert not fresh.logged("reports", "job started", kind="echo")
+    assert not fresh.logged("echoes", "job started", kind="report")
+
+
+def test_per_kind_concurrency_and_openapi_of_a_users_kind(fresh: Deployment, tmp_path: Path) -> None:
+    log = tmp_path / "kinds.log"
+    fresh.env_overrides.update(HERALD_KINDS=f"{FIXTURE}:ECHO", KINDS_TEST_LOG=str(log))
+    base = fresh.start_gateway()
+    fresh.start_worker(HERALD_WORKER_CONCURRENCY="4")  # echo declares concurrency=1: one at a time
+    assert fresh.logged("worker", "worker ready")[0]["kinds"] == {"echo": 1, "export": 4, "report": 4}
+    with client(base) as http:
+        jobs = [http.post("/echoes", json={"message": f"m{i}", "sleep_ms": 300}).json() for i in range(3)]
+        report = http.post("/reports", json={"title": "beside", "pages": 1}).json()
+        wait_for_state(http, report["id"], {"succeeded"})  # other kinds are not held back
+        for job in jobs:
+            wait_for_state(http, job["id"], {"succeeded"})
+    spans = {}
+    for line in log.read_text().splitlines():
+        what, *rest = line.split()
+        if what in ("start", "end"):
+            spans.setdefault(rest[0], {})[what] = float(rest[1])
+    ordered = sorted(spans.values(), key=lambda s: s["start"])
+    assert len(ordered) == 3
+    assert all(a["end"] <= b["start"] for a, b in zip(ordered, ordered[1:])), f"ran at once: {ordered}"
+
+    spec = httpx.get(base + "/schema/openapi.json").json()
+    start = spec["paths"]["/echoes"]["post"]
+    body = start["requestBody"]["content"]["application/json"]
+    assert body["example"] == {"message": "hello"}
+    assert body["schema"] == {"$ref": "#/components/schemas/EchoParams"}
+    assert set(spec["components"]["schemas"]["EchoParams"]["required"]) == {"message"}
+    assert "Answers its message back" in start["description"]
+    assert "application/json" in spec["paths"]["/echoes/{job_id}"]["get"]["responses"]["200"]["content"]
+    report_body = spec["paths"]["/reports"]["post"]["requestBody"]["content"]["application/json"]
+    assert report_body["example"] == {"title": "Quarterly report", "pages": 5}
+    assert "application/pdf" in spec["paths"]["/reports/{job_id}"]["get"]["responses"]["200"]["content"]
+
+
+def test_backlog_of_an_unserved_kind_does_not_hold_back_the_others(fresh: Deployment) -> None:
+    fresh.env_overrides.update(HERALD_KINDS=f"{FIXTURE}:ECHO")
+    base = fresh.start_gateway(HERALD_MAX_QUEUE_AGE_S="1")
+    fresh.start_worker(HERALD_WORKER_KINDS="report")
+    with client(base) as http:
+        assert http.post("/echoes", json={"message": "nobody serves me"}).status_code == 202
+        refused = wait_until(lambda: (r := http.post("/echoes", json={"message": "x"})).status_code == 503 and r,
+                             timeout=10, interval=0.2, what="echo starts refused once its backlog is old")
+        assert refused.json()["type"] == "/problems/overloaded" and "echo" in refused.json()["detail"]
+        time.sleep(0.6)  # past the guard's refresh
+        assert http.post("/reports", json={"title": "still welcome", "pages": 1}).status_code == 202
