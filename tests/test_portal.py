@@ -230,3 +230,228 @@ def test_webhook_events_notice_every_change_of_the_tenants_deliveries(portal: De
     tampered = other.replace("tenant=globex", "tenant=acme")
     assert httpx.get(base + tampered, timeout=5).status_code == 403
     assert httpx.get(base + "/webhooks/events", timeout=5).status_code == 401
+
+
+# ----- the page in Chromium -----------------------------------------------------------------------
+
+
+sync_api = pytest.importorskip("playwright.sync_api", reason="playwright is not installed: pip install -e '.[dev]'")
+
+
+@pytest.fixture()
+def browser() -> Iterator[Any]:
+    if CHROMIUM is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing in CI: `make browser-deps` should have installed it")
+        pytest.skip("Debian chromium is not installed (make browser-deps, or apt-get install chromium)")
+    with sync_api.sync_playwright() as playwright:
+        chromium = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def test_page_and_assets_need_no_key_and_stay_out_of_the_schema(portal: Deployment) -> None:
+    with httpx.Client(base_url=portal.url(), timeout=10) as anonymous:
+        page = anonymous.get("/portal")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "frame-ancestors 'none'" in page.headers["content-security-policy"]
+        assert page.headers["referrer-policy"] == "no-referrer"  # a link's query never leaves in a Referer
+        assert '<script src="/static/portal.js"' in page.text
+        for name, media_type in (("portal.js", "text/javascript"), ("portal.css", "text/css")):
+            asset = anonymous.get(f"/static/{name}")
+            assert asset.status_code == 200 and asset.headers["content-type"].startswith(media_type)
+        assert anonymous.get("/static/portal.html").status_code == 404
+        paths = anonymous.get("/schema/openapi.json").json()["paths"]
+        assert "/portal" not in paths
+        for path, method in (("/portal/link", "post"), ("/portal/session", "post"), ("/webhooks/{endpoint_id}/recover", "post"),
+                             ("/webhooks/{endpoint_id}/test", "post"), ("/webhooks/events", "get"),
+                             ("/webhooks/events/link", "post"), ("/webhooks/{endpoint_id}/deliveries/{delivery_id}", "get")):
+            assert method in paths[path], path
+        assert {"bearer": []} in paths["/webhooks/{endpoint_id}/test"]["post"]["security"]
+        assert {"portal": []} in paths["/webhooks/{endpoint_id}/test"]["post"]["security"]
+        assert paths["/jobs"]["get"]["security"] == [{"bearer": []}]  # a portal session opens no job route
+
+
+def test_the_portal_in_chromium(browser: Any, portal: Deployment, receiver: Receiver) -> None:
+    expect = sync_api.expect
+    expect.set_options(timeout=20_000)
+    base = portal.url()
+    acme = client(base)
+    page = browser.new_page(viewport={"width": 1200, "height": 1000})
+    page_errors: list[str] = []
+    page.on("pageerror", lambda exc: page_errors.append(str(exc)))
+
+    # Signing in with the API key; nothing there yet, and the page says what to do.
+    page.goto(base + "/portal")
+    key = page.get_by_label("API key")
+    expect(key).to_be_focused()
+    key.fill("not-a-key")
+    page.get_by_role("button", name="Connect").click()
+    expect(page.get_by_role("alert").filter(has_text="not accepted")).to_be_visible()
+    key.fill(KEYS["acme"])
+    key.press("Enter")
+    connection = page.locator("#connection")
+    expect(connection).to_have_text("Live")
+    expect(page.get_by_text("No endpoints yet")).to_be_visible()
+    page.evaluate("window.__sameDocument = true")  # gone if anything below reloads the page
+
+    # Create an endpoint pointing at the real receiver, with the keyboard-friendly form.
+    add = page.get_by_role("button", name="Add endpoint")
+    add.click()
+    dialog = page.get_by_role("dialog", name="Add endpoint")
+    url_field = dialog.get_by_label("URL")
+    expect(url_field).to_be_focused()
+    dialog.get_by_role("button", name="Save").click()  # empty: the form says which field is wrong
+    expect(dialog.get_by_role("alert")).to_contain_text("url:")
+    expect(url_field).to_have_attribute("aria-invalid", "true")
+    url_field.fill("ftp://nowhere.example/x")
+    dialog.get_by_role("button", name="Save").click()  # the API's field error, shown at the field
+    expect(dialog.get_by_role("alert")).to_contain_text("url:")
+    url_field.fill(receiver.url)
+    expect(dialog.get_by_label("job.succeeded")).to_be_checked()
+    expect(dialog.get_by_label("job.progress")).not_to_be_checked()
+    dialog.get_by_role("button", name="Save").click()
+    secret_dialog = page.get_by_role("dialog", name="Signing secret")
+    expect(secret_dialog).to_be_visible()
+    first_secret = secret_dialog.locator("#secret-value").inner_text()
+    assert first_secret.startswith("whsec_")
+    receiver.secrets.append(first_secret)
+    secret_dialog.get_by_role("button", name="Done").click()
+    card = page.locator("#endpoints > li").first
+    expect(card.get_by_role("heading")).to_have_text(receiver.url)
+    expect(card).to_contain_text("Enabled")
+    endpoint_id = card.get_attribute("data-endpoint-id")
+    assert endpoint_id
+    deliveries = page.locator("#deliveries > li")
+    expect(page.get_by_text("No deliveries here yet")).to_be_visible()
+
+    # A job runs: its deliveries appear live, each with its attempt.
+    job = acme.post("/exports", json={"format": "csv", "rows": 10}).json()
+    done = page.locator(f'#deliveries > li[data-job-id="{job["id"]}"][data-type="job.succeeded"]')
+    expect(done).to_have_attribute("data-status", "delivered")
+    expect(done.locator("summary")).to_contain_text("1 attempt")
+    done.locator("summary").click()
+    expect(done.locator(".attempts tbody tr")).to_have_count(1)
+    expect(done.locator(".attempts tbody tr td").nth(2)).to_have_text("200")
+    expect(done.locator(".answer")).to_have_text('{"ok": true}')
+    expect(done.locator(".payload")).to_contain_text(job["id"])
+    expect(page.locator(f'#deliveries > li[data-job-id="{job["id"]}"]')).to_have_count(3)  # queued, running, succeeded
+    expect(card).to_contain_text("100% of the last 3")
+
+    # The receiver fails: the delivery ends failed; resent by hand once the receiver is back.
+    receiver.failing.set()
+    failing_job = acme.post("/exports", json={"format": "csv", "rows": 10}).json()
+    failed = page.locator(f'#deliveries > li[data-job-id="{failing_job["id"]}"][data-type="job.succeeded"]')
+    expect(failed).to_have_attribute("data-status", "failed")
+    expect(failed.locator("summary")).to_contain_text("3 attempts")
+    expect(card).to_contain_text("failed · job.succeeded · HTTP 500")
+    receiver.failing.clear()
+    failed.get_by_role("button", name="Resend").click()
+    expect(failed).to_have_attribute("data-status", "delivered")
+    expect(failed.locator("summary")).to_contain_text("4 attempts")
+
+    # Recover: everything that failed since the chosen time is sent again.
+    receiver.failing.set()
+    more = [acme.post("/exports", json={"format": "csv", "rows": 10}).json() for _ in range(2)]
+    for item in more:
+        expect(page.locator(f'#deliveries > li[data-job-id="{item["id"]}"][data-type="job.succeeded"]')) \
+            .to_have_attribute("data-status", "failed")
+    receiver.failing.clear()
+    page.get_by_role("button", name="Recover").click()
+    expect(page.locator("#deliveries-note")).to_contain_text("being sent again")
+    for item in more:
+        expect(page.locator(f'#deliveries > li[data-job-id="{item["id"]}"][data-type="job.succeeded"]')) \
+            .to_have_attribute("data-status", "delivered")
+    expect(page.locator('#deliveries > li[data-status="failed"]')).to_have_count(0)
+    recovered = page.locator(f'#deliveries > li[data-job-id="{more[-1]["id"]}"][data-type="job.succeeded"]')
+    recovered.locator("summary").click()
+    expect(recovered.locator(".attempts tbody tr")).to_have_count(4)
+    expect(recovered.locator(".answer").first).to_have_text('{"error": "receiver down"}')
+    page.evaluate("document.activeElement.blur(); window.scrollTo(0, 0)")
+    SCREENSHOT.parent.mkdir(exist_ok=True)
+    page.screenshot(path=str(SCREENSHOT))  # the README's: an endpoint, a recovered delivery opened
+    recovered.locator("summary").click()
+    succeeded = {r.webhook_id for r in receiver.of_type("job.succeeded") if r.status == 200}
+    assert len(succeeded) == 4  # each job's job.succeeded reached the receiver, verified
+
+    # Rotate the secret: the new one is shown once; both sign meanwhile (the receiver checks both).
+    rotate = card.get_by_role("button", name="Rotate secret")
+    rotate.click()
+    rotated = page.get_by_role("dialog", name="Signing secret")
+    expect(rotated).to_contain_text("keeps signing for 24 hours")
+    second_secret = rotated.locator("#secret-value").inner_text()
+    assert second_secret.startswith("whsec_") and second_secret != first_secret
+    receiver.secrets.append(second_secret)
+    page.keyboard.press("Escape")
+    expect(rotated).to_be_hidden()
+    expect(rotate).to_be_focused()  # focus goes back where it was
+
+    # A test event: signed (old and new secret), through the queue, in the log like any other.
+    card.get_by_role("button", name="Send test event").click()
+    test = page.locator('#deliveries > li[data-type="webhook.test"]')
+    expect(test).to_have_attribute("data-status", "delivered")
+    expect(test.locator("summary")).to_contain_text("test event")
+    assert [r.status for r in receiver.of_type("webhook.test")] == [200]
+    test.locator("summary").click()
+    expect(test.locator(".payload")).to_contain_text('"type": "webhook.test"')
+    expect(card).to_contain_text("delivered · webhook.test · HTTP 200")
+    assert page.evaluate("window.__sameDocument") is True, "everything above happened without a reload"
+
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "portal.png"), full_page=True)
+
+    # A phone-width screen: nothing wider than the screen, the actions still reachable.
+    page.set_viewport_size({"width": 390, "height": 844})
+    too_wide = page.evaluate("""() => Array.from(document.querySelectorAll('body *'))
+        .filter(el => (el.getBoundingClientRect().right > window.innerWidth + 0.5 || el.scrollWidth > el.clientWidth + 1) && !el.closest('.table-wrap') && getComputedStyle(el).overflowX === 'visible')
+        .map(el => `${el.tagName}.${el.className}#${el.id} ${Math.round(el.getBoundingClientRect().right)}`)""")
+    widths = page.evaluate("[document.documentElement.scrollWidth, document.documentElement.clientWidth, window.innerWidth, document.body.scrollWidth]")
+    assert widths[0] <= widths[1], (widths, too_wide[:10])
+    expect(card.get_by_role("button", name="Send test event")).to_be_visible()
+    page.screenshot(path=str(ARTIFACTS / "portal-phone.png"), full_page=True)
+    page.close()
+
+    # The portal link: no key, this tenant's webhooks, and nothing of its jobs.
+    link = acme.post("/portal/link").json()["url"]
+    fresh_context = browser.new_context(viewport={"width": 390, "height": 844})
+    guest = fresh_context.new_page()
+    guest.on("pageerror", lambda exc: page_errors.append(str(exc)))
+    requested: list[str] = []
+    guest.on("request", lambda request: requested.append(request.url))
+    guest.goto(base + link)
+    expect(guest.locator("#connection")).to_have_text("Live")
+    expect(guest.get_by_text("Webhooks of acme, opened with a portal link.")).to_be_visible()
+    assert "sig=" not in guest.url, "the link's signature leaves the address bar at once"
+    guest_card = guest.locator(f'#endpoints > li[data-endpoint-id="{endpoint_id}"]')
+    expect(guest_card.get_by_role("heading")).to_have_text(receiver.url)
+    guest_card.get_by_role("button", name="Deliveries").click()
+    expect(guest.locator("#deliveries-heading")).to_be_focused()
+    expect(guest.locator('#deliveries > li[data-type="webhook.test"]')).to_have_count(1)
+    guest_card.get_by_role("button", name="Send test event").click()
+    expect(guest.locator('#deliveries > li[data-type="webhook.test"][data-status="delivered"]')).to_have_count(2)
+    guest.reload()  # the session lives in this tab: a reload keeps it, with no link in the URL
+    expect(guest.locator("#connection")).to_have_text("Live")
+    expect(guest.locator("#endpoints > li")).to_have_count(1)
+    paths = [urlsplit(u).path for u in requested]
+    assert not [p for p in paths if p.startswith(("/jobs", "/events", "/exports", "/reports"))], paths
+    fresh_context.close()
+
+    # Another tenant's link shows none of it.
+    with client(base, tenant="globex") as globex:
+        other_link = globex.post("/portal/link").json()["url"]
+    other = browser.new_page()
+    other.goto(base + other_link)
+    expect(other.get_by_text("Webhooks of globex, opened with a portal link.")).to_be_visible()
+    expect(other.get_by_text("No endpoints yet")).to_be_visible()
+    expect(other.locator("#endpoints > li")).to_have_count(0)
+    assert receiver.url not in other.content()
+
+    # A link that was tampered with (or has expired) says what to do.
+    other.goto(base + link.replace("tenant=acme", "tenant=globex"))
+    expect(other.get_by_role("alert").filter(has_text="expired or is not valid")).to_be_visible()
+    expect(other.get_by_label("API key")).to_be_visible()
+    other.close()
+    acme.close()
+    assert not page_errors, page_errors
