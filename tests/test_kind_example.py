@@ -1,0 +1,102 @@
+"""The worked example (examples/wordfreq) as a user runs it: pip install it beside Herald,
+``herald up``, start a job through the HTTP API, read its JSON result.
+
+The package is installed into this venv for the module and uninstalled at its end, so
+the other tests see Herald's own kinds only.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.harness import free_port, wait_until
+
+REPO = Path(__file__).resolve().parent.parent
+EXAMPLE = REPO / "examples" / "wordfreq"
+KEY = "key-example"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+
+
+def _pip(*argv: str) -> None:
+    run = subprocess.run([sys.executable, "-m", "pip", *argv], capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+
+
+@pytest.fixture(scope="module")
+def wordfreq_installed() -> Iterator[None]:
+    _pip("install", "--quiet", "--no-deps", "-e", str(EXAMPLE))
+    try:
+        yield
+    finally:
+        _pip("uninstall", "--quiet", "-y", "herald-wordfreq")
+        shutil.rmtree(EXAMPLE / "herald_wordfreq.egg-info", ignore_errors=True)
+
+
+@pytest.fixture()
+def up(wordfreq_installed: None, tmp_path: Path) -> Iterator[str]:
+    port, nats_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "PROMETHEUS_"))}
+    env.update(HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"),
+               HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
+    # From another directory than the checkout: the kind is found as an installed package.
+    process = subprocess.Popen([str(Path(sys.executable).parent / "herald"), "up"], env=env, stdout=log, stderr=log,
+                               cwd=tmp_path)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        yield base
+    finally:
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(30)
+        log.close()
+        assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
+
+
+def _finished(http: httpx.Client, job_id: str) -> dict:
+    return wait_until(lambda: (b := http.get(f"/jobs/{job_id}").json())["state"] in ("succeeded", "failed") and b,
+                      timeout=30, what=f"job {job_id} finished")
+
+
+def test_the_example_kind_runs_under_herald_up(up: str) -> None:
+    text = "Alpha beta beta gamma, gamma gamma; the and of.\n" * 1000
+    with httpx.Client(base_url=up, headers=AUTH, timeout=10) as http:
+        accepted = http.post("/wordfreq", json={"text": text, "top": 2})
+        assert accepted.status_code == 202, accepted.text
+        job = _finished(http, accepted.json()["id"])
+        assert job["state"] == "succeeded" and job["kind"] == "wordfreq" and job["progress"] == 100
+        assert job["result"] == f"/wordfreq/{job['id']}"
+
+        result = http.get(job["result"])
+        assert result.status_code == 200 and result.headers["content-type"] == "application/json"
+        assert result.json() == {
+            "words": 6000, "distinct": 3, "skipped": 3000,
+            "top": [{"word": "gamma", "count": 3000, "share": 0.5}, {"word": "beta", "count": 2000, "share": 0.3333}],
+        }
+        assert httpx.get(up + job["links"]["result"]).json() == result.json()  # the signed URL, no key
+
+        # The kind's own problem type, and validation from its Struct.
+        failed = _finished(http, http.post("/wordfreq", json={"text": "the and of"}).json()["id"])
+        assert failed["state"] == "failed"
+        assert failed["error"]["type"] == "/problems/wordfreq-no-words"
+        assert failed["error"]["title"] == "No words left to count" and "3 words" in failed["error"]["detail"]
+        invalid = http.post("/wordfreq", json={"text": "", "top": 0, "colour": "red"})
+        assert invalid.status_code == 400
+        assert {e["field"] for e in invalid.json()["errors"]} == {"text", "top", "colour"}
+
+    spec = httpx.get(up + "/schema/openapi.json").json()
+    body = spec["paths"]["/wordfreq"]["post"]["requestBody"]["content"]["application/json"]
+    assert body["example"]["top"] == 5 and body["schema"] == {"$ref": "#/components/schemas/WordFreqParams"}
+    assert {"text", "top", "stopwords"} <= set(spec["components"]["schemas"]["WordFreqParams"]["properties"])
+    metrics = httpx.get(up + "/metrics").text
+    assert 'herald_kind_queue_oldest_age_seconds{kind="wordfreq"}' in metrics
+    assert 'herald_jobs_finished_total{kind="wordfreq",state="succeeded"} 1.0' in metrics
