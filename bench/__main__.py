@@ -1,5 +1,5 @@
 """``python -m bench [--smoke] [--only accept,poll,...] [--store sqlite|postgres|both] [--shape one|cluster]
-[--out bench/out] [--keep] [--without wrk,nchan]``
+[--out bench/out] [--keep] [--without wrk,nchan] [--tracing]``
 
 Starts everything it needs on 127.0.0.1 (own temp dir, free ports), runs each scenario
 against Herald and its baseline in the same run, stops everything, prints a table and
@@ -13,6 +13,8 @@ scenario on SQLite, then on PostgreSQL, and prints them side by side: each store
 its ratio to the baseline, and PostgreSQL's value as a ratio to SQLite's from the same run.
 ``--shape cluster`` also runs the end-to-end scenario on ``herald up --cluster`` (3 NATS
 nodes, PostgreSQL, 2 gateways, 2 workers, 2 notifiers), beside the one-machine shape.
+``--tracing`` exports every Herald process's spans over OTLP/HTTP to a sink process the
+bench starts (``bench/otlpsink.py``): tracing on, as against a collector.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from pathlib import Path
 
 from bench import report
 from bench.config import FULL, SMOKE
+from bench.otlpsink import OtlpSink
 from bench.procs import Procs
 from bench.profile import summarize
 from bench.pg import BenchPostgres
@@ -64,6 +67,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
                         help="a PostgreSQL server setting for --store postgres/both (what-ifs, e.g. "
                         "synchronous_commit=off)")
+    parser.add_argument("--tracing", action="store_true",
+                        help="tracing on: Herald's processes export spans over OTLP/HTTP to a sink the bench starts")
     args = parser.parse_args(argv)
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
     stores = list(STORES) if args.store == "both" else [args.store]
     pg_settings = dict(item.split("=", 1) for item in args.pg_set)
     postgres = BenchPostgres(root / "postgres", pg_settings) if "postgres" in stores else None
+    sink = OtlpSink(root / "logs" / "otlp-sink.log") if args.tracing else None
+    if sink is not None:
+        sink.__enter__()
+        overrides.update(OTEL_EXPORTER_OTLP_ENDPOINT=sink.endpoint)
     try:
         with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
             ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
@@ -124,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if postgres is not None:
             postgres.stop()
+        if sink is not None:
+            sink.__exit__(None, None, None)
 
     document = {
         "mode": "smoke" if args.smoke else "full",
@@ -132,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         "environment": report.environment(),
         "tools": {"wrk": have_wrk, "nchan": nchan is None},
         "herald_settings": overrides,
+        "tracing": sink.counts() if sink is not None else False,
         "stores": stores,
         "shape": args.shape,
         "postgres": postgres_info,
@@ -157,6 +169,8 @@ def main(argv: list[str] | None = None) -> int:
         print("notes:")
         print(notes)
         print()
+    if sink is not None:
+        print(f"tracing on: the OTLP sink received {document['tracing']}")
     print(f"wrote {out_json}" + (f" ({chart_note})" if chart_note else f" and {args.out / 'results.png'}"))
     if roles:
         time.sleep(1.0)  # py-spy writes its file once its target has exited

@@ -175,6 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"herald: {exc}", file=sys.stderr)
         return 2
     configure_logging(settings, args.command)
+    if args.command in ("gateway", "worker", "notifier"):
+        from herald import tracing
+
+        tracing.configure(args.command, settings.instance)  # only if OTEL_EXPORTER_OTLP_ENDPOINT is set
     try:
         _load_kinds(settings, args.command)
     except KindError as exc:

@@ -22,7 +22,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.errors import TimeoutError as NatsTimeout
 
-from herald import jetstream
+from herald import jetstream, tracing
 from herald.constants import JOBS_STREAM, worker_consumer_name
 from herald.kinds import JSON_MEDIA_TYPE
 from herald.logs import log_transition
@@ -137,13 +137,20 @@ class Worker:
                 log.error("no handler for kind", extra={"job_id": work.job_id, "kind": work.kind})
             await message.ack()
             return
-        try:
-            claimed = await self.store.transition(job.id, Change(expect={"queued"}, to="running", claim=True))
-        except TransitionRejected as exc:
-            log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
-            await message.ack()
-            return
-        await self._run_claimed(claimed.after, kind, message)
+        # The attempt's span, in the job's trace (continued from the message's headers).
+        attributes = {"messaging.system": "nats", "messaging.operation.type": "process",
+                      "messaging.destination.name": message.subject, "herald.job.id": job.id,
+                      "herald.job.kind": job.kind}
+        with tracing.span(f"run {job.kind}", tracing.continued(message.headers, job), kind=tracing.SpanKind.CONSUMER,
+                          attributes=attributes) as span:
+            try:
+                claimed = await self.store.transition(job.id, Change(expect={"queued"}, to="running", claim=True))
+            except TransitionRejected as exc:
+                log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
+                await message.ack()
+                return
+            span.set_attribute("herald.job.attempt", claimed.after.attempt)
+            await self._run_claimed(claimed.after, kind, message)
 
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
@@ -153,7 +160,8 @@ class Worker:
         log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         try:
-            value = await kind.handler(context, params)
+            with tracing.span(f"handler {job.kind}", attributes={"herald.job.attempt": job.attempt}):
+                value = await kind.handler(context, params)
             if value is not None:  # a JSON result: stored like a file, served as application/json
                 _remove_scratch(output)
                 output = self.results.scratch_path(job.id, job.attempt, ".json")
@@ -166,7 +174,8 @@ class Worker:
             # The heartbeat (and the JetStream lease) keeps running until the success is
             # committed: storing the result can take seconds (a NATS leader election), and a
             # silent job would be swept away from under a live worker.
-            key = await self.results.commit(job.id, job.attempt, output)
+            with tracing.span("result commit"):
+                key = await self.results.commit(job.id, job.attempt, output)
             try:
                 await self.store.transition(
                     job.id,

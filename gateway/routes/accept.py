@@ -8,6 +8,7 @@ from typing import Any
 
 import msgspec
 from litestar import Request, Response, post
+from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
 
 from gateway.auth import require_tenant
@@ -16,6 +17,7 @@ from gateway.openapi import problems, with_body
 from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, InvalidIdempotencyKey, InvalidRequest
 from gateway.render import public_status, retry_after
 from gateway.services import services
+from herald import tracing
 from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob, RateLimited
 from schemas import JobStatus
 from herald.kinds import KindDeclaration as JobKind
@@ -40,6 +42,23 @@ def fingerprint(path: str, document: Any) -> str:
 
 
 async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
+    """The job's accept span (``herald.tracing``): a child of the request's ``traceparent``, or
+    the root of a new trace; its context is kept with the job."""
+    attributes = {"http.request.method": "POST", "http.route": kind.collection, "herald.job.kind": kind.name}
+    with tracing.span(f"POST {kind.collection}", tracing.incoming(request.headers), kind=tracing.SpanKind.SERVER,
+                      attributes=attributes, error_on_exception=False) as span:
+        try:
+            response = await _accept_job(request, kind)
+        except HTTPException as exc:
+            span.set_attribute("http.response.status_code", exc.status_code)
+            raise
+        span.set_attribute("http.response.status_code", response.status_code)
+        if isinstance(response.content, JobStatus):
+            span.set_attribute("herald.job.id", response.content.id)
+        return response
+
+
+async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     """Authenticate, validate, commit job + key + outbox in one transaction, answer 202."""
     svc = services(request)
     tenant = require_tenant(request, svc.settings)
@@ -60,11 +79,14 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
         params=msgspec.json.encode(params),
         deadline_s=kind.deadline_s or svc.settings.job_deadline_s,
         callback_url=params.callback_url,
+        **tracing.job_fields(),
     )
     try:
         # The start token is spent in the accept transaction, from one budget shared by every
         # gateway; a request refused for any other reason (above, or a mismatch) spends none.
-        accepted: Accepted = await svc.store.accept(new, claim, svc.limiter.start_budget)
+        with tracing.span("store accept", kind=tracing.SpanKind.CLIENT,
+                          attributes={"db.system.name": "postgresql" if svc.settings.database_url else "sqlite"}):
+            accepted: Accepted = await svc.store.accept(new, claim, svc.limiter.start_budget)
     except RateLimited as exc:
         raise svc.limiter.rate_limited(exc.wait_s) from exc
     except IdempotencyMismatch as exc:
