@@ -26,9 +26,11 @@ import pypdf
 import pytest
 
 import schemas
+import schemas.webhooks
 from herald_client import (
     AsyncHeraldClient,
     Backoff,
+    Conflict,
     HeraldClient,
     HeraldConnectionError,
     IdempotencyKeyMismatch,
@@ -157,6 +159,9 @@ def test_client_structs_mirror_the_server_schemas() -> None:
     pairs = [(client_models.JobStatus, schemas.JobStatus), (client_models.JobLinks, schemas.JobLinks),
              (client_models.Problem, schemas.Problem), (client_models.FieldError, schemas.FieldError),
              (client_models.JobList, schemas.JobList)]
+    pairs += [(getattr(client_models, name), getattr(schemas.webhooks, name)) for name in (
+        "Endpoint", "CreatedEndpoint", "EndpointList", "EndpointHealth", "LastDelivery", "SigningSecret", "Attempt",
+        "Delivery", "DeliveryList", "PortalLink", "Recovered")]
     for mine, theirs in pairs:
         assert {f.encode_name for f in msgspec.structs.fields(mine)} == \
             {f.encode_name for f in msgspec.structs.fields(theirs)}, mine.__name__
@@ -628,3 +633,69 @@ def test_cli_cancel_failures_and_errors(herald: Deployment) -> None:
     assert invalid.returncode == 1 and "pages" in invalid.stderr
     wait_until(lambda: httpx.get(herald.url() + f"/jobs/{long['id']}",
                                  headers={"Authorization": f"Bearer {KEY}"}).json()["state"] == "cancelled")
+
+
+# ----- webhooks: everything the portal does, as calls ------------------------------------------
+
+
+def test_webhook_calls_sync(herald: Deployment) -> None:
+    with HeraldClient(herald.url(), KEY) as client:
+        created = client.create_webhook("https://hooks.example.com/client", event_types=["job.succeeded"],
+                                        kinds=["report"])
+        assert created.secret and created.secret.startswith("whsec_") and created.public_key is None
+        assert created.kinds == ["report"] and created.status == "enabled"
+        ed = client.create_webhook("https://hooks.example.com/client-ed", signature="ed25519")
+        assert ed.public_key and ed.public_key.startswith("whpk_") and ed.secret is None
+        listed = client.list_webhooks(limit=1)
+        assert [e.id for e in listed.items] == [ed.id] and listed.next_cursor
+        assert [e.id for e in client.list_webhooks(limit=1, cursor=listed.next_cursor).items] == [created.id]
+        shown = client.webhook(created.id)
+        assert shown.health is not None and shown.health.success_rate is None and shown.health.last_delivery is None
+
+        paused = client.update_webhook(created, status="disabled")
+        assert paused.status == "disabled" and paused.kinds == ["report"]  # kinds kept (KEEP)
+        with pytest.raises(Conflict):
+            client.send_test_event(created)
+        everything = client.update_webhook(created, kinds=None, status="enabled")
+        assert everything.kinds is None and everything.status == "enabled"
+        with pytest.raises(InvalidRequest) as bad:
+            client.update_webhook(created, url="ftp://nowhere.example/x")
+        assert [e.field for e in bad.value.errors or []] == ["url"]
+
+        rotated = client.rotate_webhook_secret(created)
+        assert rotated.secret and rotated.secret != created.secret
+
+        test = client.send_test_event(created)
+        assert test.type == "webhook.test" and test.job_id is None and test.payload
+        assert json.loads(test.payload)["data"]["endpoint_id"] == created.id
+        assert client.webhook_delivery(created, test.id).event_id == test.event_id
+        assert [d.id for d in client.webhook_deliveries(created).items] == [test.id]
+        assert client.webhook_deliveries(created, status="failed").items == []
+        assert client.retry_delivery(created, test).id == test.id
+        assert client.recover_webhook(created, datetime.now(timezone.utc)) == 0
+        assert client.recover_webhook(created, "2020-01-01T00:00:00Z") == 0  # nothing failed
+        with pytest.raises(ValueError):
+            client.recover_webhook(created, datetime.now())  # naive: ambiguous
+
+        link = client.portal_link()
+        assert link.url.startswith("/portal?") and link.expires_in > 0
+        assert client.callback_secret().secret
+        old_callback = client.callback_secret().secret
+        assert client.rotate_callback_secret().secret != old_callback
+
+        client.delete_webhook(created)
+        client.delete_webhook(ed.id)
+        with pytest.raises(NotFound):
+            client.webhook(created.id)
+
+
+async def test_webhook_calls_async(herald: Deployment) -> None:
+    async with AsyncHeraldClient(herald.url(), KEY) as client:
+        created = await client.create_webhook("https://hooks.example.com/async")
+        test = await client.send_test_event(created)
+        assert (await client.webhook_deliveries(created)).items[0].id == test.id
+        assert await client.recover_webhook(created, "2020-01-01T00:00:00+00:00") == 0
+        assert (await client.portal_link()).url.startswith("/portal?")
+        await client.delete_webhook(created)
+        with pytest.raises(NotFound):
+            await client.webhook(created)

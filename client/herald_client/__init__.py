@@ -1,5 +1,6 @@
 """Herald client library: start jobs, wait for them, stream their events, download
-results, cancel, and verify webhook deliveries.
+results, cancel; manage webhook endpoints and their deliveries (resend, recover, test
+events, portal links), and verify webhook deliveries.
 
     from herald_client import HeraldClient
 
@@ -13,6 +14,7 @@ iterator). Both drive one implementation of the retry, polling and resume logic.
 """
 
 from herald_client._async import AsyncHeraldClient
+from herald_client._endpoints import KEEP
 from herald_client._shared import AUTO
 from herald_client._sync import HeraldClient
 from herald_client.errors import (
@@ -35,15 +37,25 @@ from herald_client.errors import (
 )
 from herald_client.models import (
     TERMINAL_STATES,
+    Attempt,
+    CreatedEndpoint,
+    Delivery,
+    DeliveryList,
     Download,
+    Endpoint,
+    EndpointHealth,
+    EndpointList,
     FieldError,
     JobEvent,
     JobLinks,
     JobList,
     JobState,
     JobStatus,
+    LastDelivery,
+    PortalLink,
     Problem,
     Result,
+    SigningSecret,
     WebhookEvent,
 )
 from herald_client.policy import Backoff, Policy
@@ -54,9 +66,16 @@ __version__ = "0.1.0"
 __all__ = [
     "AUTO",
     "AsyncHeraldClient",
+    "Attempt",
     "Backoff",
     "Conflict",
+    "CreatedEndpoint",
+    "Delivery",
+    "DeliveryList",
     "Download",
+    "Endpoint",
+    "EndpointHealth",
+    "EndpointList",
     "FieldError",
     "Forbidden",
     "Gone",
@@ -71,14 +90,18 @@ __all__ = [
     "JobNotSucceeded",
     "JobState",
     "JobStatus",
+    "KEEP",
+    "LastDelivery",
     "NotFound",
     "Policy",
+    "PortalLink",
     "Problem",
     "ProblemError",
     "ProtocolError",
     "RateLimited",
     "Result",
     "ServerError",
+    "SigningSecret",
     "TERMINAL_STATES",
     "Unauthorized",
     "WaitTimeout",

@@ -9,9 +9,10 @@ import asyncio
 import os
 import random
 import tempfile
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Generic, Literal, TypeVar, overload
 
@@ -19,6 +20,17 @@ import httpx
 import msgspec
 
 from herald_client import _core
+from herald_client import _endpoints
+from herald_client._endpoints import KEEP, _Keep
+from herald_client.models import (
+    CreatedEndpoint,
+    Delivery,
+    DeliveryList,
+    Endpoint,
+    EndpointList,
+    PortalLink,
+    SigningSecret,
+)
 from herald_client._core import Call, Context, Emit, Failure, Flow, Open, Read, Reply, Request, Save, Saved, Sleep
 from herald_client._shared import (
     AUTO,
@@ -106,6 +118,69 @@ class AsyncHeraldClient:
 
     async def cancel(self, job: JobStatus | str) -> JobStatus:
         return await self._run(_core.cancel(job_id(job), self._ctx))
+
+    # ----- webhooks (SPEC §7): what the webhook portal does, as calls --------------------
+
+    async def create_webhook(self, url: str, *, event_types: Sequence[str] | None = None,
+                       kinds: Sequence[str] | None = None, signature: str = "hmac-sha256") -> CreatedEndpoint:
+        """Register an endpoint (default: every event type but job.progress, every kind). The
+        answer carries ``secret`` (``whsec_…``) or, for ``ed25519``, ``public_key``: shown this once."""
+        return await self._run(_endpoints.create(url, event_types, kinds, signature, self._ctx))
+
+    async def list_webhooks(self, *, limit: int | None = None, cursor: str | None = None) -> EndpointList:
+        """The tenant's endpoints, newest first, with their health; ``next_cursor`` pages on."""
+        return await self._run(_endpoints.listing(limit, cursor, self._ctx))
+
+    async def webhook(self, endpoint: Endpoint | str) -> Endpoint:
+        return await self._run(_endpoints.get(endpoint, self._ctx))
+
+    async def update_webhook(self, endpoint: Endpoint | str, *, url: str | None = None,
+                       event_types: Sequence[str] | None = None, kinds: Sequence[str] | None | _Keep = KEEP,
+                       status: str | None = None) -> Endpoint:
+        """Change what is given: ``url``, ``event_types``, ``kinds`` (None: every kind), ``status``
+        (``"enabled"`` / ``"disabled"``: pause and resume)."""
+        return await self._run(_endpoints.update(endpoint, url, event_types, kinds, status, self._ctx))
+
+    async def delete_webhook(self, endpoint: Endpoint | str) -> None:
+        """Delete the endpoint with its delivery log."""
+        await self._run(_endpoints.delete(endpoint, self._ctx))
+
+    async def rotate_webhook_secret(self, endpoint: Endpoint | str) -> SigningSecret:
+        """A new secret (or key pair); the old one keeps signing for 24 h beside it."""
+        return await self._run(_endpoints.rotate(endpoint, self._ctx))
+
+    async def webhook_deliveries(self, endpoint: Endpoint | str, *, status: str | None = None, limit: int | None = None,
+                           cursor: str | None = None) -> DeliveryList:
+        """The endpoint's deliveries, newest first, each with its attempts and signed payload."""
+        return await self._run(_endpoints.deliveries(endpoint, status, limit, cursor, self._ctx))
+
+    async def webhook_delivery(self, endpoint: Endpoint | str, delivery: Delivery | str) -> Delivery:
+        return await self._run(_endpoints.delivery(endpoint, delivery, self._ctx))
+
+    async def retry_delivery(self, endpoint: Endpoint | str, delivery: Delivery | str) -> Delivery:
+        """Send the delivery again now, with the same ``webhook-id``, whatever its status."""
+        return await self._run(_endpoints.retry(endpoint, delivery, self._ctx))
+
+    async def recover_webhook(self, endpoint: Endpoint | str, since: datetime | str) -> int:
+        """Send again every failed delivery of the endpoint created since ``since`` (an aware
+        datetime or RFC 3339 text); how many."""
+        return await self._run(_endpoints.recover(endpoint, since, self._ctx))
+
+    async def send_test_event(self, endpoint: Endpoint | str) -> Delivery:
+        """A signed ``webhook.test`` delivery to the endpoint, through the same queue as every event."""
+        return await self._run(_endpoints.send_test(endpoint, self._ctx))
+
+    async def portal_link(self) -> PortalLink:
+        """A signed ``/portal`` URL (path-absolute) that opens the tenant's webhooks, not its jobs,
+        without a key: valid ``HERALD_SIGNED_URL_TTL_S`` to open."""
+        return await self._run(_endpoints.portal_link(self._ctx))
+
+    async def callback_secret(self) -> SigningSecret:
+        """The secret that signs deliveries to jobs' ``callback_url``."""
+        return await self._run(_endpoints.callback_secret(self._ctx))
+
+    async def rotate_callback_secret(self) -> SigningSecret:
+        return await self._run(_endpoints.rotate_callback_secret(self._ctx))
 
     async def close(self) -> None:
         if self._owns_http:

@@ -422,3 +422,34 @@ def stream(job_id: str, last_event_id: str | None, ctx: Context) -> Flow[None]:
             reason = outcome.reason if isinstance(outcome, Failure) else "the stream kept ending early"
             raise HeraldConnectionError(f"GET /jobs/{job_id}/events: {reason}", attempts=failures)
         yield Sleep(delay)
+
+
+# ----- webhooks: plain JSON calls ------------------------------------------------------------
+
+
+def _json_reply(method: str, path: str, body: Any, ctx: Context, *, replay_safe: bool) -> Flow[Reply]:
+    """One JSON request, retried only when ``replay_safe`` (sending it twice does no harm:
+    reads, PATCH, DELETE); a create, a rotation or a test event is sent once."""
+    headers = {"Accept": "application/json"}
+    content = None
+    if body is not None:
+        headers["Content-Type"] = "application/json"
+        content = msgspec.json.encode(body)
+    reply = yield from call(Request(method, path, headers, content), ctx, replay_safe=replay_safe)
+    if not 200 <= reply.status < 300:
+        raise problem_from(reply)
+    return reply
+
+
+def json_call(method: str, path: str, body: Any, result: type[T], ctx: Context, *, replay_safe: bool) -> Flow[T]:
+    """One JSON request; the answer decoded as ``result``."""
+    reply = yield from _json_reply(method, path, body, ctx, replay_safe=replay_safe)
+    try:
+        return msgspec.json.decode(reply.body, type=result)
+    except msgspec.DecodeError as exc:  # includes ValidationError
+        raise ProtocolError(f"{method} {path}: not a {result.__name__}: {exc}") from exc
+
+
+def empty_call(method: str, path: str, ctx: Context, *, replay_safe: bool) -> Flow[None]:
+    """One request whose answer has no body worth reading (``204``)."""
+    yield from _json_reply(method, path, None, ctx, replay_safe=replay_safe)

@@ -6,7 +6,8 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal, TypeVar, overload
 
@@ -14,6 +15,17 @@ import httpx
 import msgspec
 
 from herald_client import _core
+from herald_client import _endpoints
+from herald_client._endpoints import KEEP, _Keep
+from herald_client.models import (
+    CreatedEndpoint,
+    Delivery,
+    DeliveryList,
+    Endpoint,
+    EndpointList,
+    PortalLink,
+    SigningSecret,
+)
 from herald_client._core import Call, Context, Emit, Failure, Flow, Open, Read, Reply, Request, Save, Saved, Sleep
 from herald_client._shared import (
     AUTO,
@@ -108,6 +120,69 @@ class HeraldClient:
     def cancel(self, job: JobStatus | str) -> JobStatus:
         """Cancel (queued: at once; running: requested, the worker stops between steps)."""
         return self._run(_core.cancel(job_id(job), self._ctx))
+
+    # ----- webhooks (SPEC §7): what the webhook portal does, as calls --------------------
+
+    def create_webhook(self, url: str, *, event_types: Sequence[str] | None = None,
+                       kinds: Sequence[str] | None = None, signature: str = "hmac-sha256") -> CreatedEndpoint:
+        """Register an endpoint (default: every event type but job.progress, every kind). The
+        answer carries ``secret`` (``whsec_…``) or, for ``ed25519``, ``public_key``: shown this once."""
+        return self._run(_endpoints.create(url, event_types, kinds, signature, self._ctx))
+
+    def list_webhooks(self, *, limit: int | None = None, cursor: str | None = None) -> EndpointList:
+        """The tenant's endpoints, newest first, with their health; ``next_cursor`` pages on."""
+        return self._run(_endpoints.listing(limit, cursor, self._ctx))
+
+    def webhook(self, endpoint: Endpoint | str) -> Endpoint:
+        return self._run(_endpoints.get(endpoint, self._ctx))
+
+    def update_webhook(self, endpoint: Endpoint | str, *, url: str | None = None,
+                       event_types: Sequence[str] | None = None, kinds: Sequence[str] | None | _Keep = KEEP,
+                       status: str | None = None) -> Endpoint:
+        """Change what is given: ``url``, ``event_types``, ``kinds`` (None: every kind), ``status``
+        (``"enabled"`` / ``"disabled"``: pause and resume)."""
+        return self._run(_endpoints.update(endpoint, url, event_types, kinds, status, self._ctx))
+
+    def delete_webhook(self, endpoint: Endpoint | str) -> None:
+        """Delete the endpoint with its delivery log."""
+        self._run(_endpoints.delete(endpoint, self._ctx))
+
+    def rotate_webhook_secret(self, endpoint: Endpoint | str) -> SigningSecret:
+        """A new secret (or key pair); the old one keeps signing for 24 h beside it."""
+        return self._run(_endpoints.rotate(endpoint, self._ctx))
+
+    def webhook_deliveries(self, endpoint: Endpoint | str, *, status: str | None = None, limit: int | None = None,
+                           cursor: str | None = None) -> DeliveryList:
+        """The endpoint's deliveries, newest first, each with its attempts and signed payload."""
+        return self._run(_endpoints.deliveries(endpoint, status, limit, cursor, self._ctx))
+
+    def webhook_delivery(self, endpoint: Endpoint | str, delivery: Delivery | str) -> Delivery:
+        return self._run(_endpoints.delivery(endpoint, delivery, self._ctx))
+
+    def retry_delivery(self, endpoint: Endpoint | str, delivery: Delivery | str) -> Delivery:
+        """Send the delivery again now, with the same ``webhook-id``, whatever its status."""
+        return self._run(_endpoints.retry(endpoint, delivery, self._ctx))
+
+    def recover_webhook(self, endpoint: Endpoint | str, since: datetime | str) -> int:
+        """Send again every failed delivery of the endpoint created since ``since`` (an aware
+        datetime or RFC 3339 text); how many."""
+        return self._run(_endpoints.recover(endpoint, since, self._ctx))
+
+    def send_test_event(self, endpoint: Endpoint | str) -> Delivery:
+        """A signed ``webhook.test`` delivery to the endpoint, through the same queue as every event."""
+        return self._run(_endpoints.send_test(endpoint, self._ctx))
+
+    def portal_link(self) -> PortalLink:
+        """A signed ``/portal`` URL (path-absolute) that opens the tenant's webhooks, not its jobs,
+        without a key: valid ``HERALD_SIGNED_URL_TTL_S`` to open."""
+        return self._run(_endpoints.portal_link(self._ctx))
+
+    def callback_secret(self) -> SigningSecret:
+        """The secret that signs deliveries to jobs' ``callback_url``."""
+        return self._run(_endpoints.callback_secret(self._ctx))
+
+    def rotate_callback_secret(self) -> SigningSecret:
+        return self._run(_endpoints.rotate_callback_secret(self._ctx))
 
     def close(self) -> None:
         if self._owns_http:

@@ -99,6 +99,101 @@ class Download(msgspec.Struct, kw_only=True):
     size: int
 
 
+# ----- webhooks (SPEC §7) ------------------------------------------------------------------
+
+
+class LastDelivery(msgspec.Struct, kw_only=True):
+    """An endpoint's newest delivery; ``status_code`` and ``error`` of its latest attempt."""
+
+    id: str
+    type: str
+    status: str
+    created_at: str
+    status_code: int | None
+    error: str | None
+
+
+class EndpointHealth(msgspec.Struct, kw_only=True):
+    """How an endpoint is doing over its newest ``window`` deliveries."""
+
+    window: int
+    delivered: int
+    failed: int
+    success_rate: float | None
+    last_delivery: LastDelivery | None
+
+
+class Endpoint(msgspec.Struct, kw_only=True):
+    """A webhook endpoint: where the tenant's job events are delivered, signed."""
+
+    id: str
+    url: str
+    event_types: list[str]
+    kinds: list[str] | None
+    signature: str
+    status: str
+    created_at: str
+    health: EndpointHealth | None = None
+
+
+class CreatedEndpoint(Endpoint, kw_only=True):
+    """The answer to creating an endpoint: the only time its secret (or public key) is shown."""
+
+    secret: str | None = None
+    public_key: str | None = None
+
+
+class EndpointList(msgspec.Struct, kw_only=True):
+    items: list[Endpoint]
+    next_cursor: str | None
+
+
+class SigningSecret(msgspec.Struct, kw_only=True):
+    """``secret`` (``whsec_…``) for HMAC, or ``public_key`` (``whpk_…``) for Ed25519."""
+
+    secret: str | None = None
+    public_key: str | None = None
+
+
+class Attempt(msgspec.Struct, kw_only=True):
+    at: str
+    status_code: int | None
+    latency_ms: int | None
+    error: str | None
+    response: str | None  # the first KiB of the receiver's answer
+
+
+class Delivery(msgspec.Struct, kw_only=True):
+    """One event to one endpoint, with its attempts and the payload exactly as signed."""
+
+    id: str
+    event_id: str
+    type: str
+    job_id: str | None  # None for a webhook.test event
+    version: int | None
+    status: str
+    next_attempt_at: str | None
+    created_at: str
+    attempts: list[Attempt]
+    payload: str | None
+
+
+class DeliveryList(msgspec.Struct, kw_only=True):
+    items: list[Delivery]
+    next_cursor: str | None
+
+
+class PortalLink(msgspec.Struct, kw_only=True):
+    """A signed ``/portal`` URL (path-absolute): the tenant's webhooks without a key."""
+
+    url: str
+    expires_in: int
+
+
+class Recovered(msgspec.Struct, kw_only=True):
+    count: int
+
+
 status_decoder = msgspec.json.Decoder(JobStatus)
 problem_decoder = msgspec.json.Decoder(Problem)
 webhook_decoder = msgspec.json.Decoder(WebhookEvent)
