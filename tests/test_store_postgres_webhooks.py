@@ -15,13 +15,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Claimed, callback_owner
+from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Claimed, callback_owner, new_test_event
 from herald.storage.postgres.db import PgDatabase
 from herald.storage.postgres.webhooks import MIGRATIONS, PgDeliveryQueue, PgWebhookStore
 from notifier.delivery import Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from notifier.signing import ROTATION_OVERLAP_S
 from schemas import JobEvent
+from tests import portal_store
 
 ALL_TYPES = ("job.queued", "job.running", "job.progress", "job.succeeded", "job.failed", "job.cancelled")
 OK = Outcome(status_code=200, latency_s=0.012)
@@ -568,3 +569,26 @@ async def test_prune_forgets_finished_deliveries_with_their_attempts(
     assert left["id"] == items[2].delivery.id and left["status"] == "pending"
     assert await db.pool.fetchval("SELECT count(*) FROM webhook_attempts") == 0
     assert await db.pool.fetch("SELECT event_id FROM webhook_messages") == [("evt_j3.1",)]
+
+
+async def test_recover_test_events_and_health(webhooks: PgWebhookStore, queue: PgDeliveryQueue) -> None:
+    await portal_store.recover_test_events_and_health(webhooks, queue)
+
+
+async def test_recover_and_test_events_wait_for_nothing_a_concurrent_disable_misses(
+        webhooks: PgWebhookStore, queue: PgDeliveryQueue, other_db: PgDatabase) -> None:
+    """Recover and test events hold the endpoint as fan-out does: racing a disable from
+    another pool, nothing is left pending on a disabled endpoint."""
+    other = PgWebhookStore(other_db)
+    for _ in range(10):
+        endpoint_id = await endpoint(webhooks)
+        assert await queue.fan_out([event(f"job-{endpoint_id}", 1)]) == 1
+        [item] = await claim(queue)
+        await queue.finish(item, "n1", 0.0, FAILED, Plan("failed"))
+        body = b'{"type":"webhook.test"}'
+        await asyncio.gather(
+            webhooks.recover("t1", endpoint_id, 0),
+            webhooks.add_test_delivery("t1", endpoint_id, *new_test_event(), body),
+            other.update_endpoint("t1", endpoint_id, {"status": "disabled"}),
+        )
+        assert [r for r in await deliveries(webhooks.db, endpoint_id=endpoint_id) if r["status"] == "pending"] == []

@@ -40,6 +40,7 @@ from notifier.delivery import Outcome, Sender
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
 from notifier.ssrf import is_public_address
 from schemas import JobEvent
+from tests import portal_store
 from tests.harness import Deployment, client, free_port, new_database, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
@@ -875,3 +876,13 @@ def test_recover_resends_the_failed_deliveries_since_a_time(http: httpx.Client, 
     http.patch(f"/webhooks/{endpoint['id']}", json={"status": "disabled"})
     refused = http.post(f"/webhooks/{endpoint['id']}/recover", json={"since": since})
     assert refused.status_code == 409 and refused.json()["type"] == "/problems/endpoint-disabled"
+
+
+async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> None:
+    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    store = Store(db, retention_s=60)
+    await store.open()
+    try:
+        await portal_store.recover_test_events_and_health(WebhookStore(db), DeliveryQueue(db))
+    finally:
+        await store.close()
