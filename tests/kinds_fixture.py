@@ -28,6 +28,8 @@ ECHO = KindDeclaration(
     example={"message": "hello"},
     description="Answers its message back as JSON (a test kind).",
 )
+ONE_ATTEMPT = KindDeclaration(name="once", params=EchoParams, collection="/once",
+                              handler="tests.kinds_fixture_handlers:echo", max_attempts=1)
 SAME_ECHO = ECHO  # the same declaration reached twice is one kind
 CLASH_NAME = KindDeclaration(name="report", params=EchoParams, collection="/reports2",
                              handler="tests.kinds_fixture_handlers:echo")

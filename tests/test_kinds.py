@@ -213,3 +213,75 @@ def test_backlog_of_an_unserved_kind_does_not_hold_back_the_others(fresh: Deploy
         assert refused.json()["type"] == "/problems/overloaded" and "echo" in refused.json()["detail"]
         time.sleep(0.6)  # past the guard's refresh
         assert http.post("/reports", json={"title": "still welcome", "pages": 1}).status_code == 202
+
+
+# ----- the topology -----------------------------------------------------------------------------
+
+
+async def test_an_older_shared_consumer_gives_way_and_its_messages_reach_the_kinds(tmp_path: Path) -> None:
+    """Upgrading: the one consumer of every kind (``herald-workers`` on ``jobs.>``) of an older
+    Herald is removed (on a work-queue stream consumers may not overlap); a message it had
+    not delivered goes to its kind's own consumer, filtered on ``jobs.<kind>``."""
+    import nats
+    from nats.js.api import AckPolicy, ConsumerConfig
+
+    from herald import jetstream
+    from herald.constants import JOBS_STREAM, WORKERS_CONSUMER, job_subject, worker_consumer_name
+    from herald.kinds import declared_kinds
+    from herald.settings import Settings
+    from tests.harness import NatsServer
+
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        nc = await nats.connect(server.url)
+        js = nc.jetstream()
+        settings = Settings(data_dir=tmp_path, nats_url=server.url, max_attempts=3)
+        for config in jetstream.stream_configs(settings):
+            await js.add_stream(config)
+        await js.add_consumer(JOBS_STREAM, ConsumerConfig(durable_name=WORKERS_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
+                                                          filter_subject="jobs.>"))
+        await js.publish(job_subject("export"), b"waiting since before the upgrade")
+
+        await jetstream.ensure_topology(js, settings, declared_kinds().values())
+        await jetstream.ensure_topology(js, settings, declared_kinds().values())  # a second process: no change
+        names = {info.name for info in await js.consumers_info(JOBS_STREAM)}
+        assert names == {worker_consumer_name("report"), worker_consumer_name("export")}
+        report = await js.consumer_info(JOBS_STREAM, worker_consumer_name("report"))
+        assert report.config.filter_subject == "jobs.report" and report.config.max_deliver == 4
+        exports = await js.pull_subscribe_bind(worker_consumer_name("export"), JOBS_STREAM)
+        (message,) = await exports.fetch(1, timeout=5)
+        assert message.data == b"waiting since before the upgrade"
+        await message.ack()
+        await nc.close()
+    finally:
+        server.stop()
+
+
+def test_the_sweeper_gives_each_kind_its_own_attempts() -> None:
+    """A silent running job is re-queued until its kind's ``max_attempts`` (declared, else
+    HERALD_MAX_ATTEMPTS), then failed ``worker-lost``."""
+    from herald.jobs import JobRow
+    from herald.kinds import load_kinds
+    from herald.settings import Settings
+    from herald.sweeper import _decide
+
+    load_kinds([f"{FIXTURE}:ONE_ATTEMPT"])
+    try:
+        settings = Settings(max_attempts=3, heartbeat_timeout_s=30)
+
+        def silent(kind: str, attempt: int) -> JobRow:
+            return JobRow(id="j", tenant="t", kind=kind, collection="/x", state="running", params=b"{}", progress=None,
+                          version=2, attempt=attempt, cancel_requested=False, created_at=0.0, updated_at=0.0,
+                          heartbeat_at=0.0, deadline_at=10_000.0, finished_at=None, expires_at=None, result_path=None,
+                          media_type=None, error=None, callback_url=None)
+
+        once = _decide(silent("once", 1), settings, at=100.0)
+        assert once is not None and once.to == "failed" and once.error is not None
+        assert once.error.type == "/problems/worker-lost" and "attempt 1 of 1" in (once.error.detail or "")
+        report = _decide(silent("report", 1), settings, at=100.0)
+        assert report is not None and report.to == "queued"
+        last = _decide(silent("report", 3), settings, at=100.0)
+        assert last is not None and last.to == "failed"
+    finally:
+        load_kinds()
