@@ -180,6 +180,12 @@ def test_a_portal_link_opens_the_tenants_webhooks_and_nothing_else(portal: Deplo
     assert httpx.post(base + "/portal/session", json={"tenant": "acme"}).status_code == 400
     assert httpx.post(base + "/portal/link").status_code == 401
 
+    # Neither the key, nor a link's signature, nor a session token reaches a log.
+    logged = portal.log_text("gateway")
+    assert "/portal/session" in logged and "/webhooks" in logged  # the requests were logged...
+    for secret in (KEYS["acme"], token, other_token, query["sig"], token.rsplit(".", 1)[1]):
+        assert secret not in logged  # ...without their credentials
+
 
 def test_a_portal_link_expires_for_opening_but_a_session_outlives_it(portal: Deployment) -> None:
     short = portal.start_gateway("short", HERALD_SIGNED_URL_TTL_S="1")
@@ -299,7 +305,8 @@ def test_the_portal_in_chromium(browser: Any, portal: Deployment, receiver: Rece
 
     # Create an endpoint pointing at the real receiver, with the keyboard-friendly form.
     add = page.get_by_role("button", name="Add endpoint")
-    add.click()
+    add.focus()
+    page.keyboard.press("Enter")  # the keyboard alone opens and fills the form
     dialog = page.get_by_role("dialog", name="Add endpoint")
     url_field = dialog.get_by_label("URL")
     expect(url_field).to_be_focused()
@@ -312,7 +319,7 @@ def test_the_portal_in_chromium(browser: Any, portal: Deployment, receiver: Rece
     url_field.fill(receiver.url)
     expect(dialog.get_by_label("job.succeeded")).to_be_checked()
     expect(dialog.get_by_label("job.progress")).not_to_be_checked()
-    dialog.get_by_role("button", name="Save").click()
+    url_field.press("Enter")
     secret_dialog = page.get_by_role("dialog", name="Signing secret")
     expect(secret_dialog).to_be_visible()
     first_secret = secret_dialog.locator("#secret-value").inner_text()
@@ -434,21 +441,46 @@ def test_the_portal_in_chromium(browser: Any, portal: Deployment, receiver: Rece
     guest.reload()  # the session lives in this tab: a reload keeps it, with no link in the URL
     expect(guest.locator("#connection")).to_have_text("Live")
     expect(guest.locator("#endpoints > li")).to_have_count(1)
-    paths = [urlsplit(u).path for u in requested]
-    assert not [p for p in paths if p.startswith(("/jobs", "/events", "/exports", "/reports"))], paths
-    fresh_context.close()
-
-    # Another tenant's link shows none of it.
+    # Meanwhile another tenant's link shows none of it.
     with client(base, tenant="globex") as globex:
         other_link = globex.post("/portal/link").json()["url"]
     other = browser.new_page()
+    other.on("pageerror", lambda exc: page_errors.append(str(exc)))
     other.goto(base + other_link)
     expect(other.get_by_text("Webhooks of globex, opened with a portal link.")).to_be_visible()
     expect(other.get_by_text("No endpoints yet")).to_be_visible()
     expect(other.locator("#endpoints > li")).to_have_count(0)
     assert receiver.url not in other.content()
+    other.close()
+
+    # Edit, pause, resume and delete work through the session too.
+    guest_card.get_by_role("button", name="Edit").click()
+    edit = guest.get_by_role("dialog", name="Edit endpoint")
+    expect(edit.get_by_label("URL")).to_have_value(receiver.url)
+    edit.get_by_label("Job kinds").fill("export")
+    edit.get_by_role("button", name="Save").click()
+    expect(edit).to_be_hidden()
+    expect(guest_card).to_contain_text("Kindsexport")
+    guest_card.get_by_role("button", name="Pause").click()
+    expect(guest_card).to_contain_text("Paused")
+    expect(guest_card.get_by_role("button", name="Send test event")).to_be_disabled()
+    guest_card.get_by_role("button", name="Resume").click()
+    expect(guest_card).to_contain_text("Enabled")
+    with client(base) as check:
+        assert check.get(f"/webhooks/{endpoint_id}").json()["kinds"] == ["export"]
+    paths = [urlsplit(u).path for u in requested]
+    assert not [p for p in paths if p.startswith(("/jobs", "/events", "/exports", "/reports"))], paths
+    guest_card.get_by_role("button", name="Delete").click()
+    confirm = guest.get_by_role("dialog", name="Delete endpoint?")
+    expect(confirm.get_by_role("button", name="Keep it")).to_be_focused()  # the safe choice first
+    confirm.get_by_role("button", name="Delete").click()
+    expect(guest.get_by_text("No endpoints yet")).to_be_visible()
+    expect(guest.locator("#deliveries-section")).to_be_hidden()
+    fresh_context.close()
 
     # A link that was tampered with (or has expired) says what to do.
+    other = browser.new_page()
+    other.on("pageerror", lambda exc: page_errors.append(str(exc)))
     other.goto(base + link.replace("tenant=acme", "tenant=globex"))
     expect(other.get_by_role("alert").filter(has_text="expired or is not valid")).to_be_visible()
     expect(other.get_by_label("API key")).to_be_visible()
