@@ -16,7 +16,10 @@ const EVENT_TYPES = [
 const DEFAULT_EVENT_TYPES = EVENT_TYPES.filter((t) => t !== "job.progress");
 const PAGE_SIZE = 25;
 const MAX_REFRESH = 100;      // the most deliveries one re-read fetches (the API's limit)
-const REFRESH_DELAY_MS = 120; // notices in a burst become one re-read
+// Notices in a burst become one re-read: at most one per interval, however busy the tenant
+// (a throttle, not a debounce: a steady stream of notices must not postpone reads forever).
+const DELIVERIES_EVERY_MS = 200;
+const ENDPOINTS_EVERY_MS = 1000;  // health and last outcome: a heavier read, less urgent
 const REOPEN_FIRST_MS = 500;
 const REOPEN_MAX_MS = 10000;
 
@@ -234,15 +237,20 @@ function scheduleReopen(generation) {
   }, delay);
 }
 
-let endpointsTimer = 0;
-let deliveriesTimer = 0;
+const timers = { endpoints: 0, deliveries: 0 };
+
+function soon(name, read, delay) {
+  if (timers[name]) return;  // a read is already due: it will see this change too
+  timers[name] = setTimeout(() => {
+    timers[name] = 0;
+    read();
+  }, delay);
+}
 
 function changed(endpointId) {
-  clearTimeout(endpointsTimer);
-  endpointsTimer = setTimeout(refreshEndpoints, REFRESH_DELAY_MS);
+  soon("endpoints", refreshEndpoints, ENDPOINTS_EVERY_MS);
   if (state.selected && (endpointId === null || endpointId === state.selected)) {
-    clearTimeout(deliveriesTimer);
-    deliveriesTimer = setTimeout(refreshDeliveries, REFRESH_DELAY_MS);
+    soon("deliveries", refreshDeliveries, DELIVERIES_EVERY_MS);
   }
 }
 
