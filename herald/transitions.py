@@ -8,10 +8,13 @@ start from and the attempt that writes it; ``refusal`` says why a change may not
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import msgspec
 
 from herald.jobs import JobRow
-from schemas import JobState, Problem
+from schemas import TERMINAL_STATES, JobState, Problem
 
 # Which state may follow which. Terminal states have no entry: they never change.
 ALLOWED_NEXT: Mapping[JobState, frozenset[JobState]] = {
@@ -67,3 +70,36 @@ def refusal(job: JobRow | None, change: Change) -> str | None:
     if change.extra_check is not None:
         return change.extra_check(job)
     return None
+
+
+_error_encoder = msgspec.json.Encoder()
+
+
+def changed_row(before: JobRow, change: Change, *, at: float, retention_s: float) -> tuple[JobRow, dict[str, Any]]:
+    """The row after ``change`` at store time ``at``, and the columns that change (with the
+    version, which always moves). One rule for every backend; ``refusal`` is checked first."""
+    values: dict[str, Any] = {"updated_at": at}
+    to = change.to or before.state
+    values["state"] = to
+    if change.claim:
+        values["attempt"] = max(before.attempt, 1)
+        values["heartbeat_at"] = at
+    if change.requeue:
+        values["attempt"] = before.attempt + 1
+        values["heartbeat_at"] = None
+        values["progress"] = None
+    if change.progress is not None:
+        values["progress"] = change.progress
+    if change.cancel_requested is not None:
+        values["cancel_requested"] = change.cancel_requested
+    if change.error is not None:
+        values["error"] = _error_encoder.encode(change.error)
+    if change.result_path is not None:
+        values["result_path"] = change.result_path
+        values["media_type"] = change.media_type
+    if to in TERMINAL_STATES:
+        values["finished_at"] = at
+        values["expires_at"] = at + retention_s
+        if to == "succeeded":
+            values["progress"] = 100
+    return replace(before, **values, version=before.version + 1), values

@@ -54,7 +54,6 @@ import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import replace
 from typing import Any
 
 import asyncpg
@@ -77,8 +76,8 @@ from herald.metrics import metrics
 from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
 from herald.timefmt import rfc3339
-from herald.transitions import Change, event_type, refusal
-from schemas import JobEvent, JobMessage, TERMINAL_STATES
+from herald.transitions import Change, changed_row, event_type, refusal
+from schemas import JobEvent, JobMessage
 
 _log = logging.getLogger("herald.store")
 _event_encoder = msgspec.json.Encoder()
@@ -420,32 +419,8 @@ def _queued_row(new: NewJob, ts: float) -> JobRow:
 
 
 def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
-    """The row after ``change`` at time ``ts``: the same rules as the SQLite store's transition."""
-    values: dict[str, Any] = {"updated_at": ts}
-    to = change.to or before.state
-    values["state"] = to
-    if change.claim:
-        values["attempt"] = max(before.attempt, 1)
-        values["heartbeat_at"] = ts
-    if change.requeue:
-        values["attempt"] = before.attempt + 1
-        values["heartbeat_at"] = None
-        values["progress"] = None
-    if change.progress is not None:
-        values["progress"] = change.progress
-    if change.cancel_requested is not None:
-        values["cancel_requested"] = change.cancel_requested
-    if change.error is not None:
-        values["error"] = _event_encoder.encode(change.error)
-    if change.result_path is not None:
-        values["result_path"] = change.result_path
-        values["media_type"] = change.media_type
-    if to in TERMINAL_STATES:
-        values["finished_at"] = ts
-        values["expires_at"] = ts + retention_s
-        if to == "succeeded":
-            values["progress"] = 100
-    return replace(before, **values, version=before.version + 1)
+    """The row after ``change`` at time ``ts`` (``herald.transitions.changed_row``: one rule for both stores)."""
+    return changed_row(before, change, at=ts, retention_s=retention_s)[0]
 
 
 _SEQ_HEAD = b'{"seq":0,'

@@ -18,7 +18,6 @@ import logging
 import secrets
 import sqlite3
 from collections.abc import Sequence
-from dataclasses import replace
 from typing import Any
 
 import msgspec
@@ -39,8 +38,8 @@ from herald.metrics import metrics
 from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now, rfc3339
-from herald.transitions import Change, event_type, refusal
-from schemas import JobEvent, JobMessage, TERMINAL_STATES
+from herald.transitions import Change, changed_row, event_type, refusal
+from schemas import JobEvent, JobMessage
 
 # State names in the SQL below are the values of ``schemas.jobs.JobState`` (the one list),
 # written out because a query must repeat a partial index's predicate literally for the
@@ -299,31 +298,7 @@ class SqliteJobStore:
                 raise TransitionRejected(job_id, reason, before)
             assert before is not None
             ts = now()
-            values: dict[str, Any] = {"updated_at": ts}
-            to = change.to or before.state
-            values["state"] = to
-            if change.claim:
-                values["attempt"] = max(before.attempt, 1)
-                values["heartbeat_at"] = ts
-            if change.requeue:
-                values["attempt"] = before.attempt + 1
-                values["heartbeat_at"] = None
-                values["progress"] = None
-            if change.progress is not None:
-                values["progress"] = change.progress
-            if change.cancel_requested is not None:
-                values["cancel_requested"] = change.cancel_requested
-            if change.error is not None:
-                values["error"] = _event_encoder.encode(change.error)
-            if change.result_path is not None:
-                values["result_path"] = change.result_path
-                values["media_type"] = change.media_type
-            if to in TERMINAL_STATES:
-                values["finished_at"] = ts
-                values["expires_at"] = ts + self.retention_s
-                if to == "succeeded":
-                    values["progress"] = 100
-            after = replace(before, **values, version=before.version + 1)
+            after, values = changed_row(before, change, at=ts, retention_s=self.retention_s)
             kind_of_change = event_type(before, after)
             if kind_of_change is None:
                 return Transition(before=before, after=before, event=None)  # nothing visible changed
