@@ -13,6 +13,7 @@ import gzip
 import json
 import re
 import secrets
+import signal
 import threading
 import zlib
 from collections.abc import Iterator
@@ -322,6 +323,45 @@ def test_tracing_off_still_propagates_the_context(fresh: Deployment, webhooks: W
     started = fresh.logged("worker", "job started", job_id=job["id"])
     assert started and started[0]["trace_id"] == trace_id
     assert not any("tracing on" in str(e.get("event")) for e in fresh.log_events("gateway", "worker", "notifier"))
+
+
+@pytest.mark.slow
+def test_a_job_re_queued_after_its_worker_died_stays_in_its_trace(
+    fresh: Deployment, otlp: OtlpReceiver, webhooks: Webhooks
+) -> None:
+    """The context lives in the store and the messages: a worker killed mid-job takes no
+    part of the trace with it; the sweeper's re-queue and the second attempt join it."""
+    otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
+    fresh.env_overrides.update(otel)
+    base = fresh.start_gateway()
+    fresh.start_notifier()
+    fresh.start_worker("worker-1", HERALD_REPORT_PAGE_MS="100")
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    with client(base) as http:
+        job = http.post("/reports", json={"title": "survivor", "pages": 20, "callback_url": webhooks.url},
+                        headers={"traceparent": f"00-{trace_id}-{client_span}-01"}).json()
+        wait_until(lambda: (s := http.get(f"/jobs/{job['id']}").json())["state"] == "running" and s["progress"],
+                   what="job running with progress")
+        fresh.kill("worker-1", signal.SIGKILL)
+        fresh.start_worker("worker-2")
+        hits = wait_until(lambda: _succeeded_hook(webhooks, job["id"]), timeout=40, what="the job.succeeded webhook")
+    assert all(TRACEPARENT.match(h["traceparent"]).group(1) == trace_id for h, _b in hits)  # type: ignore[union-attr]
+
+    def spans() -> list[ReceivedSpan] | None:
+        found = otlp.trace(trace_id)
+        runs = [s for s in found if s.name == "run report"]
+        requeued = [s for s in found if s.name == "store transition job.queued"]
+        return found if runs and requeued and "store transition job.succeeded" in {s.name for s in found} else None
+
+    found = wait_until(spans, timeout=20, what="the second attempt's spans")
+    by_id = {s.span_id: s for s in found}
+    (accept,) = [s for s in found if s.name == "POST /reports"]
+    (requeue,) = [s for s in found if s.name == "store transition job.queued"]
+    assert requeue.service == "herald-gateway" and requeue.parent_span_id == accept.span_id  # the sweeper, from the row
+    (run,) = [s for s in found if s.name == "run report"]  # the killed attempt's run never ended: never exported
+    assert run.attributes["herald.job.attempt"] == 2
+    publish = by_id[run.parent_span_id]  # continued from the re-queue's work message
+    assert publish.name == "publish jobs" and publish.attributes["messaging.message.id"] == f"{job['id']}.a2"
 
 
 def test_context_helpers() -> None:
