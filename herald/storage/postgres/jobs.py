@@ -50,7 +50,6 @@ gateways at once share the work instead of deadlocking with each other or with a
 
 from __future__ import annotations
 
-import logging
 import secrets
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
@@ -71,15 +70,13 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
-from herald import tracing
-from herald.metrics import metrics
-from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
+from herald.storage.committing import CommitListeners
+from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
 from herald.timefmt import rfc3339
 from herald.transitions import Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
 
-_log = logging.getLogger("herald.store")
 _event_encoder = msgspec.json.Encoder()
 
 SIGNING_KEY_NAME = "url-signing"
@@ -470,13 +467,13 @@ def _age(now: float, since: float | None) -> float:
     return max(0.0, now - since) if since is not None else 0.0
 
 
-class PgJobStore:
+class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
 
     def __init__(self, db: PgDatabase, *, retention_s: float) -> None:
         self._db = db
         self.retention_s = retention_s
-        self._listeners: list[CommitListener] = []
+        super().__init__()
 
     async def open(self) -> None:
         # The factory may have started opening the database already (``open(wait=False)``,
@@ -495,13 +492,6 @@ class PgJobStore:
         async with self._unavailable_on_errors():
             return await self._db.clock()
 
-    def on_commit(self, callback: CommitListener) -> None:
-        """Called on the loop after every event this process committed: wakes the relay, counts, logs."""
-        self._listeners.append(callback)
-
-    def _committed(self, job: JobRow, event: JobEvent) -> None:
-        for callback in self._listeners:
-            callback(job, event)
 
     # ----- connections ------------------------------------------------------------------
 
@@ -573,19 +563,7 @@ class PgJobStore:
 
     async def transition(self, job_id: str, change: Change) -> Transition:
         """Apply ``change`` if the job is where the caller expects it, else raise TransitionRejected."""
-        started = tracing.now_ns()
-        try:
-            result = await self._compare_and_set(job_id, change)
-        except TransitionRejected as exc:
-            # A stale, late or duplicate writer: normal under retries and races, never silent.
-            _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
-            metrics().transitions_rejected.inc()
-            tracing.record_transition(started, exc.current, change, None, exc.reason)
-            raise
-        tracing.record_transition(started, result.after, change, result.event, None)
-        if result.event is not None:
-            self._committed(result.after, result.event)
-        return result
+        return await self._observed_transition(job_id, change, lambda: self._compare_and_set(job_id, change))
 
     async def _compare_and_set(self, job_id: str, change: Change) -> Transition:
         async with self._connection() as conn:

@@ -14,7 +14,6 @@ from those rows.
 
 from __future__ import annotations
 
-import logging
 import secrets
 import sqlite3
 from collections.abc import Sequence
@@ -33,9 +32,8 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
-from herald import tracing
-from herald.metrics import metrics
-from herald.storage.ports import CommitListener, OutboxRow, StartBudget, StoreStats
+from herald.storage.committing import CommitListeners
+from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now, rfc3339
 from herald.transitions import Change, changed_row, event_type, refusal
@@ -129,7 +127,6 @@ CREATE TABLE IF NOT EXISTS herald_secrets (
 ) WITHOUT ROWID;
 """
 
-_log = logging.getLogger("herald.store")
 _event_encoder = msgspec.json.Encoder()
 
 
@@ -202,13 +199,13 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
     _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message), job)
 
 
-class SqliteJobStore:
+class SqliteJobStore(CommitListeners):
     """The job store on one SQLite file. One per process; processes of one machine share the file."""
 
     def __init__(self, db: Database, *, retention_s: float) -> None:
         self._db = db
         self.retention_s = retention_s
-        self._listeners: list[CommitListener] = []
+        super().__init__()
 
     async def open(self) -> None:
         await self._db.open()
@@ -223,13 +220,6 @@ class SqliteJobStore:
     async def clock(self) -> float:
         return now()
 
-    def on_commit(self, callback: CommitListener) -> None:
-        """Called on the loop after every committed event: wakes the relay, counts, logs."""
-        self._listeners.append(callback)
-
-    def _committed(self, job: JobRow, event: JobEvent) -> None:
-        for callback in self._listeners:
-            callback(job, event)
 
     # ----- accepting -------------------------------------------------------------
 
@@ -312,19 +302,7 @@ class SqliteJobStore:
                 _enqueue_work(conn, after)
             return Transition(before=before, after=after, event=event)
 
-        started = tracing.now_ns()
-        try:
-            result = await self._db.write(tx)
-        except TransitionRejected as exc:
-            # A stale, late or duplicate writer: normal under retries and races, never silent.
-            _log.info("transition rejected", extra={"job_id": job_id, "reason": exc.reason, "to": change.to})
-            metrics().transitions_rejected.inc()
-            tracing.record_transition(started, exc.current, change, None, exc.reason)
-            raise
-        tracing.record_transition(started, result.after, change, result.event, None)
-        if result.event is not None:
-            self._committed(result.after, result.event)
-        return result
+        return await self._observed_transition(job_id, change, lambda: self._db.write(tx))
 
     async def heartbeat(self, job_id: str, attempt: int) -> JobRow | None:
         """Move only ``updated_at``/``heartbeat_at`` (not an event). None: the worker lost the job."""
