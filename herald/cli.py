@@ -6,10 +6,13 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import logging
+import os
 from collections.abc import Awaitable, Callable
 from typing import Any
 import signal
 import sys
+import threading
 
 from herald.kinds import KindError, load_kinds
 from herald.logs import configure_logging
@@ -75,6 +78,23 @@ def run_gateway(settings: Settings) -> int:
 Component = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
 
+STOP_DEADLINE_S = 10.0  # past the worker's grace: the most a clean stop may take
+
+
+def _exit_if_still_running(deadline_s: float) -> None:
+    """A stop that hangs (a NATS call with no timeout during a reconnect, say) must not keep
+    the process alive: everything it committed is in the store, so exiting loses nothing."""
+
+    def give_up() -> None:
+        logging.getLogger("herald").error("shutdown took longer than %.0f s; exiting now", deadline_s)
+        logging.shutdown()
+        os._exit(3)
+
+    timer = threading.Timer(deadline_s, give_up)
+    timer.daemon = True  # a clean stop exits without waiting for it
+    timer.start()
+
+
 def run_component(settings: Settings, body: Component) -> int:
     """Run a component without an API (worker, notifier) until SIGINT/SIGTERM sets its stop event."""
     from herald.metrics_server import serve_metrics
@@ -82,8 +102,14 @@ def run_component(settings: Settings, body: Component) -> int:
     async def main() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
+
+        def request_stop() -> None:
+            if not stop.is_set():
+                _exit_if_still_running(settings.worker_grace_s + STOP_DEADLINE_S)
+            stop.set()
+
         for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(signum, stop.set)
+            loop.add_signal_handler(signum, request_stop)
         async with serve_metrics(settings):
             await body(settings, stop)
 

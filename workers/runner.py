@@ -299,5 +299,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
 
 
 async def _drain(nc: NATS) -> None:
-    with contextlib.suppress(Exception):
-        await nc.drain()
+    try:
+        await asyncio.wait_for(nc.drain(), timeout=5.0)
+    except Exception:  # reconnecting, or a subscription that will not drain: close instead
+        with contextlib.suppress(Exception):
+            await nc.close()
