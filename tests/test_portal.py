@@ -9,7 +9,6 @@ import json
 import os
 import shutil
 import threading
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -190,13 +189,16 @@ def test_a_portal_link_opens_the_tenants_webhooks_and_nothing_else(portal: Deplo
 
 
 def test_a_portal_link_expires_for_opening_but_a_session_outlives_it(portal: Deployment) -> None:
-    short = portal.start_gateway("short", HERALD_SIGNED_URL_TTL_S="1")
+    # Expiry is whole seconds, so a TTL of 3 s leaves more than 2 s to open the link on a busy machine.
+    short = portal.start_gateway("short", HERALD_SIGNED_URL_TTL_S="3")
     with client(short) as acme:
         url = acme.post("/portal/link").json()["url"]
     query = {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
-    token = httpx.post(short + "/portal/session", json=query).json()["token"]
-    time.sleep(2.1)
-    late = httpx.post(short + "/portal/session", json=query)
+    opened = httpx.post(short + "/portal/session", json=query)
+    assert opened.status_code == 200, opened.text
+    token = opened.json()["token"]
+    late = wait_until(lambda: (r := httpx.post(short + "/portal/session", json=query)).status_code != 200 and r,
+                      timeout=10, what="the portal link to expire")
     assert late.status_code == 403 and late.json()["type"] == "/problems/invalid-signature"
     # The session opened in time keeps working, at every gateway of the deployment.
     for base in (short, portal.url()):
