@@ -197,8 +197,12 @@ def test_a_portal_link_expires_for_opening_but_a_session_outlives_it(portal: Dep
     opened = httpx.post(short + "/portal/session", json=query)
     assert opened.status_code == 200, opened.text
     token = opened.json()["token"]
-    late = wait_until(lambda: (r := httpx.post(short + "/portal/session", json=query)).status_code != 200 and r,
-                      timeout=10, what="the portal link to expire")
+
+    def refused() -> httpx.Response | None:
+        answer = httpx.post(short + "/portal/session", json=query)
+        return answer if answer.status_code != 200 else None
+
+    late = wait_until(refused, timeout=10, what="the portal link to expire")
     assert late.status_code == 403 and late.json()["type"] == "/problems/invalid-signature"
     # The session opened in time keeps working, at every gateway of the deployment.
     for base in (short, portal.url()):
