@@ -8,18 +8,41 @@ unit, so each runs as a single function on the writer thread: one hop per transa
 Point reads (the status poll, the hot path) run directly on a separate read connection:
 in WAL mode readers never wait for the writer, and a primary-key lookup is microseconds,
 cheaper than any thread hop.
+
+Two things SQLite leaves to its caller, done here because every process of a deployment
+writes the same file:
+
+* **Who writes next.** SQLite's busy handler polls for the write lock with sleeps of 1, 2,
+  5, 10 ms..., so a lock freed after half a millisecond sits idle while its waiters sleep.
+  Each write transaction first takes an exclusive ``flock`` on ``<db>.lock``: waiters block
+  in the kernel and the next one runs the moment the lock is released (the kernel frees
+  the lock of a process that dies, even by ``kill -9``).
+* **When the WAL is checkpointed.** An automatic checkpoint runs in the committing
+  connection after its COMMIT and fsyncs the WAL and the database: tens to hundreds of ms
+  during which this process's writer thread, and every write queued behind it, waits.
+  Writers therefore never checkpoint (``wal_autocheckpoint=0``); a checkpointer thread with
+  its own connection does, every ``CHECKPOINT_INTERVAL_S`` (PASSIVE: it never blocks a
+  writer or a reader, and copies only what no reader still needs).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import fcntl
+import os
+import secrets
 import sqlite3
-from collections.abc import Callable
+import threading
+from collections import deque
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
+
+CHECKPOINT_INTERVAL_S = 0.25
 
 PRAGMAS = (
     "PRAGMA journal_mode=WAL",
@@ -41,15 +64,33 @@ def connect(path: Path, *, busy_timeout_ms: int = 10_000, check_same_thread: boo
 
 class Database:
     """Owns the two connections to one SQLite file. ``open()`` and ``close()`` are safe to call twice
-    (the job store and the webhook store share one Database)."""
+    (the job store and the webhook store share one Database).
 
-    def __init__(self, path: Path, schema: str) -> None:
+    Writes are group-committed: every transaction function queued while the writer thread
+    was busy runs in the next ``BEGIN IMMEDIATE ... COMMIT``, each inside its own
+    ``SAVEPOINT``. A function that raises rolls back to its savepoint (its writes vanish,
+    the others' stay) and its caller gets the exception; every caller is answered only
+    after the batch has committed, so nothing is reported that is not durable. Each
+    process takes the database-wide write lock once per batch instead of once per
+    transaction: under load that lock, shared by every process, is Herald's ceiling.
+    """
+
+    def __init__(self, path: Path, schema: str, *, max_batch: int = 64) -> None:
         self.path = path
         self.schema = schema
+        # This process's name on the outbox rows it commits: its relay publishes those.
+        self.origin = secrets.token_hex(8)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
         self._writer: sqlite3.Connection | None = None
         self.reader: sqlite3.Connection | None = None
         self._closed = False
+        self._max_batch = max_batch
+        self._queue: deque[_Pending[Any]] = deque()
+        self._queue_lock = threading.Lock()
+        self._draining = False
+        self._lock_fd: int | None = None
+        self._checkpointer: threading.Thread | None = None
+        self._stop_checkpointing = threading.Event()
 
     async def open(self) -> None:
         if self._writer is not None:
@@ -57,28 +98,85 @@ class Database:
         self.path.parent.mkdir(parents=True, exist_ok=True)
 
         def _open() -> None:
+            self._lock_fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
             self._writer = connect(self.path, check_same_thread=False)
-            self._writer.executescript(self.schema)  # CREATE ... IF NOT EXISTS: safe from many processes
+            with self._write_lock():
+                self._writer.executescript(self.schema)  # CREATE ... IF NOT EXISTS: safe from many processes
+            self._writer.execute("PRAGMA wal_autocheckpoint=0")
 
         await asyncio.get_running_loop().run_in_executor(self._executor, _open)
         self.reader = connect(self.path, busy_timeout_ms=2_000)
+        self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="sqlite-checkpointer", daemon=True)
+        self._checkpointer.start()
+
+    @contextlib.contextmanager
+    def _write_lock(self) -> Iterator[None]:
+        assert self._lock_fd is not None
+        fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+
+    def _checkpoint_loop(self) -> None:
+        """Checkpointer thread: copy the WAL back into the database, off every writer's path."""
+        conn = connect(self.path, check_same_thread=False)
+        try:
+            conn.execute("PRAGMA busy_timeout=0")
+            while not self._stop_checkpointing.wait(CHECKPOINT_INTERVAL_S):
+                with contextlib.suppress(sqlite3.Error):  # busy (another checkpoint) or closing: next time
+                    conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
+        finally:
+            conn.close()
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn`` as one IMMEDIATE transaction on the writer thread."""
+        """Run ``fn`` as one transaction (a savepoint of the next group commit) on the writer thread."""
+        loop = asyncio.get_running_loop()
+        pending: _Pending[T] = _Pending(fn, loop.create_future(), loop)
+        with self._queue_lock:
+            self._queue.append(pending)
+            start = not self._draining
+            self._draining = True
+        if start:
+            self._executor.submit(self._drain)
+        return await pending.future
 
-        def _tx() -> T:
-            conn = self._writer
-            assert conn is not None, "database is closed"
-            conn.execute("BEGIN IMMEDIATE")
-            try:
-                result = fn(conn)
-            except BaseException:
-                conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
-            return result
+    def _drain(self) -> None:
+        """Writer thread: commit batches until the queue is empty."""
+        while True:
+            with self._queue_lock:
+                if not self._queue:
+                    self._draining = False
+                    return
+                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
+            self._commit_batch(batch)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, _tx)
+    def _commit_batch(self, batch: list[_Pending[Any]]) -> None:
+        conn = self._writer
+        if conn is None:
+            for pending in batch:
+                pending.answer(None, sqlite3.ProgrammingError("database is closed"))
+            return
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        try:
+            with self._write_lock():
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    for pending in batch:
+                        outcomes.append(_in_savepoint(conn, pending.fn))
+                except BaseException:
+                    conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+        except BaseException as exc:  # BEGIN, COMMIT or a savepoint step failed: nothing of the batch stands
+            if conn.in_transaction:
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("ROLLBACK")
+            for pending in batch:
+                pending.answer(None, exc)
+            return
+        for pending, (result, error) in zip(batch, outcomes):
+            pending.answer(result, error)
 
     async def read_in_thread(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """For scans too long to run on the event loop (sweeps, retention)."""
@@ -100,7 +198,59 @@ class Database:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        self._stop_checkpointing.set()
+        if self._checkpointer is not None:
+            await asyncio.to_thread(self._checkpointer.join)
+            self._checkpointer = None
         if self._writer is not None:
-            writer, self._writer = self._writer, None
-            await asyncio.get_running_loop().run_in_executor(self._executor, writer.close)
+            # Queued behind any batch still pending: the executor runs one job at a time, in order.
+            await asyncio.get_running_loop().run_in_executor(self._executor, self._close_writer)
         self._executor.shutdown(wait=True)
+
+    def _close_writer(self) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            writer.close()
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
+
+
+def _in_savepoint(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> tuple[T | None, BaseException | None]:
+    """Run one caller's transaction function; on an exception undo only its own writes."""
+    conn.execute("SAVEPOINT herald_tx")
+    try:
+        result = fn(conn)
+    except Exception as exc:
+        conn.execute("ROLLBACK TO herald_tx")
+        conn.execute("RELEASE herald_tx")
+        return None, exc
+    conn.execute("RELEASE herald_tx")
+    return result, None
+
+
+class _Pending(Generic[T]):
+    """One queued transaction function and the future its caller awaits on the loop."""
+
+    __slots__ = ("fn", "future", "loop")
+
+    def __init__(self, fn: Callable[[sqlite3.Connection], T], future: asyncio.Future[T],
+                 loop: asyncio.AbstractEventLoop) -> None:
+        self.fn = fn
+        self.future = future
+        self.loop = loop
+
+    def answer(self, result: Any, error: BaseException | None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(_settle, self.future, result, error)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            pass
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # the caller was cancelled; the transaction stands (or not) all the same
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)

@@ -1,0 +1,211 @@
+"""The SQLite writer (``herald.storage.sqlite.db.Database``) against a real file.
+
+What the stores rely on: transactions queued together commit together, yet each stays
+its own unit (one that raises leaves no trace and the others stand); a caller hears back
+only once its writes are committed; processes sharing the file queue for it without
+losing a write, also when one of them dies holding the write lock; and the WAL is copied
+back into the database although no writer checkpoints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from herald.storage.sqlite.db import Database
+from tests.harness import wait_until
+
+SCHEMA = "CREATE TABLE IF NOT EXISTS items (n INTEGER PRIMARY KEY, writer TEXT NOT NULL);"
+
+
+class Refused(Exception):
+    pass
+
+
+def _insert(n: int, *, refuse: bool = False):  # type: ignore[no-untyped-def]
+    def tx(conn: sqlite3.Connection) -> int:
+        conn.execute("INSERT INTO items (n, writer) VALUES (?, 'test')", (n,))
+        if refuse:
+            raise Refused(n)  # after writing: the savepoint must take the row back
+        return n
+
+    return tx
+
+
+def _count(path: Path) -> set[int]:
+    with sqlite3.connect(path) as conn:
+        return {n for (n,) in conn.execute("SELECT n FROM items")}
+
+
+async def test_a_batch_commits_together_and_a_refused_transaction_leaves_no_trace(tmp_path: Path) -> None:
+    db = Database(tmp_path / "herald.db", SCHEMA)
+    await db.open()
+    try:
+        results = await asyncio.gather(*(db.write(_insert(n, refuse=n % 7 == 0)) for n in range(1, 301)),
+                                       return_exceptions=True)
+    finally:
+        await db.close()
+    for n, result in zip(range(1, 301), results):
+        if n % 7 == 0:
+            assert isinstance(result, Refused) and result.args == (n,)
+        else:
+            assert result == n
+    assert _count(tmp_path / "herald.db") == {n for n in range(1, 301) if n % 7}
+
+
+async def test_a_caller_hears_back_only_after_its_commit(tmp_path: Path) -> None:
+    path = tmp_path / "herald.db"
+    db = Database(path, SCHEMA)
+    await db.open()
+    seen: list[bool] = []
+
+    async def write_then_look(n: int) -> None:
+        await db.write(_insert(n))
+        seen.append(n in _count(path))  # another connection: only committed rows are visible to it
+
+    try:
+        await asyncio.gather(*(write_then_look(n) for n in range(1, 101)))
+    finally:
+        await db.close()
+    assert seen == [True] * 100
+
+
+async def test_a_failed_commit_fails_every_transaction_of_its_batch(tmp_path: Path) -> None:
+    """A deferred foreign key is checked at COMMIT: the whole batch is refused, and said so to every caller."""
+    schema = SCHEMA + """
+        CREATE TABLE IF NOT EXISTS owners (id INTEGER PRIMARY KEY);
+        CREATE TABLE IF NOT EXISTS pets (id INTEGER PRIMARY KEY,
+            owner INTEGER NOT NULL REFERENCES owners (id) DEFERRABLE INITIALLY DEFERRED);
+    """
+    path = tmp_path / "herald.db"
+    db = Database(path, schema)
+    await db.open()
+
+    def orphan(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO pets (id, owner) VALUES (1, 42)")
+
+    try:
+        results = await asyncio.gather(db.write(_insert(1)), db.write(orphan), db.write(_insert(2)),
+                                       return_exceptions=True)
+        after = await db.write(_insert(3))  # the writer goes on after a failed batch
+    finally:
+        await db.close()
+    # Whether the three shared a batch depends on timing; each either committed or failed with the batch.
+    failed = [r for r in results if isinstance(r, BaseException)]
+    assert failed and all(isinstance(r, sqlite3.IntegrityError) for r in failed)
+    assert after == 3
+    assert _count(path) == {r for r in results if isinstance(r, int)} | {3}
+
+
+WRITER = textwrap.dedent("""
+    import asyncio, sys
+    from pathlib import Path
+    from herald.storage.sqlite.db import Database
+
+    SCHEMA = {schema!r}
+
+    async def main(path: str, name: str, first: int, count: int) -> None:
+        db = Database(Path(path), SCHEMA)
+        await db.open()
+        def insert(n):
+            def tx(conn):
+                conn.execute("INSERT INTO items (n, writer) VALUES (?, ?)", (n, name))
+            return tx
+        await asyncio.gather(*(db.write(insert(n)) for n in range(first, first + count)))
+        await db.close()
+
+    asyncio.run(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+""")
+
+
+def _run_writer(path: Path, name: str, first: int, count: int) -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", WRITER.format(schema=SCHEMA), str(path), name, str(first), str(count)],
+                            stderr=subprocess.PIPE)
+
+
+def test_processes_sharing_the_file_lose_no_write(tmp_path: Path) -> None:
+    path = tmp_path / "herald.db"
+    writers = [_run_writer(path, f"p{i}", 1 + i * 2000, 2000) for i in range(4)]
+    for writer in writers:
+        _out, err = writer.communicate(timeout=120)
+        assert writer.returncode == 0, err.decode()
+    assert _count(path) == set(range(1, 8001))
+
+
+HOLDER = textwrap.dedent("""
+    import asyncio, sys, time
+    from pathlib import Path
+    from herald.storage.sqlite.db import Database
+
+    async def main(path: str) -> None:
+        db = Database(Path(path), {schema!r})
+        await db.open()
+        def hold(conn):
+            print("holding", flush=True)
+            time.sleep(600)  # inside the transaction, holding the write lock, until killed
+        await db.write(hold)
+
+    asyncio.run(main(sys.argv[1]))
+""")
+
+
+async def test_a_writer_killed_holding_the_lock_does_not_stop_the_others(tmp_path: Path) -> None:
+    path = tmp_path / "herald.db"
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(schema=SCHEMA), str(path)], stdout=subprocess.PIPE)
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == b"holding\n"
+        db = Database(path, SCHEMA)
+
+        async def open_and_write() -> int:
+            await db.open()  # opening writes too (the schema): it queues like any writer
+            return await db.write(_insert(1))
+
+        waiting = asyncio.ensure_future(open_and_write())
+        try:
+            done, _ = await asyncio.wait({waiting}, timeout=0.5)
+            assert not done, "a second writer got in while the first held the lock"
+            os.kill(holder.pid, signal.SIGKILL)
+            assert await asyncio.wait_for(waiting, timeout=20) == 1
+        finally:
+            await db.close()
+    finally:
+        holder.kill()
+        holder.wait()
+    assert _count(path) == {1}
+
+
+async def test_the_wal_is_checkpointed_although_no_writer_checkpoints(tmp_path: Path) -> None:
+    path = tmp_path / "herald.db"
+    db = Database(path, SCHEMA)
+    await db.open()
+    try:
+        before = path.stat().st_size
+        blob = "x" * 2000
+        for n in range(1, 201):  # ~400 KB of pages into the WAL
+            await db.write(lambda conn, n=n: conn.execute("INSERT INTO items (n, writer) VALUES (?, ?)", (n, blob)))
+        # Only a checkpoint moves pages from the WAL into the database file itself.
+        await asyncio.to_thread(wait_until, lambda: path.stat().st_size > before + 200_000, timeout=10,
+                                what="the checkpointer to copy the WAL into the database")
+    finally:
+        await db.close()
+
+
+@pytest.mark.parametrize("max_batch", [1, 8])
+async def test_every_batch_size_gives_the_same_answers(tmp_path: Path, max_batch: int) -> None:
+    db = Database(tmp_path / "herald.db", SCHEMA, max_batch=max_batch)
+    await db.open()
+    try:
+        results = await asyncio.gather(*(db.write(_insert(n, refuse=n % 3 == 0)) for n in range(1, 61)),
+                                       return_exceptions=True)
+    finally:
+        await db.close()
+    assert [r if isinstance(r, int) else None for r in results] == [n if n % 3 else None for n in range(1, 61)]
+    assert _count(tmp_path / "herald.db") == {n for n in range(1, 61) if n % 3}
