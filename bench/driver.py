@@ -146,7 +146,7 @@ async def seed_sqlite(db_path: Path, jobs: list[NewJob], chunk: int = 5000) -> N
                     )
                     row = _fetch(conn, job.id)
                     assert row is not None
-                    _append_event(conn, row, "job.queued")
+                    _append_event(conn, row, "job.queued", db.origin)
                 # Read-only jobs: nothing to announce (only this batch's rows go).
                 conn.execute("DELETE FROM outbox WHERE seq > ?", (last_outbox,))
 

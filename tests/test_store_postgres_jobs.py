@@ -36,7 +36,7 @@ from herald.jobs import (
 )
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
 from herald.storage.postgres.jobs import MIGRATIONS, PgJobStore
-from herald.storage.ports import StartBudget
+from herald.storage.ports import OutboxRow, StartBudget
 from herald.timefmt import rfc3339
 from herald.transitions import Change
 from schemas import JobEvent, JobMessage, Problem
@@ -367,7 +367,7 @@ async def test_tenant_seq_is_gap_free_and_read_in_order_while_it_grows(
     assert [e.seq for e in await a.tenant_events("t1", 90, 1000, kind="report")] == list(range(91, 97))
     assert await a.tenant_events("t1", 0, 10, kind="export") == []
     # The outbox announces a tenant's events in the same order.
-    announced = [msgspec.json.decode(r.payload, type=JobEvent) for r in await a.outbox_batch(1000)
+    announced = [msgspec.json.decode(r.payload, type=JobEvent) for r in await a.outbox_batch(1000, stale_after_s=0)
                  if r.subject.startswith("events.t1.")]
     assert [e.seq for e in announced] == list(range(1, 97))
 
@@ -389,7 +389,7 @@ async def test_one_start_budget_across_two_gateways(gateways: tuple[PgJobStore, 
     assert all(0 < r.wait_s <= 1 / budget.rate and r.tenant == "t1" for r in limited)
     # A refused start wrote nothing.
     assert len(await a.list_jobs("t1", state=None, kind=None, before=None, limit=100)) == len(admitted)
-    assert len(await b.outbox_batch(1000)) == 2 * len(admitted)
+    assert len(await b.outbox_batch(1000, stale_after_s=0)) == 2 * len(admitted)
 
 
 async def test_replays_spend_the_budget_and_mismatches_do_not(pg: PgJobStore) -> None:
@@ -406,6 +406,25 @@ async def test_replays_spend_the_budget_and_mismatches_do_not(pg: PgJobStore) ->
 
 
 # ----- outbox, sweeping, retention --------------------------------------------------------
+
+
+async def test_each_process_publishes_its_own_rows_and_anyone_those_left_behind(
+    gateways: tuple[PgJobStore, PgJobStore],
+) -> None:
+    a, b = gateways
+    from_a = [(await a.accept(new_job())).job.id for _ in range(2)]
+    from_b = [(await b.accept(new_job())).job.id for _ in range(3)]
+
+    def jobs_of(rows: list[OutboxRow]) -> set[str]:
+        return {r.msg_id.split(".")[1] if r.msg_id.startswith("ev.") else r.msg_id for r in rows}
+
+    assert jobs_of(await a.outbox_batch(100)) == set(from_a)  # a's relay, woken by a's commits
+    assert jobs_of(await b.outbox_batch(100)) == set(from_b)
+    assert await a.outbox_batch(100, stale_after_s=60) == []  # nothing is left behind yet...
+    # ...but b's rows, b gone, are any relay's after a while (the store's clock).
+    await b.close()
+    stale = await a.outbox_batch(100, stale_after_s=0)
+    assert jobs_of(stale) == set(from_a) | set(from_b) and [r.seq for r in stale] == sorted(r.seq for r in stale)
 
 
 async def test_outbox_batch_and_done(pg: PgJobStore) -> None:

@@ -144,8 +144,10 @@ class JobStore(Protocol):
 
     # ----- outbox ----------------------------------------------------------------------
 
-    async def outbox_batch(self, limit: int) -> list[OutboxRow]:
-        """The oldest unpublished rows, in commit order."""
+    async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
+        """The oldest unpublished rows, in commit order: those this process committed, or
+        with ``stale_after_s``, any process's rows committed longer ago than that (on the
+        store's clock): what a process that died left behind."""
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
         """Delete rows whose PubAck arrived."""

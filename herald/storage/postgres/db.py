@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 from collections.abc import Sequence
 
 import asyncpg
@@ -40,7 +41,8 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
 async def _keep_session(_conn: asyncpg.Connection) -> None:
     """No reset query when a connection goes back to the pool (asyncpg's default costs a
     round trip per use). Herald leaves no session state behind: its advisory locks are
-    transaction-scoped, its settings function-scoped (``SET`` clauses), no LISTEN, no cursors."""
+    transaction-scoped, its settings function-scoped (``SET`` clauses) or fixed for the
+    session's life (``herald.origin``), no LISTEN, no cursors."""
 
 
 class PgDatabase:
@@ -49,6 +51,9 @@ class PgDatabase:
     def __init__(self, url: str, migrations: Sequence[tuple[str, str]], *, min_size: int = 1, max_size: int = 10) -> None:
         self.url = url
         self.migrations = list(migrations)
+        # This process's name on the outbox rows it commits (the column's default reads the
+        # session setting): its relay publishes those.
+        self.origin = secrets.token_hex(8)
         self._min_size = min_size
         self._max_size = max_size
         self._pool: asyncpg.Pool | None = None
@@ -86,7 +91,7 @@ class PgDatabase:
             try:
                 pool = await asyncpg.create_pool(
                     self.url, min_size=self._min_size, max_size=self._max_size, command_timeout=30,
-                    reset=_keep_session,
+                    reset=_keep_session, server_settings={"herald.origin": self.origin},
                 )
                 assert pool is not None
                 try:

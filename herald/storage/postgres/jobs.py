@@ -338,6 +338,11 @@ MIGRATIONS: list[tuple[str, str]] = [
     # Per-kind queue age (/metrics, back-pressure): one index lookup per kind.
     ("jobs-queued-by-kind",
      "CREATE INDEX IF NOT EXISTS jobs_queued_by_kind ON jobs (kind, created_at) WHERE state = 'queued';"),
+    # Which process committed an outbox row: its relay publishes it (``outbox_batch``). The
+    # pool sets ``herald.origin`` on each of its sessions (``PgDatabase``), so the functions
+    # that insert outbox rows need no change.
+    ("outbox-origin",
+     "ALTER TABLE outbox ADD COLUMN IF NOT EXISTS origin TEXT DEFAULT current_setting('herald.origin', true);"),
 ]
 
 # ----- statements ---------------------------------------------------------------------------
@@ -688,13 +693,20 @@ class PgJobStore(CommitListeners):
 
     # ----- outbox ------------------------------------------------------------------------
 
-    async def outbox_batch(self, limit: int) -> list[OutboxRow]:
+    async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
         # A tenant's rows are inserted under its counter lock, so they commit in seq order;
         # rows of different tenants may commit out of seq order, and a later batch picks up
         # a lower seq that committed late (rows are deleted by seq, never by range).
-        records = await self._fetch(
-            "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox ORDER BY seq LIMIT $1", limit
-        )
+        if stale_after_s is None:
+            records = await self._fetch(
+                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox WHERE origin = $2"
+                " ORDER BY seq LIMIT $1", limit, self._db.origin,
+            )
+        else:
+            records = await self._fetch(
+                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox"
+                f" WHERE created_at < {NOW_SQL} - $2 ORDER BY seq LIMIT $1", limit, float(stale_after_s),
+            )
         return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
                           traceparent=r["traceparent"], tracestate=r["tracestate"])
                 for r in records]

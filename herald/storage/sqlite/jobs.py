@@ -95,7 +95,8 @@ CREATE TABLE IF NOT EXISTS outbox (
     payload BLOB NOT NULL,
     created_at REAL NOT NULL,
     traceparent TEXT,
-    tracestate TEXT
+    tracestate TEXT,
+    origin TEXT
 );
 
 CREATE TABLE IF NOT EXISTS idempotency_keys (
@@ -148,7 +149,7 @@ def _spend_start_token(conn: sqlite3.Connection, tenant: str, budget: StartBudge
     )
 
 
-def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str) -> JobEvent:
+def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str, origin: str) -> JobEvent:
     """History row + outbox row for the job's current version (inside the caller's tx)."""
     (seq,) = conn.execute(
         "INSERT INTO tenant_seq (tenant, last) VALUES (?, 1) "
@@ -170,33 +171,40 @@ def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str) -> Job
         "INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data) VALUES (?,?,?,?,?,?,?,?)",
         (job.tenant, seq, job.id, job.kind, job.version, event_type, job.updated_at, data),
     )
-    _enqueue(conn, event_subject(job.tenant, job.id), f"ev.{job.id}.{job.version}", _event_encoder.encode(event), job)
+    _enqueue(conn, event_subject(job.tenant, job.id), f"ev.{job.id}.{job.version}", _event_encoder.encode(event), job,
+             origin)
     return event
 
 
-def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes, job: JobRow) -> None:
+def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes, job: JobRow, origin: str) -> None:
     # The job's trace context rides along: the relay sends it as the message's headers.
+    # ``origin`` names the committing process, whose relay publishes the row (see outbox_batch).
     conn.execute(
-        "INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate) VALUES (?,?,?,?,?,?)",
-        (subject, msg_id, payload, now(), job.traceparent, job.tracestate),
+        "INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate, origin)"
+        " VALUES (?,?,?,?,?,?,?)",
+        (subject, msg_id, payload, now(), job.traceparent, job.tracestate, origin),
     )
 
 
-def _add_trace_columns(conn: sqlite3.Connection) -> None:
-    """A data dir from before trace contexts were kept: add their columns (once, under the write lock)."""
-    for table in ("jobs", "outbox"):
+_ADDED_COLUMNS = {"jobs": ("traceparent", "tracestate"), "outbox": ("traceparent", "tracestate", "origin")}
+
+
+def _add_columns(conn: sqlite3.Connection) -> None:
+    """A data dir from before trace contexts and outbox origins were kept: add their columns
+    (once, under the write lock)."""
+    for table, added in _ADDED_COLUMNS.items():
         columns = {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for column in ("traceparent", "tracestate"):
+        for column in added:
             if column not in columns:
                 conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
 
 
-def _enqueue_work(conn: sqlite3.Connection, job: JobRow) -> None:
+def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
     # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
     message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
-    _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message), job)
+    _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message), job, origin)
 
 
 class SqliteJobStore(CommitListeners):
@@ -209,7 +217,7 @@ class SqliteJobStore(CommitListeners):
 
     async def open(self) -> None:
         await self._db.open()
-        await self._db.write(_add_trace_columns)
+        await self._db.write(_add_columns)
 
     async def close(self) -> None:
         await self._db.close()
@@ -267,8 +275,8 @@ class SqliteJobStore(CommitListeners):
                 )
             job = _fetch(conn, new.id)
             assert job is not None
-            event = _append_event(conn, job, "job.queued")
-            _enqueue_work(conn, job)
+            event = _append_event(conn, job, "job.queued", self._db.origin)
+            _enqueue_work(conn, job, self._db.origin)
             return Accepted(job=job, replayed=False, event=event)
 
         accepted = await self._db.write(tx)
@@ -297,9 +305,9 @@ class SqliteJobStore(CommitListeners):
                 f"UPDATE jobs SET {assignments}, version = ? WHERE id = ?",
                 (*values.values(), after.version, job_id),
             )
-            event = _append_event(conn, after, kind_of_change)
+            event = _append_event(conn, after, kind_of_change, self._db.origin)
             if change.requeue:
-                _enqueue_work(conn, after)
+                _enqueue_work(conn, after, self._db.origin)
             return Transition(before=before, after=after, event=event)
 
         return await self._observed_transition(job_id, change, lambda: self._db.write(tx))
@@ -399,16 +407,22 @@ class SqliteJobStore(CommitListeners):
 
     # ----- outbox ---------------------------------------------------------------------
 
-    async def outbox_batch(self, limit: int) -> list[OutboxRow]:
-        def read(conn: sqlite3.Connection) -> list[OutboxRow]:
-            rows = conn.execute(
-                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox ORDER BY seq LIMIT ?", (limit,)
-            )
-            return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
-                              traceparent=r["traceparent"], tracestate=r["tracestate"])
-                    for r in rows.fetchall()]
+    async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
+        params: tuple[object, ...]
+        if stale_after_s is None:
+            where, params = "origin = ?", (self._db.origin, limit)
+        else:
+            where, params = "created_at < ?", (now() - stale_after_s, limit)
 
-        return await self._db.read_in_thread(read)
+        # On the loop, like the point reads: the outbox holds what is not yet published (a
+        # few rows, at most a batch of them), cheaper to read than a hop to the writer thread.
+        rows = self._db.read(
+            f"SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox WHERE {where}"
+            " ORDER BY seq LIMIT ?", params,
+        )
+        return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
+                          traceparent=r["traceparent"], tracestate=r["tracestate"])
+                for r in rows]
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
         def tx(conn: sqlite3.Connection) -> None:

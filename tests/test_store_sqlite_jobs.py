@@ -1,0 +1,68 @@
+"""The SQLite job store's outbox, two processes' stores on one file.
+
+What a user relies on: every committed event reaches NATS once, from the process that
+committed it, and the rows of a process that died are published by any other.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from herald.storage.ports import OutboxRow
+from herald.storage.sqlite.db import Database
+from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore
+from tests.test_store_postgres_jobs import new_job
+
+
+@pytest.fixture()
+async def processes(tmp_path: Path) -> AsyncIterator[tuple[SqliteJobStore, SqliteJobStore]]:
+    """Two stores on one file, each with its own connections and writer: two processes."""
+    a, b = (SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0) for _ in range(2))
+    await asyncio.gather(a.open(), b.open())
+    try:
+        yield a, b
+    finally:
+        await asyncio.gather(a.close(), b.close())
+
+
+def _jobs_of(rows: list[OutboxRow]) -> set[str]:
+    return {r.msg_id.split(".")[1] if r.msg_id.startswith("ev.") else r.msg_id for r in rows}
+
+
+async def test_each_process_publishes_its_own_rows_and_anyone_those_left_behind(
+    processes: tuple[SqliteJobStore, SqliteJobStore],
+) -> None:
+    a, b = processes
+    from_a = [(await a.accept(new_job())).job.id for _ in range(2)]
+    from_b = [(await b.accept(new_job())).job.id for _ in range(3)]
+
+    assert _jobs_of(await a.outbox_batch(100)) == set(from_a)
+    assert _jobs_of(await b.outbox_batch(100)) == set(from_b)
+    assert await a.outbox_batch(100, stale_after_s=60) == []
+    await b.close()
+    stale = await a.outbox_batch(100, stale_after_s=0)
+    assert _jobs_of(stale) == set(from_a) | set(from_b) and [r.seq for r in stale] == sorted(r.seq for r in stale)
+    await a.outbox_done([r.seq for r in stale])
+    assert await a.outbox_batch(100, stale_after_s=0) == []
+
+
+async def test_a_data_dir_from_before_outbox_origins_is_upgraded(tmp_path: Path) -> None:
+    import sqlite3
+
+    path = tmp_path / "herald.db"
+    with sqlite3.connect(path) as conn:  # an outbox as an older Herald made it, with a row left in it
+        conn.executescript(SCHEMA.replace("    tracestate TEXT,\n    origin TEXT\n", "    tracestate TEXT\n"))
+        assert "origin" not in {r[1] for r in conn.execute("PRAGMA table_info(outbox)")}
+        conn.execute("INSERT INTO outbox (subject, msg_id, payload, created_at) VALUES ('jobs.report', 'j1', x'00', 0)")
+    store = SqliteJobStore(Database(path, SCHEMA), retention_s=60.0)
+    await store.open()
+    try:
+        assert [r.msg_id for r in await store.outbox_batch(10, stale_after_s=1)] == ["j1"]  # the old row still goes out
+        job = (await store.accept(new_job())).job
+        assert _jobs_of(await store.outbox_batch(10)) == {job.id}
+    finally:
+        await store.close()
