@@ -41,6 +41,9 @@ from workers.context import JobContext
 from workers.errors import JobCancelled, JobFailed, JobLost
 
 log = logging.getLogger("herald.worker")
+
+FETCH_BATCH = 16  # at most this many messages per pull request (and never more than free slots)
+BATCH_LINGER_S = 0.005
 _message_decoder = msgspec.msgpack.Decoder(JobMessage)
 
 
@@ -70,37 +73,58 @@ class Worker:
                 group.create_task(self._fetch_loop(name, subscription, stop), name=f"fetch-{name}")
 
     async def _fetch_loop(self, kind: str, subscription: object, stop: asyncio.Event) -> None:
-        """Fetch while this kind and the process both have a free slot."""
+        """Fetch while this kind and the process both have a free slot.
+
+        One pull request asks for as many messages as there are free slots once the last one
+        came back full (a backlog); otherwise for one. A request for several that finds the
+        queue empty lingers on the server until its expiry and returns only then, so it is
+        kept short (``BATCH_LINGER_S``): at worst a job at the end of a burst waits that long.
+        """
         fetch = subscription.fetch  # type: ignore[attr-defined]
         kind_slots = self._kind_slots[kind]
+        backlog = False
         while not stop.is_set():
             await kind_slots.acquire()
             await self._slots.acquire()
+            taken = 1
+            # Semaphore.acquire() on a free semaphore returns without yielding: no one else
+            # can take these slots between the check and the acquire.
+            while backlog and taken < FETCH_BATCH and not kind_slots.locked() and not self._slots.locked():
+                await kind_slots.acquire()
+                await self._slots.acquire()
+                taken += 1
             try:
-                messages: list[Msg] = await fetch(batch=1, timeout=self._fetch_timeout_s)
+                if taken > 1:
+                    try:
+                        messages: list[Msg] = await fetch(batch=taken, timeout=BATCH_LINGER_S)
+                    except (NatsTimeout, asyncio.TimeoutError):
+                        messages = []
+                else:
+                    messages = await fetch(batch=1, timeout=self._fetch_timeout_s)
             except (NatsTimeout, asyncio.TimeoutError):
-                self._release(kind)
-                continue
+                messages = []
             except asyncio.CancelledError:
-                self._release(kind)
+                self._release(kind, taken)
                 raise
             except Exception as exc:  # NATS reconnecting: wait and try again
-                self._release(kind)
+                self._release(kind, taken)
+                backlog = False
                 log.warning("fetch failed: %s", exc, extra={"kind": kind})
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.5)
                 continue
-            if not messages:
-                self._release(kind)
-                continue
+            backlog = len(messages) >= taken
+            if len(messages) < taken:
+                self._release(kind, taken - len(messages))
             for message in messages:
                 task = asyncio.create_task(self._handle(message))
                 self._tasks.add(task)
                 task.add_done_callback(functools.partial(self._done, kind=kind))
 
-    def _release(self, kind: str) -> None:
-        self._slots.release()
-        self._kind_slots[kind].release()
+    def _release(self, kind: str, slots: int = 1) -> None:
+        for _ in range(slots):
+            self._slots.release()
+            self._kind_slots[kind].release()
 
     def _done(self, task: asyncio.Task[None], kind: str) -> None:
         self._tasks.discard(task)
