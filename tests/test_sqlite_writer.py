@@ -209,3 +209,31 @@ async def test_every_batch_size_gives_the_same_answers(tmp_path: Path, max_batch
         await db.close()
     assert [r if isinstance(r, int) else None for r in results] == [n if n % 3 else None for n in range(1, 61)]
     assert _count(tmp_path / "herald.db") == {n for n in range(1, 61) if n % 3}
+
+
+async def test_one_process_checkpoints_and_another_takes_over_when_it_is_gone(tmp_path: Path) -> None:
+    path = tmp_path / "herald.db"
+    blob = "x" * 2000
+
+    async def fill(db: Database, first: int) -> None:
+        for n in range(first, first + 200):
+            await db.write(lambda conn, n=n: conn.execute("INSERT INTO items (n, writer) VALUES (?, ?)", (n, blob)))
+
+    async def grows(size: int) -> None:
+        await asyncio.to_thread(wait_until, lambda: path.stat().st_size > size + 200_000, timeout=10,
+                                what="a checkpoint to copy the WAL into the database")
+
+    first = Database(path, SCHEMA)
+    await first.open()
+    size = path.stat().st_size
+    await fill(first, 1)
+    await grows(size)  # only `first` is open: it holds the checkpointer's role
+    second = Database(path, SCHEMA)
+    await second.open()
+    try:
+        await first.close()
+        size = path.stat().st_size
+        await fill(second, 1000)
+        await grows(size)  # `second` took the role over
+    finally:
+        await second.close()

@@ -22,7 +22,9 @@ writes the same file:
   during which this process's writer thread, and every write queued behind it, waits.
   Writers therefore never checkpoint (``wal_autocheckpoint=0``); a checkpointer thread with
   its own connection does, every ``CHECKPOINT_INTERVAL_S`` (PASSIVE: it never blocks a
-  writer or a reader, and copies only what no reader still needs).
+  writer or a reader, and copies only what no reader still needs). Every process has the
+  thread, but only the one holding ``<db>.checkpoint`` (a non-blocking ``flock``) works;
+  the others try again now and then and take over when that process is gone.
 """
 
 from __future__ import annotations
@@ -120,14 +122,23 @@ class Database:
 
     def _checkpoint_loop(self) -> None:
         """Checkpointer thread: copy the WAL back into the database, off every writer's path."""
+        role = os.open(self.path.with_name(self.path.name + ".checkpoint"), os.O_RDWR | os.O_CREAT, 0o600)
         conn = connect(self.path, check_same_thread=False)
         try:
             conn.execute("PRAGMA busy_timeout=0")
+            checkpointing = False
             while not self._stop_checkpointing.wait(CHECKPOINT_INTERVAL_S):
-                with contextlib.suppress(sqlite3.Error):  # busy (another checkpoint) or closing: next time
+                if not checkpointing:
+                    try:
+                        fcntl.flock(role, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    except BlockingIOError:  # another process checkpoints
+                        continue
+                    checkpointing = True
+                with contextlib.suppress(sqlite3.Error):  # busy (a checkpoint by hand) or closing: next time
                     conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchone()
         finally:
             conn.close()
+            os.close(role)  # releases the role, if held
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """Run ``fn`` as one transaction (a savepoint of the next group commit) on the writer thread."""
