@@ -19,7 +19,7 @@ class Sizes:
     webhook_endpoints: int
     webhook_concurrency: int  # the raw senders' concurrency: the notifier's in-flight bound (64)
     e2e_jobs: int
-    e2e_rate: float
+    e2e_rates: tuple[float, ...]  # fixed-load phases (jobs/s); one above 80 % of the saturated rate is skipped
     e2e_fixed_s: float
     nats_msgs: int
     wait_s: float  # how long a scenario waits for deliveries before calling them lost
@@ -38,7 +38,7 @@ FULL = Sizes(
     webhook_endpoints=8,
     webhook_concurrency=64,
     e2e_jobs=1500,
-    e2e_rate=100,
+    e2e_rates=(100, 500),
     e2e_fixed_s=5,
     nats_msgs=20_000,
     wait_s=60,
@@ -57,7 +57,7 @@ SMOKE = Sizes(
     webhook_endpoints=2,
     webhook_concurrency=8,
     e2e_jobs=20,
-    e2e_rate=20,
+    e2e_rates=(20,),
     e2e_fixed_s=1,
     nats_msgs=500,
     wait_s=30,

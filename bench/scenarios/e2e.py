@@ -7,7 +7,9 @@ notifier), reports of 1 page at ``HERALD_REPORT_PAGE_MS=0``; one webhook endpoin
 * Saturation: ``e2e_jobs`` starts as fast as 16 connections get them answered; jobs/s
   from the first start sent to the last ``job.succeeded`` delivery received, and each
   job's start → delivery latency. One tenant SSE stream watches: did it get every event?
-* Fixed load: ``e2e_rate`` starts/s for ``e2e_fixed_s`` (open loop); commit → SSE
+* Fixed load: each of ``e2e_rates`` starts/s for ``e2e_fixed_s`` (open loop; a rate above
+  80 % of the saturated rate is skipped, but for the lowest: it would measure a growing
+  queue); commit → SSE
   (every event on the tenant stream) and commit → webhook (``job.succeeded``), the
   commit time being the status object's ``updated_at`` (millisecond precision).
 
@@ -180,31 +182,43 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
             result["saturation"]["postgres_waits"] = waits.summary()
             result["postgres_waits_note"] = "saturation, " + waits.note()
 
-        ctx.say(f"e2e: {sizes.e2e_rate:g} jobs/s for {sizes.e2e_fixed_s:g} s")
-        receiver.reset()
-        # A stream of its own for this phase: under the saturation burst above, the gateway
-        # may drop a tenant stream as a slow reader (a client would resume by Last-Event-ID).
-        with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1, keep_frames=True) as sse:
-            sse.open()
-            since = time.time()
-            load = httpclient.run(target, processes=1, connections=16, duration_s=sizes.e2e_fixed_s,
-                                  rate=sizes.e2e_rate, keep_records=True)
-            sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
-            found = _wait_for(receiver, set(sent), sizes.wait_s)
-            time.sleep(0.2)  # the last events' frames
-            frames = sse.collect().frames[0]
-        sse_latency = _sse_latencies(frames, since)
-        dropped = _log_count(deployment.log, "slow SSE client dropped")
-        result["sse_streams_dropped"] = dropped
-        result["fixed"] = {
-            "rate": sizes.e2e_rate, "jobs": len(sent), "completed": sum(1 for j in sent if j in found),
-            "accept": {k: load[k] for k in ("p50_ms", "p99_ms", "max_ms")},
-            "commit_to_webhook": latency_summary((found[j][0] - _ts(found[j][1])) * 1000 for j in sent if j in found),
-            "commit_to_sse": latency_summary(sse_latency["all"]),
-            "commit_to_sse_succeeded": latency_summary(sse_latency["job.succeeded"]),
-            "start_to_webhook": latency_summary((found[j][0] - sent[j]) * 1000 for j in sent if j in found),
-        }
+        result["fixed"] = []
+        result["sse_streams_dropped"] = 0
+        for rate in sizes.e2e_rates:
+            if rate > 0.8 * result["saturation"]["jobs_per_s"] and rate > min(sizes.e2e_rates):  # the lowest always runs
+                ctx.say(f"e2e: {rate:g} jobs/s skipped (saturation {result['saturation']['jobs_per_s']:g} jobs/s)")
+                result["fixed"].append({"rate": rate, "skipped": True})
+                continue
+            result["fixed"].append(_fixed_phase(ctx, deployment, receiver, target, request, rate))
+        result["sse_streams_dropped"] = _log_count(deployment.log, "slow SSE client dropped")
     return result
+
+
+def _fixed_phase(ctx: Context, deployment: Deployment, receiver: Receiver, target: Any, request: bytes,
+                 rate: float) -> dict[str, Any]:
+    sizes = ctx.sizes
+    ctx.say(f"e2e: {rate:g} jobs/s for {sizes.e2e_fixed_s:g} s")
+    receiver.reset()
+    # A stream of its own for this phase: under the saturation burst above, the gateway
+    # may drop a tenant stream as a slow reader (a client would resume by Last-Event-ID).
+    with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1, keep_frames=True) as sse:
+        sse.open()
+        since = time.time()
+        load = httpclient.run(target, processes=1, connections=16, duration_s=sizes.e2e_fixed_s,
+                              rate=rate, keep_records=True)
+        sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
+        found = _wait_for(receiver, set(sent), sizes.wait_s)
+        time.sleep(0.2)  # the last events' frames
+        frames = sse.collect().frames[0]
+    sse_latency = _sse_latencies(frames, since)
+    return {
+        "rate": rate, "jobs": len(sent), "completed": sum(1 for j in sent if j in found),
+        "accept": {k: load[k] for k in ("p50_ms", "p99_ms", "max_ms")},
+        "commit_to_webhook": latency_summary((found[j][0] - _ts(found[j][1])) * 1000 for j in sent if j in found),
+        "commit_to_sse": latency_summary(sse_latency["all"]),
+        "commit_to_sse_succeeded": latency_summary(sse_latency["job.succeeded"]),
+        "start_to_webhook": latency_summary((found[j][0] - sent[j]) * 1000 for j in sent if j in found),
+    }
 
 
 def run(ctx: Context) -> Outcome:
@@ -215,27 +229,37 @@ def run(ctx: Context) -> Outcome:
     herald_nats = Herald(ctx.procs, ctx.dir("e2e") / f"ceiling-{ctx.variant}")  # a fresh server, same binary and config
     b = natsceiling.measure(herald_nats.nats.url, ctx.sizes.nats_msgs)
     out.herald, out.baseline = h, b
-    sat, fixed = h["saturation"], h["fixed"]
+    sat = h["saturation"]
     out.row("saturation", "jobs/s (vs msgs/s)", sat["jobs_per_s"], b["pipeline_rate"], better="higher", unit="/s")
     out.row("saturation", "start->webhook p99", sat["start_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
     out.row("saturation", "tenant SSE events received",
             round(100 * sat["sse_events_received"] / max(1, sat["sse_events_expected"]), 1), None, better="higher",
             unit="%")
-    case = f"{fixed['rate']:g} jobs/s"
-    out.row(case, "commit->SSE p99", fixed["commit_to_sse"]["p99_ms"], None, better="lower", unit="ms")
-    out.row(case, "commit->webhook p99", fixed["commit_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
-    out.row(case, "start->webhook p99", fixed["start_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
+    for fixed in h["fixed"]:
+        if fixed.get("skipped"):
+            continue
+        case = f"{fixed['rate']:g} jobs/s"
+        out.row(case, "commit->SSE p99", fixed["commit_to_sse"]["p99_ms"], None, better="lower", unit="ms")
+        out.row(case, "commit->webhook p99", fixed["commit_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
+        out.row(case, "start->webhook p99", fixed["start_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
     out.target("end to end >= 1000 trivial jobs/s", f"{sat['jobs_per_s']:.0f} jobs/s", sat["jobs_per_s"] >= 1000)
-    out.target(f"commit -> SSE p99 < 20 ms at {fixed['rate']:g} jobs/s", f"{fixed['commit_to_sse']['p99_ms']:.1f} ms",
-               fixed["commit_to_sse"]["p99_ms"] < 20)
-    out.target(f"commit -> webhook p99 < 50 ms at {fixed['rate']:g} jobs/s",
-               f"{fixed['commit_to_webhook']['p99_ms']:.1f} ms", fixed["commit_to_webhook"]["p99_ms"] < 50)
+    # The issue's latency targets are at 500 jobs/s (the smoke run's only rate stands in for it).
+    goal = max(h["fixed"], key=lambda f: f["rate"])
+    if goal.get("skipped"):
+        value = f"not measured: {goal['rate']:g} jobs/s is above 80 % of the saturated {sat['jobs_per_s']:g} jobs/s"
+        out.target(f"commit -> SSE p99 < 20 ms at {goal['rate']:g} jobs/s", value, False)
+        out.target(f"commit -> webhook p99 < 50 ms at {goal['rate']:g} jobs/s", value, False)
+    else:
+        out.target(f"commit -> SSE p99 < 20 ms at {goal['rate']:g} jobs/s",
+                   f"{goal['commit_to_sse']['p99_ms']:.1f} ms", goal["commit_to_sse"]["p99_ms"] < 20)
+        out.target(f"commit -> webhook p99 < 50 ms at {goal['rate']:g} jobs/s",
+                   f"{goal['commit_to_webhook']['p99_ms']:.1f} ms", goal["commit_to_webhook"]["p99_ms"] < 50)
     if h.get("postgres_waits_note"):
         out.notes.append(h["postgres_waits_note"])
     if h.get("sse_streams_dropped"):
         out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
                          "(hub queue full) during the run")
-    for phase in (sat, fixed):
+    for phase in (sat, *(f for f in h["fixed"] if not f.get("skipped"))):
         if phase["completed"] < phase["jobs"]:
             out.notes.append(f"{phase['jobs'] - phase['completed']} of {phase['jobs']} jobs had no job.succeeded "
                              f"webhook within {ctx.sizes.wait_s:g} s")
