@@ -66,3 +66,9 @@ async def test_a_data_dir_from_before_outbox_origins_is_upgraded(tmp_path: Path)
         assert _jobs_of(await store.outbox_batch(10)) == {job.id}
     finally:
         await store.close()
+
+
+async def test_an_accepted_job_is_the_row_a_read_returns(processes: tuple[SqliteJobStore, SqliteJobStore]) -> None:
+    a, b = processes
+    accepted = await a.accept(new_job(callback_url="https://example.com/hook"))
+    assert await b.get(accepted.job.id) == accepted.job

@@ -273,8 +273,12 @@ class SqliteJobStore(CommitListeners):
                     " VALUES (?,?,?,?,?,?)",
                     (new.tenant, idempotency.key, idempotency.fingerprint, new.id, ts, ts + idempotency.ttl_s),
                 )
-            job = _fetch(conn, new.id)
-            assert job is not None
+            # The row just inserted, as a read would return it (without reading it back).
+            job = JobRow(id=new.id, tenant=new.tenant, kind=new.kind, collection=new.collection, state="queued",
+                         params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
+                         created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
+                         finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
+                         callback_url=new.callback_url, traceparent=new.traceparent, tracestate=new.tracestate)
             event = _append_event(conn, job, "job.queued", self._db.origin)
             _enqueue_work(conn, job, self._db.origin)
             return Accepted(job=job, replayed=False, event=event)
