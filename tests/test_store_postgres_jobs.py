@@ -568,3 +568,19 @@ async def test_times_come_from_the_database_clock(
         assert t is not None and before <= t <= after
     assert job.deadline_at == pytest.approx(job.created_at + 600.0)
     assert job.created_at <= running.updated_at <= beat.updated_at <= clock
+
+
+async def test_grouped_statements_each_get_their_own_outcome(pg: PgJobStore) -> None:
+    """Group commit: statements queued together commit together, and one that fails fails alone."""
+    db = pg._db  # the store's own database: the transitions' group commit
+    await db.pool.execute("CREATE TABLE grouped (n INTEGER PRIMARY KEY)")
+
+    async def insert(n: int) -> int:
+        return int(await db.fetchval_grouped("INSERT INTO grouped (n) VALUES ($1) RETURNING n", n))
+
+    outcomes = await asyncio.gather(*(insert(n) for n in range(1, 41)), insert(7),  # 7 twice: a unique violation
+                                    db.fetchval_grouped("SELECT 1 / 0"), return_exceptions=True)
+    assert outcomes[:40] == list(range(1, 41))
+    assert isinstance(outcomes[40], asyncpg.UniqueViolationError)
+    assert isinstance(outcomes[41], asyncpg.DivisionByZeroError)
+    assert sorted(r["n"] for r in await db.pool.fetch("SELECT n FROM grouped")) == list(range(1, 41))

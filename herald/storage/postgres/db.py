@@ -13,12 +13,15 @@ import asyncio
 import logging
 import secrets
 from collections.abc import Sequence
+from typing import Any
 
 import asyncpg
 
 from herald.jobs import StoreUnavailable
 
 log = logging.getLogger("herald.postgres")
+
+MAX_GROUP = 64  # statements per group commit
 
 # pg_advisory_xact_lock key for schema migrations ("HERALD" in ASCII, as a bigint).
 MIGRATION_LOCK = 0x48455241_4C44
@@ -45,6 +48,43 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
     session's life (``herald.origin``), no LISTEN, no cursors."""
 
 
+class _Grouped:
+    """One statement waiting for the next group commit, and the future its caller awaits."""
+
+    __slots__ = ("sql", "args", "row", "future")
+
+    def __init__(self, sql: str, args: tuple[Any, ...], *, row: bool) -> None:
+        self.sql = sql
+        self.args = args
+        self.row = row
+        self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+
+    async def run(self, conn: asyncpg.Connection) -> Any:
+        if self.row:
+            return await conn.fetchrow(self.sql, *self.args)
+        return await conn.fetchval(self.sql, *self.args)
+
+    def settle(self, value: Any, error: BaseException | None) -> None:
+        if self.future.done():  # the caller gave up (cancelled); the statement stands or not all the same
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(value)
+
+
+async def _one_by_one(conn: asyncpg.Connection, batch: list[_Grouped]) -> None:
+    """A batch that failed, again statement by statement: each caller gets its own outcome."""
+    for statement in batch:
+        try:
+            async with conn.transaction():
+                value = await statement.run(conn)
+        except asyncpg.PostgresError as exc:
+            statement.settle(None, exc)
+            continue
+        statement.settle(value, None)
+
+
 class PgDatabase:
     """The pool and the migrations. ``migrations`` are (name, SQL) pairs applied once, in order."""
 
@@ -59,6 +99,8 @@ class PgDatabase:
         self._pool: asyncpg.Pool | None = None
         self._ready = asyncio.Event()
         self._opener: asyncio.Task[None] | None = None
+        self._batch: list[_Grouped] = []
+        self._committer: asyncio.Task[None] | None = None
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -124,6 +166,49 @@ class PgDatabase:
                 await conn.execute(f"INSERT INTO herald_migrations (name, applied_at) VALUES ($1, {NOW_SQL})", name)
                 log.info("schema migration applied", extra={"migration": name})
 
+    async def fetchval_grouped(self, sql: str, *args: Any) -> Any:
+        """``fetchval`` of a statement that is a transaction on its own, committed together
+        with the others queued meanwhile (group commit).
+
+        A commit waits for its WAL flush while it still holds its row locks: a tenant's
+        counter row is one, so one commit per event would bound a tenant's events to one
+        per flush. Queued statements run one after another on one connection in one
+        transaction, and everyone hears back after its commit. If one of them fails, the
+        batch is rolled back and each is run again in a transaction of its own, so only
+        the failing one fails.
+        """
+        return await self._grouped(_Grouped(sql, args, row=False))
+
+    async def fetchrow_grouped(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        """``fetchrow`` under the same group commit as ``fetchval_grouped``."""
+        return await self._grouped(_Grouped(sql, args, row=True))  # type: ignore[no-any-return]
+
+    async def _grouped(self, statement: _Grouped) -> Any:
+        self._batch.append(statement)
+        if self._committer is None or self._committer.done():
+            self._committer = asyncio.create_task(self._commit_batches(), name="postgres-group-commit")
+        return await statement.future
+
+    async def _commit_batches(self) -> None:
+        while self._batch:
+            batch, self._batch = self._batch[:MAX_GROUP], self._batch[MAX_GROUP:]
+            try:
+                async with self.pool.acquire() as conn:
+                    try:
+                        async with conn.transaction():
+                            values = [await statement.run(conn) for statement in batch]
+                    except asyncpg.PostgresError:
+                        await _one_by_one(conn, batch)
+                        continue
+            except BaseException as exc:  # the pool or the connection failed: every caller hears it
+                for statement in batch:
+                    statement.settle(None, exc)
+                if not isinstance(exc, Exception):
+                    raise
+                continue
+            for statement, value in zip(batch, values):
+                statement.settle(value, None)
+
     async def clock(self) -> float:
         return float(await self.pool.fetchval(f"SELECT {NOW_SQL}"))
 
@@ -131,6 +216,8 @@ class PgDatabase:
         await self.pool.fetchval("SELECT 1")
 
     async def close(self) -> None:
+        if self._committer is not None:
+            await asyncio.wait({self._committer})  # the statements already queued still commit
         if self._opener is not None and not self._opener.done():
             self._opener.cancel()
             try:

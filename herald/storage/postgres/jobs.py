@@ -532,12 +532,13 @@ class PgJobStore(CommitListeners):
         self, new: NewJob, idempotency: IdempotencyClaim | None = None, budget: StartBudget | None = None
     ) -> Accepted:
         """Spend a start token, write the job (queued, version 1), its key and its outbox rows: one transaction."""
-        async with self._connection() as conn:
-            ts = float(await conn.fetchval(_CLOCK))
+        async with self._unavailable_on_errors():
+            ts = float(await self._db.pool.fetchval(_CLOCK))
             job = _queued_row(new, ts)
             event, event_tail = _unnumbered_event(job, "job.queued")
             work_subject, work_msg_id, work_payload = _work_message(job)
-            record = await conn.fetchrow(
+            # Committed with the other accepts and transitions of this process queued meanwhile.
+            record = await self._db.fetchrow_grouped(
                 _ACCEPT,
                 new.id, new.tenant, new.kind, new.collection, new.params, new.callback_url,
                 ts, float(new.deadline_s),
@@ -571,9 +572,9 @@ class PgJobStore(CommitListeners):
         return await self._observed_transition(job_id, change, lambda: self._compare_and_set(job_id, change))
 
     async def _compare_and_set(self, job_id: str, change: Change) -> Transition:
-        async with self._connection() as conn:
+        async with self._unavailable_on_errors():
             while True:
-                record = await conn.fetchrow(_READ_FOR_CHANGE, job_id)
+                record = await self._db.pool.fetchrow(_READ_FOR_CHANGE, job_id)
                 assert record is not None
                 before = JobRow.from_mapping(record) if record["id"] is not None else None
                 reason = refusal(before, change)
@@ -588,7 +589,8 @@ class PgJobStore(CommitListeners):
                     return Transition(before=before, after=before, event=None)  # nothing visible changed
                 event, event_tail = _unnumbered_event(after, kind_of_change)
                 work_subject, work_msg_id, work_payload = _work_message(after) if change.requeue else (None, None, None)
-                seq = await conn.fetchval(
+                # Committed with the other transitions of this process queued meanwhile.
+                seq = await self._db.fetchval_grouped(
                     _TRANSITION,
                     job_id, before.version, before.updated_at,
                     after.state, after.progress, after.attempt, after.cancel_requested,
