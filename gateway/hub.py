@@ -121,10 +121,17 @@ class Hub:
     # ----- long polls -------------------------------------------------------------------
 
     async def wait_for_change(self, job_id: str, version: int, timeout: float, reread: Callable[[], Awaitable[int | None]]) -> bool:
-        """True when ``job_id`` moved past ``version`` within ``timeout``.
+        """True when ``job_id`` moved past ``version`` within ``timeout`` (see ``wait_for_version``)."""
+        return await self.wait_for_version(job_id, version, timeout, reread) is not None
 
-        ``reread`` gives the stored version; it is called once after the waiter is
-        registered, so a change committed between the caller's read and now is not missed.
+    async def wait_for_version(self, job_id: str, version: int, timeout: float,
+                               reread: Callable[[], Awaitable[int | None]]) -> int | None:
+        """The version that ``job_id`` moved to past ``version`` within ``timeout``, or None.
+
+        -1 when it moved but the version is not known (a NATS reconnect, or the job is gone):
+        the caller reads the store. ``reread`` gives the stored version; it is called once
+        after the waiter is registered, so a change committed between the caller's read and
+        now is not missed.
         """
         loop = asyncio.get_running_loop()
         future: asyncio.Future[int] = loop.create_future()
@@ -133,16 +140,16 @@ class Hub:
         try:
             stored = await reread()
             if stored is None or stored != version:
-                return True
+                return -1 if stored is None else stored
             async with asyncio.timeout(timeout):
                 while True:
                     seen = await future
                     if seen == -1 or seen > version:
-                        return True
+                        return seen
                     future = loop.create_future()  # a late duplicate: keep waiting
                     self._polls[job_id].add(future)
         except TimeoutError:
-            return False
+            return None
         finally:
             self._metrics.long_polls.dec()
             waiters = self._polls.get(job_id)

@@ -11,19 +11,20 @@ EVENTS_PURPOSE = "events"
 RESULT_PURPOSE = "result"
 
 
-def public_status(job: JobRow, signer: UrlSigner) -> JobStatus:
+def public_status(job: JobRow, signer: UrlSigner, now: float | None = None) -> JobStatus:
+    """``now``: the instant the links are signed at (default: this one)."""
     status = job.status()
-    status.links.events = signer.sign(status.links.events, EVENTS_PURPOSE)
+    status.links.events = signer.sign(status.links.events, EVENTS_PURPOSE, now=now)
     if status.links.result is not None:
-        status.links.result = signer.sign(status.links.result, RESULT_PURPOSE)
+        status.links.result = signer.sign(status.links.result, RESULT_PURPOSE, now=now)
     return status
 
 
-def retry_after(job: JobRow) -> int:
+def retry_after(job: JobRow, at: float | None = None) -> int:
     """Seconds a poller should wait: 1 while queued, growing slowly (to 10) for long runs."""
     if job.state == "queued":
         return 1
-    return int(min(10, 1 + (now() - job.created_at) // 30))
+    return int(min(10, 1 + ((now() if at is None else at) - job.created_at) // 30))
 
 
 def etag(job: JobRow) -> str:

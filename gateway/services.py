@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from litestar import Request
 from nats.aio.client import Client as NATS
 
+from gateway.answers import WokenAnswers
 from gateway.deliverywatch import DeliveryWatch
 from gateway.hub import Hub
 from gateway.ratelimit import BacklogGuard, TenantLimits
@@ -29,6 +30,7 @@ class Services:
     hub: Hub
     nats: NATS | None = field(default=None)
     watch: DeliveryWatch = field(default_factory=DeliveryWatch)  # the portal's delivery notices
+    answers: WokenAnswers = field(default_factory=WokenAnswers)  # shared by the long polls one change wakes
 
 
 def services(request: Request) -> Services:

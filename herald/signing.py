@@ -33,6 +33,11 @@ class UrlSigner:
         digest = hmac.new(key, message, hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
+    def expiry(self, now: float | None = None) -> int:
+        """The ``exp`` a link signed at ``now`` (default: this instant) carries: links signed with the
+        same expiry, path and purpose are byte-identical, so an answer built once may be shared."""
+        return int((now if now is not None else time.time()) + self._ttl_s)
+
     def sign(self, path: str, purpose: str, *, extra: str = "", now: float | None = None) -> str:
         exp, sig = self.seal(path, purpose, extra=extra, now=now)
         return f"{path}?exp={exp}&sig={sig}"

@@ -111,6 +111,50 @@ def test_long_poll_wakes_on_transition_and_304_on_timeout(fresh: Deployment) -> 
         assert http.get(f"/jobs/{job['id']}", params={"wait": 61}).status_code == 400
 
 
+def _answer(response: httpx.Response) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
+    """Status, headers (in order) and body of an answer, less what differs per request by design."""
+    headers = tuple((k, v) for k, v in response.headers.items() if k not in ("x-request-id", "date"))
+    return response.status_code, headers, response.content
+
+
+def test_polls_woken_by_one_change_share_one_answer_identical_to_a_single_poll(fresh: Deployment) -> None:
+    """Held polls woken together are answered from one read and one encoded answer (gateway/answers.py):
+    every header and byte as a plain poll at that moment would have them."""
+    base = fresh.start_gateway()
+    with client(base) as http:
+        job = http.post("/reports", json={"title": "woken", "pages": 2}).json()
+        etag = http.get(f"/jobs/{job['id']}").headers["etag"]
+        answers: list[httpx.Response] = []
+        lock = threading.Lock()
+
+        def hold() -> None:
+            with client(base) as poller:
+                response = poller.get(f"/jobs/{job['id']}", params={"wait": 30}, headers={"If-None-Match": etag})
+                with lock:
+                    answers.append(response)
+
+        polls = [threading.Thread(target=hold) for _ in range(8)]
+        for poll in polls:
+            poll.start()
+        wait_until(lambda: b"herald_long_polls 8.0" in httpx.get(base + "/metrics").content, what="polls held")
+        # One transition, and then nothing for a while: each page takes 5 s.
+        fresh.start_worker(HERALD_REPORT_PAGE_MS="5000")
+        for poll in polls:
+            poll.join(20)
+        assert len(answers) == 8
+        woken = {_answer(response) for response in answers}
+        for _ in range(5):  # a plain poll in the same second of signing (links carry a whole-second expiry)
+            single = http.get(f"/jobs/{job['id']}")
+            if _answer(single) in woken:
+                break
+        status, headers, body = _answer(single)
+        assert status == 200 and json.loads(body)["state"] == "running"
+        assert {"etag", "retry-after", "cache-control", "content-type", "content-length"} <= dict(headers).keys()
+        assert woken == {(status, headers, body)}, "every woken poll got exactly what a single poll gets"
+        # The raw header names are canonical on both paths (Retry-After, ETag), as before.
+        assert [name for name, _ in single.headers.raw] == [name for name, _ in answers[0].headers.raw]
+
+
 def test_json_feed_pages_in_commit_order_and_long_polls(herald: Deployment) -> None:
     json_accept = {"Accept": "application/json"}
     with client(herald.url(), tenant="globex") as http:

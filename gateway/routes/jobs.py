@@ -9,12 +9,13 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
+from gateway.answers import StatusAnswer, status_answer
 from gateway.auth import require_tenant
 from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
 from gateway.openapi import problems
 from gateway.problems import Conflict, Gone, InvalidRequest, JobFinished, NotFound
-from gateway.render import etag, etag_matches, public_status, retry_after
+from gateway.render import etag, etag_matches, public_status
 from gateway.services import Services, services
 from herald.jobs import JobRow, TransitionRejected
 from herald.transitions import Change
@@ -42,17 +43,15 @@ async def _version(svc: Services, job_id: str) -> int | None:
 
 
 def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Response[JobStatus]:
-    status = public_status(job, svc.signer)
-    tag = etag(job)
-    if job.state == "succeeded":
-        return Response(status, status_code=303, headers={"Location": job.result_url, "ETag": tag,
-                                                          "Cache-Control": "no-store"})
-    headers = {"ETag": tag, "Cache-Control": "no-store"}
-    if not job.terminal:
-        headers["Retry-After"] = str(retry_after(job))
-    if etag_matches(if_none_match, tag):
-        return Response(None, status_code=304, headers=headers)  # type: ignore[arg-type]
-    return Response(status, status_code=200, headers=headers)
+    return answer_response(status_answer(job, svc.signer), if_none_match)
+
+
+def answer_response(answer: StatusAnswer, if_none_match: str | None) -> Response[JobStatus]:
+    """The response for ``answer``: a 303 once succeeded, else 200, or 304 when the tag matches."""
+    if answer.status_code == 200 and etag_matches(if_none_match, answer.tag):
+        return Response(None, status_code=304, headers=answer.headers)  # type: ignore[arg-type]
+    # The body is the status already encoded (gateway/answers.py); Litestar sends bytes as they are.
+    return Response(answer.body, status_code=answer.status_code, headers=answer.headers)  # type: ignore[arg-type]
 
 
 @get("/jobs/{job_id:str}", operation_id="get_job", tags=["jobs"], summary="Job status (the source of truth)",
@@ -75,9 +74,14 @@ async def get_job(
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
         svc.limiter.open_stream(tenant)
         try:
-            await svc.hub.wait_for_change(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
+            seen = await svc.hub.wait_for_version(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
         finally:
             svc.limiter.close_stream(tenant)
+        if seen is not None:
+            # Every poll this change woke shares one read and one encoded answer.
+            answer = await svc.answers.answer(svc.store, svc.signer, job.id, seen)
+            return answer_response(answer, if_none_match) if answer is not None else status_response(
+                job, svc, if_none_match)
         job = await svc.store.get(job.id) or job
     return status_response(job, svc, if_none_match)
 
