@@ -1,6 +1,7 @@
 """One hub per gateway process: one NATS subscription to committed events, many waiters.
 
-Long polls wait on a per-job future; SSE streams own a bounded queue each. The hub never
+Long polls wait on a per-job future; SSE streams own a bounded queue each, and share one
+keep-alive ticker. The hub never
 reads the store: it only wakes. Waiters reconcile with the store themselves (history for
 gaps, the row for long polls), so a missed or reordered NATS message costs a read, never
 an event.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
 
 import msgspec
@@ -18,6 +19,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 
+from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S
 from herald.constants import EVENT_SUBJECTS
 from herald.metrics import Metrics
 from schemas import JobEvent
@@ -29,23 +31,31 @@ RESYNC = None  # queued to a subscriber when it must re-read the store (NATS rec
 
 
 class Subscriber:
-    """One SSE stream's inbox. Overflow drops the stream (it resumes with Last-Event-ID).
+    """One SSE stream's inbox: a deque, and one future while its stream waits.
 
-    An event is queued only if it is further along than every event queued before
-    (version for a job's stream, tenant sequence for a tenant's): the same event reaches
-    the hub several times (this process's own commit, and each relay that publishes the
-    shared outbox), and a copy must not take a queue slot. Skipping an older one is safe:
-    the stream already saw a newer event, and a gap it saw is filled from the store.
+    Overflow drops the stream (it resumes with Last-Event-ID). An event is queued only if
+    it is further along than every event queued before (version for a job's stream,
+    tenant sequence for a tenant's): the same event reaches the hub several times (this
+    process's own commit, and each relay that publishes the shared outbox), and a copy must
+    not take a slot. Skipping an older one is safe: the stream already saw a newer event,
+    and a gap it saw is filled from the store.
+
+    A deque and a bare future rather than an ``asyncio.Queue`` and an ``asyncio.Event``
+    (three deques and a waiter list more, each preallocating a 600-byte block): thousands
+    of idle streams are mostly this object.
     """
 
-    __slots__ = ("queue", "overflowed", "key", "_by_seq", "_offered")
+    __slots__ = ("key", "items", "overflowed", "_maxsize", "_by_seq", "_offered", "_waiter", "_active")
 
     def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
         self.key = key
-        self.queue: asyncio.Queue[JobEvent | None] = asyncio.Queue(maxsize)
-        self.overflowed = asyncio.Event()
+        self.items: deque[JobEvent | None | bytes] = deque()
+        self.overflowed = False  # its queue was full: the stream ends at the next item it takes
+        self._maxsize = maxsize
         self._by_seq = by_seq
         self._offered = 0
+        self._waiter: asyncio.Future[None] | None = None
+        self._active = False  # something was queued since the hub's last keep-alive tick
 
     def offer(self, event: JobEvent | None) -> bool:
         if event is not None:
@@ -53,12 +63,45 @@ class Subscriber:
             if position <= self._offered:
                 return True  # a copy, or older than what it already has
             self._offered = position
-        try:
-            self.queue.put_nowait(event)
-            return True
-        except asyncio.QueueFull:
-            self.overflowed.set()
+        return self._put(event)
+
+    def keep_alive(self) -> None:
+        """A tick of the hub's keep-alive ticker: a keep-alive frame if nothing was queued since the last one.
+
+        Never into a non-empty queue: it could not be silent, and a keep-alive must not be
+        what overflows a slow reader's queue."""
+        if not self._active and not self.items:
+            self._put(KEEPALIVE_FRAME)  # counts as activity: an idle stream gets one every KEEPALIVE_S
+        else:
+            self._active = False
+
+    def _put(self, item: JobEvent | None | bytes) -> bool:
+        if len(self.items) >= self._maxsize:
+            self.overflowed = True
+            self._wake()
             return False
+        self.items.append(item)
+        self._active = True
+        self._wake()
+        return True
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None:
+            self._waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def next(self) -> JobEvent | None | bytes:
+        """The next item: an event, ``RESYNC``, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
+        while not self.items:
+            waiter = self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await waiter
+            finally:
+                if self._waiter is waiter:
+                    self._waiter = None
+        return self.items.popleft()
 
 
 class Hub:
@@ -69,11 +112,15 @@ class Hub:
         self._job_subs: dict[str, set[Subscriber]] = defaultdict(set)
         self._tenant_subs: dict[str, set[Subscriber]] = defaultdict(set)
         self._subscription: NatsSubscription | None = None
+        self._ticker: asyncio.TimerHandle | None = None
 
     async def attach(self, nc: NATS) -> None:
         self._subscription = await nc.subscribe(EVENT_SUBJECTS, cb=self._on_message, pending_msgs_limit=1_000_000)
 
     async def detach(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            self._ticker = None
         if self._subscription is not None:
             try:
                 await self._subscription.unsubscribe()
@@ -163,12 +210,32 @@ class Hub:
     def subscribe_job(self, job_id: str) -> Subscriber:
         subscriber = Subscriber(f"job:{job_id}", self._queue_size, by_seq=False)
         self._job_subs[job_id].add(subscriber)
+        self._start_ticker()
         return subscriber
 
     def subscribe_tenant(self, tenant: str) -> Subscriber:
         subscriber = Subscriber(f"tenant:{tenant}", self._queue_size, by_seq=True)
         self._tenant_subs[tenant].add(subscriber)
+        self._start_ticker()
         return subscriber
+
+    # One keep-alive ticker for all streams, not a timer per waiting stream (a timer armed
+    # and cancelled per event and stream under fan-out). It ticks every KEEPALIVE_S / 2 and
+    # gives a keep-alive to each stream that was queued nothing since the previous tick, so
+    # a stream is never silent for more than KEEPALIVE_S. It stops while there are none.
+
+    def _start_ticker(self) -> None:
+        if self._ticker is None:
+            self._ticker = asyncio.get_running_loop().call_later(KEEPALIVE_S / 2, self._tick)
+
+    def _tick(self) -> None:
+        self._ticker = None
+        if not self._job_subs and not self._tenant_subs:
+            return
+        for group in (*self._job_subs.values(), *self._tenant_subs.values()):
+            for subscriber in group:
+                subscriber.keep_alive()
+        self._start_ticker()
 
     def unsubscribe(self, subscriber: Subscriber) -> None:
         kind, _, key = subscriber.key.partition(":")

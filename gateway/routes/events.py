@@ -19,22 +19,15 @@ from litestar.params import Parameter
 from gateway.auth import bearer_tenant, require_tenant
 from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
-from gateway.hub import RESYNC, Subscriber
+from gateway.hub import RESYNC
 from gateway.openapi import problems
 from gateway.problems import InvalidRequest, InvalidSignature, NotFound, Unauthorized
 from gateway.render import EVENTS_PURPOSE
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
-from gateway.sse import (
-    KEEPALIVE_FRAME,
-    KEEPALIVE_S,
-    RETRY_FRAME,
-    EventStream,
-    job_frame,
-    tenant_frame,
-)
+from gateway.sse import RETRY_FRAME, EventStream, job_frame, tenant_frame
 from herald.jobs import JobRow
-from schemas import FieldError, JobEvent
+from schemas import FieldError
 from schemas.events import EventFeed, EventLink, FeedEvent
 from schemas.jobs import TERMINAL_EVENT_TYPES
 
@@ -62,18 +55,6 @@ def _resume_point(request: Request, query_value: str | None) -> int | None:
         return _parse_cursor(header if header is not None else query_value, "Last-Event-ID")
     except ValueError:
         return UNREPLAYABLE
-
-
-async def _next(subscriber: Subscriber) -> JobEvent | None | bytes:
-    """The next hub item, or the keep-alive frame after KEEPALIVE_S of silence."""
-    queue = subscriber.queue
-    if not queue.empty():
-        return queue.get_nowait()
-    try:
-        async with asyncio.timeout(KEEPALIVE_S):
-            return await queue.get()
-    except TimeoutError:
-        return KEEPALIVE_FRAME
 
 
 # ----- one job's stream ------------------------------------------------------------------
@@ -118,11 +99,11 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
                 yield job_frame(snapshot[0], None if resume is None else "job.snapshot")
             last, ended = current.version, current.terminal
         while not ended:
-            item = await _next(subscriber)
+            item = await subscriber.next()
             if isinstance(item, bytes):
-                yield item
+                yield item  # the hub's keep-alive
                 continue
-            if subscriber.overflowed.is_set():
+            if subscriber.overflowed:
                 return  # dropped as a slow consumer; it resumes with Last-Event-ID
             if item is RESYNC or item.version > last + 1:
                 batch = await svc.store.job_events(job_id, last)
@@ -200,11 +181,11 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
                     break
             last = max(last, resume)
         while True:
-            item = await _next(subscriber)
+            item = await subscriber.next()
             if isinstance(item, bytes):
-                yield item
+                yield item  # the hub's keep-alive
                 continue
-            if subscriber.overflowed.is_set():
+            if subscriber.overflowed:
                 return
             if item is RESYNC or item.seq > last + 1:
                 batch = await svc.store.tenant_events(tenant, last, 10_000)
@@ -239,7 +220,8 @@ async def _feed(
             events = await svc.store.tenant_events(tenant, position, limit, kind)  # after subscribing
             while not events and (remaining := deadline - loop.time()) > 0:
                 try:
-                    await asyncio.wait_for(subscriber.queue.get(), timeout=remaining)
+                    async with asyncio.timeout(remaining):
+                        await subscriber.next()
                 except TimeoutError:
                     break
                 events = await svc.store.tenant_events(tenant, position, limit, kind)

@@ -1,0 +1,89 @@
+"""The hub's SSE inbox (one deque, one future) and its one keep-alive ticker for all streams."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+
+from gateway import hub as hub_module
+from gateway.hub import RESYNC, Hub, Subscriber
+from gateway.sse import KEEPALIVE_FRAME
+from herald.metrics import metrics
+from schemas import JobEvent
+
+
+def _event(version: int, seq: int = 0) -> JobEvent:
+    return JobEvent(job_id="j", tenant="t", kind="report", type="job.progress", version=version, seq=seq or version,
+                    at="2026-01-01T00:00:00Z", data=msgspec.Raw(b"{}"))
+
+
+async def test_a_waiting_stream_is_woken_by_an_offer_and_takes_items_in_order() -> None:
+    subscriber = Subscriber("job:j", 8, by_seq=False)
+    waiting = asyncio.ensure_future(subscriber.next())
+    await asyncio.sleep(0)
+    assert not waiting.done()
+    assert subscriber.offer(_event(1))
+    assert (await asyncio.wait_for(waiting, 1)).version == 1  # type: ignore[union-attr]
+    assert subscriber.offer(_event(2)) and subscriber.offer(_event(2)), "a copy is accepted and not queued"
+    assert subscriber.offer(RESYNC)
+    assert [item.version for item in [await subscriber.next()]] == [2]  # type: ignore[union-attr]
+    assert await subscriber.next() is RESYNC
+    assert not subscriber.items
+
+
+async def test_a_full_inbox_overflows_and_wakes_its_stream() -> None:
+    subscriber = Subscriber("tenant:t", 2, by_seq=True)
+    assert subscriber.offer(_event(1)) and subscriber.offer(_event(2))
+    assert not subscriber.offer(_event(3))
+    assert subscriber.overflowed and len(subscriber.items) == 2
+
+
+async def test_a_cancelled_wait_leaves_the_inbox_usable() -> None:
+    subscriber = Subscriber("job:j", 8, by_seq=False)
+    with pytest.raises(TimeoutError):
+        async with asyncio.timeout(0.01):
+            await subscriber.next()
+    assert subscriber.offer(_event(1))
+    assert (await asyncio.wait_for(subscriber.next(), 1)).version == 1  # type: ignore[union-attr]
+
+
+def test_keep_alives_only_after_a_tick_without_anything_queued() -> None:
+    subscriber = Subscriber("job:j", 2, by_seq=False)
+    subscriber.keep_alive()
+    assert list(subscriber.items) == [KEEPALIVE_FRAME], "silent since it opened"
+    subscriber.items.clear()
+    subscriber.keep_alive()
+    assert not subscriber.items, "the keep-alive it was given counts as something sent"
+    subscriber.keep_alive()
+    assert list(subscriber.items) == [KEEPALIVE_FRAME]
+    subscriber.keep_alive()
+    subscriber.keep_alive()
+    assert list(subscriber.items) == [KEEPALIVE_FRAME], "never into a queue that is not empty"
+    subscriber.items.clear()
+    assert subscriber.offer(_event(1))
+    subscriber.items.clear()
+    subscriber.keep_alive()
+    assert not subscriber.items, "an event since the last tick"
+    full = Subscriber("job:k", 1, by_seq=False)
+    assert full.offer(_event(1))
+    full.keep_alive()
+    full.keep_alive()
+    assert not full.overflowed, "a keep-alive never overflows a slow reader's queue"
+
+
+async def test_one_ticker_gives_every_silent_stream_a_keep_alive_and_stops_without_streams(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hub_module, "KEEPALIVE_S", 0.1)
+    hub = Hub(metrics())
+    streams = [hub.subscribe_job("a"), hub.subscribe_job("a"), hub.subscribe_tenant("t")]
+    got = await asyncio.wait_for(asyncio.gather(*(s.next() for s in streams)), 2)
+    assert got == [KEEPALIVE_FRAME] * 3
+    for subscriber in streams:
+        hub.unsubscribe(subscriber)
+    await asyncio.sleep(0.15)
+    assert hub._ticker is None, "no streams, no ticker"
+    again = hub.subscribe_tenant("t")
+    assert await asyncio.wait_for(again.next(), 2) == KEEPALIVE_FRAME
+    await hub.detach()
