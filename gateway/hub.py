@@ -13,13 +13,14 @@ import asyncio
 import logging
 from collections import defaultdict, deque
 from collections.abc import Awaitable, Callable
+from typing import NamedTuple
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 
-from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S
+from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S, job_frame, tenant_frame
 from herald.constants import EVENT_SUBJECTS
 from herald.metrics import Metrics
 from schemas import JobEvent
@@ -28,6 +29,17 @@ log = logging.getLogger("herald.hub")
 _decoder = msgspec.json.Decoder(JobEvent)
 
 RESYNC = None  # queued to a subscriber when it must re-read the store (NATS reconnected)
+
+
+class Framed(NamedTuple):
+    """An event and its SSE frame for one kind of stream, built once per event and shared by
+    every stream of that kind (a job's streams number frames by version, a tenant's by seq)."""
+
+    event: JobEvent
+    frame: bytes
+
+
+Item = Framed | None | bytes  # an event, RESYNC, or the keep-alive frame
 
 
 class Subscriber:
@@ -49,7 +61,7 @@ class Subscriber:
 
     def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
         self.key = key
-        self.items: deque[JobEvent | None | bytes] = deque()
+        self.items: deque[Item] = deque()
         self.overflowed = False  # its queue was full: the stream ends at the next item it takes
         self._maxsize = maxsize
         self._by_seq = by_seq
@@ -57,13 +69,14 @@ class Subscriber:
         self._waiter: asyncio.Future[None] | None = None
         self._active = False  # something was queued since the hub's last keep-alive tick
 
-    def offer(self, event: JobEvent | None) -> bool:
-        if event is not None:
+    def offer(self, item: Framed | None) -> bool:
+        if item is not None:
+            event = item.event
             position = event.seq if self._by_seq else event.version
             if position <= self._offered:
                 return True  # a copy, or older than what it already has
             self._offered = position
-        return self._put(event)
+        return self._put(item)
 
     def keep_alive(self) -> None:
         """A tick of the hub's keep-alive ticker: a keep-alive frame if nothing was queued since the last one.
@@ -75,7 +88,7 @@ class Subscriber:
         else:
             self._active = False
 
-    def _put(self, item: JobEvent | None | bytes) -> bool:
+    def _put(self, item: Item) -> bool:
         if len(self.items) >= self._maxsize:
             self.overflowed = True
             self._wake()
@@ -92,7 +105,7 @@ class Subscriber:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def next(self) -> JobEvent | None | bytes:
+    async def next(self) -> Item:
         """The next item: an event, ``RESYNC``, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
         while not self.items:
             waiter = self._waiter = asyncio.get_running_loop().create_future()
@@ -145,14 +158,21 @@ class Hub:
         for future in self._polls.pop(event.job_id, ()):
             if not future.done():
                 future.set_result(event.version)
-        for group in (self._job_subs.get(event.job_id), self._tenant_subs.get(event.tenant)):
-            for subscriber in tuple(group or ()):
-                if not subscriber.offer(event):
+        job_streams = self._job_subs.get(event.job_id)
+        if job_streams:
+            self._offer(job_streams, Framed(event, job_frame(event)))
+        tenant_streams = self._tenant_subs.get(event.tenant)
+        if tenant_streams:
+            self._offer(tenant_streams, Framed(event, tenant_frame(event)))
+
+    def _offer(self, group: set[Subscriber], item: Framed) -> None:
+        for subscriber in tuple(group):
+            if not subscriber.offer(item):
                     # Its queue is full: it gets nothing more and its stream ends (it will
                     # resume with Last-Event-ID). Counted and logged once per stream.
                     self.unsubscribe(subscriber)
                     self._metrics.sse_dropped.labels(reason="queue_full").inc()
-                    log.warning("slow SSE client dropped", extra={"stream": subscriber.key, "job_id": event.job_id})
+                    log.warning("slow SSE client dropped", extra={"stream": subscriber.key, "job_id": item.event.job_id})
 
     def resync(self) -> None:
         """After a NATS reconnect some events may be missed: make every waiter re-read the store."""

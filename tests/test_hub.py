@@ -8,15 +8,15 @@ import msgspec
 import pytest
 
 from gateway import hub as hub_module
-from gateway.hub import RESYNC, Hub, Subscriber
+from gateway.hub import RESYNC, Framed, Hub, Subscriber
 from gateway.sse import KEEPALIVE_FRAME
 from herald.metrics import metrics
 from schemas import JobEvent
 
 
-def _event(version: int, seq: int = 0) -> JobEvent:
-    return JobEvent(job_id="j", tenant="t", kind="report", type="job.progress", version=version, seq=seq or version,
-                    at="2026-01-01T00:00:00Z", data=msgspec.Raw(b"{}"))
+def _event(version: int, seq: int = 0) -> Framed:
+    return Framed(JobEvent(job_id="j", tenant="t", kind="report", type="job.progress", version=version, seq=seq or version,
+                    at="2026-01-01T00:00:00Z", data=msgspec.Raw(b"{}")), b"")
 
 
 async def test_a_waiting_stream_is_woken_by_an_offer_and_takes_items_in_order() -> None:
@@ -25,10 +25,10 @@ async def test_a_waiting_stream_is_woken_by_an_offer_and_takes_items_in_order() 
     await asyncio.sleep(0)
     assert not waiting.done()
     assert subscriber.offer(_event(1))
-    assert (await asyncio.wait_for(waiting, 1)).version == 1  # type: ignore[union-attr]
+    assert (await asyncio.wait_for(waiting, 1)).event.version == 1  # type: ignore[union-attr]
     assert subscriber.offer(_event(2)) and subscriber.offer(_event(2)), "a copy is accepted and not queued"
     assert subscriber.offer(RESYNC)
-    assert [item.version for item in [await subscriber.next()]] == [2]  # type: ignore[union-attr]
+    assert [item.event.version for item in [await subscriber.next()]] == [2]  # type: ignore[union-attr]
     assert await subscriber.next() is RESYNC
     assert not subscriber.items
 
@@ -46,7 +46,7 @@ async def test_a_cancelled_wait_leaves_the_inbox_usable() -> None:
         async with asyncio.timeout(0.01):
             await subscriber.next()
     assert subscriber.offer(_event(1))
-    assert (await asyncio.wait_for(subscriber.next(), 1)).version == 1  # type: ignore[union-attr]
+    assert (await asyncio.wait_for(subscriber.next(), 1)).event.version == 1  # type: ignore[union-attr]
 
 
 def test_keep_alives_only_after_a_tick_without_anything_queued() -> None:
@@ -86,4 +86,17 @@ async def test_one_ticker_gives_every_silent_stream_a_keep_alive_and_stops_witho
     assert hub._ticker is None, "no streams, no ticker"
     again = hub.subscribe_tenant("t")
     assert await asyncio.wait_for(again.next(), 2) == KEEPALIVE_FRAME
+    await hub.detach()
+
+
+async def test_one_frame_per_event_and_kind_of_stream_shared_by_all_its_streams() -> None:
+    hub = Hub(metrics())
+    jobs = [hub.subscribe_job("j") for _ in range(3)]
+    tenants = [hub.subscribe_tenant("t") for _ in range(2)]
+    hub.publish(_event(4, seq=17).event)
+    job_items = [s.items.popleft() for s in jobs]
+    tenant_items = [s.items.popleft() for s in tenants]
+    assert all(item is job_items[0] for item in job_items) and all(item is tenant_items[0] for item in tenant_items)
+    assert job_items[0].frame == b"id: 4\nevent: job.progress\ndata: {}\n\n"  # type: ignore[union-attr]
+    assert tenant_items[0].frame == b"id: 17\nevent: job.progress\ndata: {}\n\n"  # type: ignore[union-attr]
     await hub.detach()

@@ -105,10 +105,12 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
                 continue
             if subscriber.overflowed:
                 return  # dropped as a slow consumer; it resumes with Last-Event-ID
-            if item is RESYNC or item.version > last + 1:
+            if item is RESYNC or item.event.version > last + 1:
                 batch = await svc.store.job_events(job_id, last)
-            elif item.version == last + 1:
-                batch = [item]
+            elif item.event.version == last + 1:
+                yield item.frame  # built once by the hub for every stream of this job
+                last, ended = item.event.version, item.event.type in TERMINAL_EVENT_TYPES
+                continue
             else:
                 continue  # already sent (history overlap or a duplicate publish)
             for event in batch:
@@ -187,10 +189,13 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
                 continue
             if subscriber.overflowed:
                 return
-            if item is RESYNC or item.seq > last + 1:
+            if item is RESYNC or item.event.seq > last + 1:
                 batch = await svc.store.tenant_events(tenant, last, 10_000)
-            elif item.seq == last + 1:
-                batch = [item]
+            elif item.event.seq == last + 1:
+                if kind is None or item.event.kind == kind:
+                    yield item.frame  # built once by the hub for every stream of this tenant
+                last = item.event.seq
+                continue
             else:
                 continue
             for event in batch:
