@@ -14,7 +14,6 @@ import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
-import anyio
 from litestar import Request
 from litestar.response import Stream
 from litestar.response.base import ASGIResponse
@@ -48,45 +47,104 @@ def tenant_frame(event: JobEvent) -> bytes:
     return frame(str(event.seq), event.type, bytes(event.data))
 
 
-class _BoundedStreamingResponse(ASGIStreamingResponse):
-    async def send_body(self, send: Send, receive: Receive) -> None:
-        async with anyio.create_task_group() as group:
-            group.start_soon(self._send_bounded, send, group.cancel_scope)
-            await self._listen_for_disconnect(cancel_scope=group.cancel_scope, receive=receive)
+class _Watchdog:
+    """One timer for the sends of every stream of an event loop, not one per stream.
 
-    async def _send_bounded(self, send: Send, scope: anyio.CancelScope) -> None:
-        # One watchdog timer per stream, not a timeout per chunk: under fan-out a cancel
-        # scope and a timer per event and subscriber cost more than the send itself. The
-        # watchdog looks every SEND_TIMEOUT_S / 2, so a stuck send is dropped after
-        # SEND_TIMEOUT_S to 1.5 x SEND_TIMEOUT_S.
+    It ticks every ``SEND_TIMEOUT_S / 2`` while any stream is open and drops a stream whose
+    send has not completed over three ticks in a row (stuck for SEND_TIMEOUT_S to
+    1.5 x SEND_TIMEOUT_S). A stream marks its sends with a counter and a flag, cheaper per
+    chunk than reading the clock, and far cheaper than a cancel scope or a timeout per
+    chunk (under fan-out those cost more than the send itself).
+    """
+
+    def __init__(self) -> None:
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._streams: set[_BoundedStreamingResponse] = set()
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, stream: _BoundedStreamingResponse) -> None:
         loop = asyncio.get_running_loop()
-        sending_since: float | None = None
-        timed_out = False
-        watchdog: asyncio.TimerHandle | None = None
+        if loop is not self._loop:  # a new loop (tests run several, one after the other)
+            self._loop, self._streams, self._timer = loop, set(), None
+        self._streams.add(stream)
+        if self._timer is None:
+            self._timer = loop.call_later(SEND_TIMEOUT_S / 2, self._tick)
 
-        def watch() -> None:
-            nonlocal watchdog, timed_out
-            if sending_since is not None and loop.time() - sending_since >= SEND_TIMEOUT_S:
-                timed_out = True
-                scope.cancel()
-                return
-            watchdog = loop.call_later(SEND_TIMEOUT_S / 2, watch)
+    def discard(self, stream: _BoundedStreamingResponse) -> None:
+        self._streams.discard(stream)
 
-        watchdog = loop.call_later(SEND_TIMEOUT_S / 2, watch)
+    def _tick(self) -> None:
+        self._timer = None
+        for stream in tuple(self._streams):
+            stream.watch()
+        if self._streams and self._loop is not None:
+            self._timer = self._loop.call_later(SEND_TIMEOUT_S / 2, self._tick)
+
+
+_watchdog = _Watchdog()
+
+
+class _BoundedStreamingResponse(ASGIStreamingResponse):
+    """Sends each chunk as it comes; ends when the iterator does, when the client goes away,
+    or when a send does not complete in time (see ``_Watchdog``).
+
+    Plain asyncio instead of Litestar's anyio task group per response (a group, its cancel
+    scopes and two task handles for every held stream): the stream runs in the request's own
+    task, and one small task waits for the client's disconnect and cancels it.
+    """
+
+    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by")
+
+    async def send_body(self, send: Send, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        self._task, self._sends, self._in_send, self._seen, self._strikes = task, 0, False, -1, 0
+        self._ended_by: str | None = None
+        listener = asyncio.ensure_future(self._until_disconnect(receive))
+        _watchdog.add(self)
+        iterator = self.iterator
         try:
-            async for chunk in self.iterator:
-                sending_since = loop.time()
+            async for chunk in iterator:
                 body = chunk if isinstance(chunk, bytes) else chunk.encode()
+                self._sends += 1
+                self._in_send = True
                 await send(HTTPResponseBodyEvent(type="http.response.body", body=body, more_body=True))
-                sending_since = None
+                self._in_send = False
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except asyncio.CancelledError:
+            if self._ended_by is None:
+                raise  # cancelled from outside (the server stopping): not ours to swallow
+            task.uncancel()
         finally:
-            if watchdog is not None:
-                watchdog.cancel()
-            if timed_out:
+            _watchdog.discard(self)
+            listener.cancel()
+            if self._ended_by == "send_timeout":
                 metrics().sse_dropped.labels(reason="send_timeout").inc()
                 log.warning("SSE client too slow, dropped")
-            scope.cancel()
+            aclose = getattr(iterator, "aclose", None)
+            if aclose is not None:
+                await aclose()  # its own clean-up (unsubscribe, gauges) now, not when collected
+
+    async def _until_disconnect(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self._end("disconnect")
+
+    def watch(self) -> None:
+        """A watchdog tick: the same send in flight over three ticks is stuck."""
+        if not self._in_send:
+            self._strikes = 0
+        elif self._sends != self._seen:
+            self._seen, self._strikes = self._sends, 1
+        else:
+            self._strikes += 1
+            if self._strikes >= 3:
+                self._end("send_timeout")
+
+    def _end(self, reason: str) -> None:
+        if self._ended_by is None:
+            self._ended_by = reason
+            self._task.cancel()
 
 
 class EventStream(Stream):
