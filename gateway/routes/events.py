@@ -74,30 +74,42 @@ async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str
     return await find_job(svc, tenant, job_id)
 
 
-async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
+async def _job_opening(svc: Services, job_id: str, resume: int | None) -> tuple[list[bytes], int, bool] | None:
+    """What a job's stream sends first (replay or snapshot), the version it is at and whether
+    it has ended; None when the job is gone. A function of its own, so that the rows it reads
+    are not kept alive in the frame of a stream that then idles for minutes."""
+    history = await svc.store.job_events(job_id, resume) if resume is not None and resume >= 0 else []
+    current = await svc.store.get(job_id)
+    if current is None:
+        return None
+    if resume is not None and history and history[0].version == resume + 1:
+        last = history[-1].version
+        return [job_frame(event) for event in history], last, history[-1].type in TERMINAL_EVENT_TYPES
+    if resume is not None and resume == current.version:
+        return [], resume, current.terminal
+    frames = []
+    snapshot = await svc.store.job_events(current.id, current.version - 1, limit=1)
+    if snapshot and snapshot[0].version == current.version:
+        # A fresh stream names the snapshot by the change that made it; a resume
+        # point we cannot replay from is answered with a plain snapshot.
+        frames.append(job_frame(snapshot[0], None if resume is None else "job.snapshot"))
+    return frames, current.version, current.terminal
+
+
+async def _job_stream(svc: Services, tenant: str, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
+    """The stream's body; it closes the tenant's held-stream slot (``open_stream``) when it ends."""
     subscriber = svc.hub.subscribe_job(job_id)
     svc.metrics.sse_streams.inc()
     try:
         yield RETRY_FRAME
-        last = 0
-        ended = False
-        history = await svc.store.job_events(job_id, resume) if resume is not None and resume >= 0 else []
-        current = await svc.store.get(job_id)
-        if current is None:
+        opening = await _job_opening(svc, job_id, resume)
+        if opening is None:
             return
-        if resume is not None and history and history[0].version == resume + 1:
-            for event in history:
-                yield job_frame(event)
-                last, ended = event.version, event.type in TERMINAL_EVENT_TYPES
-        elif resume is not None and resume == current.version:
-            last, ended = resume, current.terminal
-        else:
-            snapshot = await svc.store.job_events(current.id, current.version - 1, limit=1)
-            if snapshot and snapshot[0].version == current.version:
-                # A fresh stream names the snapshot by the change that made it; a resume
-                # point we cannot replay from is answered with a plain snapshot.
-                yield job_frame(snapshot[0], None if resume is None else "job.snapshot")
-            last, ended = current.version, current.terminal
+        frames, last, ended = opening
+        del opening
+        for chunk in frames:
+            yield chunk
+        del frames
         while not ended:
             item = await subscriber.next()
             if isinstance(item, bytes):
@@ -119,6 +131,7 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
+        svc.limiter.close_stream(tenant)
 
 
 @get("/jobs/{job_id:str}/events", operation_id="job_events", tags=["events"],
@@ -141,15 +154,7 @@ async def job_events(
     if job.terminal and resume == job.version:
         return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
     svc.limiter.open_stream(job.tenant)
-    return EventStream(_closing(svc, job.tenant, _job_stream(svc, job.id, resume)))
-
-
-async def _closing(svc: Services, tenant: str, stream: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    try:
-        async for chunk in stream:
-            yield chunk
-    finally:
-        svc.limiter.close_stream(tenant)
+    return EventStream(_job_stream(svc, job.tenant, job.id, resume))
 
 
 # ----- the tenant's stream and feed ------------------------------------------------------
@@ -167,6 +172,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
 
 
 async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: int | None) -> AsyncIterator[bytes]:
+    """The stream's body; it closes the tenant's held-stream slot (``open_stream``) when it ends."""
     subscriber = svc.hub.subscribe_tenant(tenant)
     svc.metrics.sse_streams.inc()
     try:
@@ -205,6 +211,7 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
+        svc.limiter.close_stream(tenant)
 
 
 async def _feed(
@@ -270,7 +277,7 @@ async def tenant_events(
     if resume == UNREPLAYABLE:
         resume = None  # the tenant stream sends no snapshot: it goes live from now
     svc.limiter.open_stream(tenant)
-    return EventStream(_closing(svc, tenant, _tenant_stream(svc, tenant, kind, resume)))
+    return EventStream(_tenant_stream(svc, tenant, kind, resume))
 
 
 @post("/events/link", operation_id="events_link", tags=["events"], status_code=200,
