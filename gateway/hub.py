@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections import defaultdict, deque
+from collections import defaultdict
 from collections.abc import Awaitable, Callable
 from typing import NamedTuple
 
@@ -52,16 +52,17 @@ class Subscriber:
     not take a slot. Skipping an older one is safe: the stream already saw a newer event,
     and a gap it saw is filled from the store.
 
-    A deque and a bare future rather than an ``asyncio.Queue`` and an ``asyncio.Event``
-    (three deques and a waiter list more, each preallocating a 600-byte block): thousands
-    of idle streams are mostly this object.
+    A list and a bare future rather than an ``asyncio.Queue`` and an ``asyncio.Event``
+    (four deques, each preallocating a 600-byte block, even a plain deque would): thousands
+    of idle streams keep this object each. Taking from the front of a list moves the rest,
+    at most ``maxsize`` pointers; queues are short unless a reader falls behind.
     """
 
     __slots__ = ("key", "items", "overflowed", "_maxsize", "_by_seq", "_offered", "_waiter", "_active")
 
     def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
         self.key = key
-        self.items: deque[Item] = deque()
+        self.items: list[Item] = []
         self.overflowed = False  # its queue was full: the stream ends at the next item it takes
         self._maxsize = maxsize
         self._by_seq = by_seq
@@ -108,13 +109,17 @@ class Subscriber:
     async def next(self) -> Item:
         """The next item: an event, ``RESYNC``, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
         while not self.items:
+            await self.wait()
+        return self.items.pop(0)
+
+    def wait(self) -> asyncio.Future[None]:
+        """A future done once something is queued (or the queue overflowed). The streams
+        await it directly, without a coroutine frame per wait: ``while not s.items: await
+        s.wait()``, then ``s.items.pop(0)``."""
+        waiter = self._waiter
+        if waiter is None or waiter.done():
             waiter = self._waiter = asyncio.get_running_loop().create_future()
-            try:
-                await waiter
-            finally:
-                if self._waiter is waiter:
-                    self._waiter = None
-        return self.items.popleft()
+        return waiter
 
 
 class Hub:

@@ -110,6 +110,7 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
                 self._in_send = True
                 await send(HTTPResponseBodyEvent(type="http.response.body", body=body, more_body=True))
                 self._in_send = False
+                del chunk, body  # an idle stream keeps no copy of what it sent last
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             if self._ended_by is None:

@@ -94,8 +94,8 @@ async def test_one_frame_per_event_and_kind_of_stream_shared_by_all_its_streams(
     jobs = [hub.subscribe_job("j") for _ in range(3)]
     tenants = [hub.subscribe_tenant("t") for _ in range(2)]
     hub.publish(_event(4, seq=17).event)
-    job_items = [s.items.popleft() for s in jobs]
-    tenant_items = [s.items.popleft() for s in tenants]
+    job_items = [s.items.pop(0) for s in jobs]
+    tenant_items = [s.items.pop(0) for s in tenants]
     assert all(item is job_items[0] for item in job_items) and all(item is tenant_items[0] for item in tenant_items)
     assert job_items[0].frame == b"id: 4\nevent: job.progress\ndata: {}\n\n"  # type: ignore[union-attr]
     assert tenant_items[0].frame == b"id: 17\nevent: job.progress\ndata: {}\n\n"  # type: ignore[union-attr]

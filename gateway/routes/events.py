@@ -107,11 +107,13 @@ async def _job_stream(svc: Services, tenant: str, job_id: str, resume: int | Non
             return
         frames, last, ended = opening
         del opening
-        for chunk in frames:
-            yield chunk
+        while frames:  # popped, so that an idle stream keeps no snapshot frame of its own
+            yield frames.pop(0)
         del frames
         while not ended:
-            item = await subscriber.next()
+            while not subscriber.items:
+                await subscriber.wait()
+            item = subscriber.items.pop(0)
             if isinstance(item, bytes):
                 yield item  # the hub's keep-alive
                 continue
@@ -189,7 +191,9 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
                     break
             last = max(last, resume)
         while True:
-            item = await subscriber.next()
+            while not subscriber.items:
+                await subscriber.wait()
+            item = subscriber.items.pop(0)
             if isinstance(item, bytes):
                 yield item  # the hub's keep-alive
                 continue
