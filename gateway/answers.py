@@ -62,7 +62,7 @@ class WokenAnswers:
     def __init__(self, limit: int = 1024) -> None:
         self._limit = limit
         self._answers: dict[str, StatusAnswer] = {}
-        self._reads: dict[str, asyncio.Task[JobRow | None]] = {}
+        self._reads: dict[str, asyncio.Future[JobRow | None]] = {}
 
     async def answer(self, store: JobStore, signer: UrlSigner, job_id: str, seen: int) -> StatusAnswer | None:
         """The answer for a poll woken because ``job_id`` reached version ``seen`` (-1: unknown).
@@ -96,17 +96,37 @@ class WokenAnswers:
             del self._answers[next(iter(self._answers))]  # the least recently built
 
     async def _read(self, store: JobStore, job_id: str, *, fresh: bool) -> JobRow | None:
-        """One store read shared by every poll that asks while it is in flight."""
-        task = None if fresh else self._reads.get(job_id)
-        if task is None:
-            task = asyncio.ensure_future(store.get(job_id))
-            if not fresh:
-                self._reads[job_id] = task
+        """One store read shared by every poll that asks while it is in flight.
 
-                def done(finished: asyncio.Task[JobRow | None]) -> None:
-                    if self._reads.get(job_id) is finished:
-                        del self._reads[job_id]
-
-                task.add_done_callback(done)
-        # Shielded: a poll whose client goes away must not cancel the others' read.
-        return await asyncio.shield(task)
+        The first poll reads inline (a SQLite read does not even suspend, so the polls after
+        it find the answer built); only polls that come while a read is suspended (the
+        PostgreSQL store) wait for it, shielded, so that one going away cannot cancel the
+        others' read.
+        """
+        inflight = None if fresh else self._reads.get(job_id)
+        if inflight is not None:
+            try:
+                return await asyncio.shield(inflight)
+            except asyncio.CancelledError:
+                task = asyncio.current_task()
+                if not inflight.cancelled() or (task is not None and task.cancelling()):
+                    raise  # this poll was cancelled, not the read
+                return await store.get(job_id)  # the poll that read went away mid-read
+        reading: asyncio.Future[JobRow | None] = asyncio.get_running_loop().create_future()
+        if not fresh:
+            self._reads[job_id] = reading
+        try:
+            job = await store.get(job_id)
+        except asyncio.CancelledError:
+            reading.cancel()
+            raise
+        except BaseException as exc:
+            reading.set_exception(exc)
+            reading.exception()  # retrieved: waiters re-raise it; no "never retrieved" log when none
+            raise
+        else:
+            reading.set_result(job)
+            return job
+        finally:
+            if self._reads.get(job_id) is reading:
+                del self._reads[job_id]
