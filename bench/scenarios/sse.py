@@ -79,7 +79,10 @@ async def _nchan_case(ctx: Context, n: int, payload: bytes) -> dict[str, Any]:
 
 
 async def _run(ctx: Context, out: Outcome) -> None:
-    herald = await asyncio.to_thread(ctx.herald, "sse")
+    # The driver claims each case's job as a worker would, but nothing heartbeats it: with the
+    # default 30 s timeout the sweeper re-queued an earlier case's job during a later one, and
+    # that (correct) job.queued reached the tenant streams as an event the bench did not make.
+    herald = await asyncio.to_thread(ctx.herald, "sse", HERALD_HEARTBEAT_TIMEOUT_S="3600")
     herald.data_dir.mkdir(parents=True, exist_ok=True)
     herald_cases: dict[str, Any] = {}
     nchan_cases: dict[str, Any] = {}
