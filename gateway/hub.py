@@ -1,10 +1,9 @@
 """One hub per gateway process: one NATS subscription to committed events, many waiters.
 
-Long polls wait on a per-job future; SSE streams own a bounded queue each, and share one
-keep-alive ticker. The hub never
-reads the store: it only wakes. Waiters reconcile with the store themselves (history for
-gaps, the row for long polls), so a missed or reordered NATS message costs a read, never
-an event.
+Long polls wait on a per-job future; SSE streams own a bounded queue each and share one
+keep-alive ticker. The hub never reads the store: it only wakes. Waiters reconcile with the
+store themselves (history for gaps, the row for long polls), so a missed or reordered NATS
+message costs a read, never an event.
 """
 
 from __future__ import annotations
@@ -43,7 +42,7 @@ Item = Framed | None | bytes  # an event, RESYNC, or the keep-alive frame
 
 
 class Subscriber:
-    """One SSE stream's inbox: a deque, and one future while its stream waits.
+    """One SSE stream's inbox: a list, and one future while its stream waits.
 
     Overflow drops the stream (it resumes with Last-Event-ID). An event is queued only if
     it is further along than every event queued before (version for a job's stream,
@@ -173,11 +172,11 @@ class Hub:
     def _offer(self, group: set[Subscriber], item: Framed) -> None:
         for subscriber in tuple(group):
             if not subscriber.offer(item):
-                    # Its queue is full: it gets nothing more and its stream ends (it will
-                    # resume with Last-Event-ID). Counted and logged once per stream.
-                    self.unsubscribe(subscriber)
-                    self._metrics.sse_dropped.labels(reason="queue_full").inc()
-                    log.warning("slow SSE client dropped", extra={"stream": subscriber.key, "job_id": item.event.job_id})
+                # Its queue is full: it gets nothing more and its stream ends (it will
+                # resume with Last-Event-ID). Counted and logged once per stream.
+                self.unsubscribe(subscriber)
+                self._metrics.sse_dropped.labels(reason="queue_full").inc()
+                log.warning("slow SSE client dropped", extra={"stream": subscriber.key, "job_id": item.event.job_id})
 
     def resync(self) -> None:
         """After a NATS reconnect some events may be missed: make every waiter re-read the store."""
