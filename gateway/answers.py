@@ -78,8 +78,10 @@ class WokenAnswers:
                 job = await store.get(job_id)  # a read that began before the change committed
             if job is None:
                 return None
-            cached = self._answers.get(job_id)  # another poll may have built it meanwhile
-            if cached is None or cached.job.version < job.version:
+            newer = self._answers.get(job_id)  # another poll may have built one meanwhile
+            if newer is not None and newer.job.version >= job.version:
+                cached, job = newer, newer.job  # never rebuilt below from the older row
+            else:
                 cached = None
         else:
             job = cached.job
