@@ -8,8 +8,9 @@
 * ``GET /jobs/{id}``: one primary-key lookup with aiosqlite in the same ``jobs`` table
   Herald reads (the bench points it at Herald's own data file), the row as JSON.
 
-The uvicorn settings repeat ``herald.cli.run_gateway``'s (h11, uvloop, one process, no
-access log), so the comparison is Herald's code against the same server.
+The uvicorn settings are ``herald.cli.run_gateway``'s (``server_config``: httptools, uvloop,
+one process, no access log), so the comparison is Herald's code against the same server;
+``--reuse-port`` shares the port with other processes, as ``HERALD_HTTP_REUSE_PORT`` does.
 """
 
 from __future__ import annotations
@@ -69,12 +70,14 @@ def create_app(db_path: Path | None) -> Litestar:
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
         app.state.db = None
         if db_path is None:
+            print("bare app ready", flush=True)  # noqa: T201  (the bench waits for it)
             yield
             return
         async with aiosqlite.connect(db_path) as db:
             db.row_factory = aiosqlite.Row
             await db.execute("PRAGMA query_only=ON")
             app.state.db = db
+            print("bare app ready", flush=True)  # noqa: T201
             yield
 
     return Litestar([start_report, get_job, healthz], lifespan=[lifespan], logging_config=None, debug=False)
@@ -83,14 +86,18 @@ def create_app(db_path: Path | None) -> Litestar:
 def main() -> None:
     import uvicorn
 
-    from herald.cli import server_config
+    from herald.cli import server_config, shared_listener
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--db", type=Path)
+    parser.add_argument("--reuse-port", action="store_true", help="share the port with other processes (SO_REUSEPORT)")
     args = parser.parse_args()
     config = server_config(create_app(args.db), "127.0.0.1", args.port)  # the gateway's own settings
-    uvicorn.Server(config).run()
+    if args.reuse_port:  # as `herald gateway` with HERALD_HTTP_REUSE_PORT=1
+        uvicorn.Server(config).run(sockets=[shared_listener("127.0.0.1", args.port, config.backlog)])
+    else:
+        uvicorn.Server(config).run()
 
 
 if __name__ == "__main__":

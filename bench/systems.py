@@ -125,6 +125,23 @@ class Herald:
         wait_until(lambda: http_ok(self.base + "/readyz"), timeout=30, what="gateway ready", proc=proc)
         return self.base
 
+    def start_gateways(self, count: int) -> str:
+        """``count`` gateways on one port (``HERALD_HTTP_REUSE_PORT``): ``gateway``, ``gateway2``, ...;
+        the kernel spreads the connections over them."""
+        self.port = self.port or free_port()
+        for index in range(count):
+            name = "gateway" if index == 0 else f"gateway{index + 1}"
+            proc = self._spawn(name, "gateway", self.env(HERALD_HTTP_PORT=str(self.port), HERALD_HTTP_REUSE_PORT="1",
+                                                         HERALD_INSTANCE=name))
+            # /readyz on the shared port may reach another gateway: each says so in its own log.
+            wait_until(lambda: "Application startup complete" in proc.log_text(), timeout=30,  # noqa: B023
+                       what=f"{name} ready", proc=proc)
+        wait_until(lambda: http_ok(self.base + "/readyz"), timeout=30, what="gateways ready")
+        return self.base
+
+    def gateways(self) -> dict[str, Proc]:
+        return {name: proc for name, proc in self.processes.items() if name.startswith("gateway")}
+
     def start_worker(self, name: str = "worker", **extra: str) -> Proc:
         proc = self._spawn(name, "worker", self.env(**extra))
         wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)
@@ -236,14 +253,21 @@ class ClusterHerald:
 
 
 class BareApp:
-    """The baseline app (``bench.bare_app``) on its own port; ``db`` is read for GET /jobs/{id}."""
+    """The baseline app (``bench.bare_app``) on its own port; ``db`` is read for GET /jobs/{id}.
+    With ``processes`` > 1, that many share the port (``--reuse-port``), as gateways can."""
 
-    def __init__(self, procs: Procs, db: Path | None, name: str = "bare-litestar") -> None:
+    def __init__(self, procs: Procs, db: Path | None, name: str = "bare-litestar", processes: int = 1) -> None:
         self.port = free_port()
         argv = [sys.executable, "-m", "bench.bare_app", "--port", str(self.port)]
         if db is not None:
             argv += ["--db", str(db)]
-        self.proc = procs.spawn(name, argv, clean_env())
+        if processes > 1:
+            argv.append("--reuse-port")
+        self.procs = [procs.spawn(name if i == 0 else f"{name}{i + 1}", argv, clean_env()) for i in range(processes)]
+        self.proc = self.procs[0]
+        for proc in self.procs:  # each says so (a request to the shared port may reach another)
+            wait_until(lambda: "bare app ready" in proc.log_text(), timeout=30, what="bare app ready",  # noqa: B023
+                       proc=proc)
         wait_until(lambda: http_ok(self.base + "/healthz"), timeout=30, what="bare app ready", proc=self.proc)
 
     @property

@@ -1,56 +1,93 @@
-"""The edge of the HTTP server, around the whole app: request-head limits and header case.
+"""The edge of the HTTP server, around the whole app: request-head limits.
 
-* A request head over ``MAX_HEADER_BYTES`` is refused with ``431`` before the app sees it
-  (h11 enforces its own limit only on heads that arrive in pieces).
-* Response header names go out in their canonical case (``Location``, ``ETag``). Names
-  are case-insensitive, but ASGI carries them lower-cased and some clients (a plain
-  ``dict(response.headers)`` in a script) look them up as the RFCs spell them.
+* A request head over ``MAX_HEADER_BYTES`` (path, query and headers) is refused with
+  ``431`` before the app sees it (``edge``).
+* A head still incomplete after ``MAX_RAW_HEAD_BYTES`` have arrived (sent in pieces, or
+  one endless header) is refused with ``431`` by the server's protocol (``HttpProtocol``)
+  and the connection closed: httptools would otherwise keep collecting it without bound.
+
+Header names go out lower-cased (uvicorn's httptools protocol writes them so). Names are
+case-insensitive (RFC 9110 §5.1); the gateway ran h11 only to keep their case, at ~15 % of
+its CPU per request (bench/RESULTS.md, issue 14).
 """
 
 from __future__ import annotations
 
-from functools import lru_cache
+import asyncio
 
 import msgspec
-from litestar.types import ASGIApp, Message, Receive, Scope, Send
+from litestar.types import ASGIApp, Receive, Scope, Send
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from schemas.problems import HEADERS_TOO_LARGE
 
 MAX_HEADER_BYTES = 16 * 1024
-_SPECIAL = {b"etag": b"ETag", b"www-authenticate": b"WWW-Authenticate", b"x-request-id": b"X-Request-ID"}
+# Raw bytes count separators, the request line and line ends that the scope does not, so
+# the cap on an unfinished head is looser; it bounds memory, ``edge`` enforces the limit.
+MAX_RAW_HEAD_BYTES = 2 * MAX_HEADER_BYTES
+REFUSED_LINGER_S = 2.0  # how long a refused connection is drained before it is closed
 _TOO_LARGE = HEADERS_TOO_LARGE.problem(f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
 _TOO_LARGE_BODY = msgspec.json.encode(_TOO_LARGE)
-
-
-@lru_cache(maxsize=256)
-def canonical(name: bytes) -> bytes:
-    return _SPECIAL.get(name.lower()) or b"-".join(part.capitalize() for part in name.split(b"-"))
+_TOO_LARGE_HEADERS = [
+    (b"content-type", PROBLEM_MEDIA_TYPE.encode()), (b"content-length", str(len(_TOO_LARGE_BODY)).encode()),
+]
+_TOO_LARGE_RAW = (
+    f"HTTP/1.1 {_TOO_LARGE.status} Request Header Fields Too Large\r\n".encode()
+    + b"".join(name + b": " + value + b"\r\n" for name, value in _TOO_LARGE_HEADERS)
+    + b"connection: close\r\n\r\n" + _TOO_LARGE_BODY
+)
 
 
 async def _refuse_large_head(send: Send) -> None:
-    await send({"type": "http.response.start", "status": _TOO_LARGE.status or 500, "headers": [
-        (b"Content-Type", PROBLEM_MEDIA_TYPE.encode()), (b"Content-Length", str(len(_TOO_LARGE_BODY)).encode()),
-    ]})
+    await send({"type": "http.response.start", "status": _TOO_LARGE.status or 500, "headers": _TOO_LARGE_HEADERS})
     await send({"type": "http.response.body", "body": _TOO_LARGE_BODY, "more_body": False})
 
 
 def edge(app: ASGIApp) -> ASGIApp:
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await app(scope, receive, send)
-            return
-        head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
-        head += sum(len(name) + len(value) for name, value in scope["headers"])
-        if head > MAX_HEADER_BYTES:
-            await _refuse_large_head(send)
-            return
-
-        async def send_canonical(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                message["headers"] = [(canonical(name), value) for name, value in message.get("headers", ())]
-            await send(message)
-
-        await app(scope, receive, send_canonical)
+        if scope["type"] == "http":
+            head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+            head += sum(len(name) + len(value) for name, value in scope["headers"])
+            if head > MAX_HEADER_BYTES:
+                await _refuse_large_head(send)
+                return
+        await app(scope, receive, send)
 
     return middleware
+
+
+class HttpProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with a bound on an unfinished request head."""
+
+    _in_head = False  # a request's first bytes arrived, its headers are not complete yet
+    _head_bytes = 0
+    _refused = False  # answered 431: what else arrives is dropped until the client closes
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_bytes = 0
+        super().on_message_begin()
+
+    def on_headers_complete(self) -> None:
+        self._in_head = False
+        super().on_headers_complete()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return
+        super().data_received(data)
+        if self._in_head:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_RAW_HEAD_BYTES:
+                self._refuse()
+
+    def _refuse(self) -> None:
+        # Closing at once with the client's bytes unread would reset the connection, and the
+        # client might never read the answer: end our side, drop the rest, close soon.
+        self._in_head = False
+        self._refused = True
+        self.transport.write(_TOO_LARGE_RAW)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.transport.close)

@@ -26,6 +26,7 @@ from litestar import Litestar, Request
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.metrics import metrics as process_metrics
 
@@ -53,6 +54,10 @@ class RequestContext:
     def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        # The labelled children, looked up once per label set: ``labels()`` validates and
+        # locks on every call. As bounded as the label sets themselves.
+        self._counted: dict[tuple[str, str, int], Any] = {}
+        self._timed: dict[tuple[str, str], Any] = {}
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != ScopeType.HTTP:
@@ -79,16 +84,23 @@ class RequestContext:
 
     def _record(self, scope: Scope, status: int, elapsed: float) -> None:
         # The router writes the matched template into this same scope dict.
-        route = scope.get("path_template") or UNMATCHED_ROUTE
-        method = scope.get("method", "")
-        self.metrics.http_requests.labels(route=route, method=method, status=str(status)).inc()
-        self.metrics.http_request_seconds.labels(route=route, method=method).observe(elapsed)
-        fields = {"method": method, "route": route, "path": scope.get("path", ""), "status": status,
+        route: str = scope.get("path_template") or UNMATCHED_ROUTE
+        method = str(scope.get("method", ""))
+        counted = self._counted.get((route, method, status))
+        if counted is None:
+            counted = self._counted[(route, method, status)] = self.metrics.http_requests.labels(
+                route=route, method=method, status=str(status))
+        counted.inc()
+        timed = self._timed.get((route, method))
+        if timed is None:
+            timed = self._timed[(route, method)] = self.metrics.http_request_seconds.labels(route=route, method=method)
+        timed.observe(elapsed)
+        fields: dict[str, Any] = {"method": method, "route": route, "path": scope.get("path", ""), "status": status,
                   "duration_ms": round(elapsed * 1000, 1)}
         job_id = (scope.get("path_params") or {}).get("job_id")
         if job_id is not None:
             fields["job_id"] = job_id
-        log.log(logging.DEBUG if route in _QUIET_ROUTES else logging.INFO, "request", extra=fields)
+        log_event(log, logging.DEBUG if route in _QUIET_ROUTES else logging.INFO, "request", fields)
 
 
 async def bind_job_context(request: Request[Any, Any, Any]) -> None:

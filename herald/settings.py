@@ -121,6 +121,9 @@ class Settings:
     nats_port: Annotated[int, COUNT] = 4222
     http_host: Annotated[str, TEXT] = "127.0.0.1"
     http_port: Annotated[int, COUNT] = 8000
+    # Several `herald gateway` processes on one host and port, the kernel spreading connections
+    # (SO_REUSEPORT); each gateway has its own relay and hub, so any of them serves any request.
+    http_reuse_port: Annotated[bool, FLAG] = False
     api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(
         default_factory=lambda: {DEV_KEY: DEV_TENANT}, repr=False
     )

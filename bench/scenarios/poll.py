@@ -60,7 +60,9 @@ def run(ctx: Context) -> Outcome:
     out.row(case, "p99", median([r["p99_ms"] for r in h_runs]), median([r["p99_ms"] for r in b_runs]),
             better="lower", unit="ms")
     share = h_rps / b_rps if b_rps else 0.0
-    out.target("poll >= 60 % of bare + aiosqlite req/s", f"{100 * share:.0f} %", share >= 0.60)
+    out.target("poll >= 70 % of bare + aiosqlite req/s", f"{100 * share:.0f} %", share >= 0.70)
+    h_p99, b_p99 = median([r["p99_ms"] for r in h_runs]), median([r["p99_ms"] for r in b_runs])
+    out.target("poll p99 <= 2x bare", f"{h_p99:.0f} ms vs {b_p99:.0f} ms", h_p99 <= 2 * b_p99)
     errors = sum(r["errors"] for r in h_runs)
     if errors:
         out.notes.append(f"Herald answered {errors} polls with an error")
