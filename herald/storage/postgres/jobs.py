@@ -715,7 +715,9 @@ class PgJobStore(CommitListeners):
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
         if seqs:
-            await self._fetchval("DELETE FROM outbox WHERE seq = ANY($1::bigint[])", list(seqs))
+            # With the next group commit: no WAL flush of its own for published rows.
+            async with self._unavailable_on_errors():
+                await self._db.fetchval_grouped("DELETE FROM outbox WHERE seq = ANY($1::bigint[])", list(seqs))
 
     # ----- sweeping and retention -------------------------------------------------------
 
