@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -16,6 +16,10 @@ from herald.jobs import ColumnAccess
 from notifier.signing import SigningKey
 from schemas import JobEvent
 from schemas.webhooks import TEST_EVENT_TYPE
+
+if TYPE_CHECKING:
+    from notifier.delivery import Outcome
+    from notifier.retry import Plan
 
 PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
 CALLBACK_PREFIX = "callback:"
@@ -158,3 +162,14 @@ class Finished:
     status: str  # delivered, pending (retry), failed, superseded; dropped: deleted meanwhile
     next_attempt_at: float | None
     endpoint_disabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Attempted:
+    """One finished attempt, to be recorded (``DeliveryQueue.finish_many``): what was sent, when, its answer
+    and what the retry policy made of it."""
+
+    claimed: Claimed
+    started_at: float
+    outcome: Outcome
+    plan: Plan

@@ -28,9 +28,10 @@ from herald import tracing
 from herald.metrics import Metrics
 from herald.timefmt import now
 from notifier.delivery import SUCCESS_WITHIN_S, Outcome, Sender
-from herald.deliveries import Claimed
+from herald.deliveries import Attempted, Claimed
 from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
+from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
 from notifier.signing import signature_header
 
@@ -67,6 +68,8 @@ class Scheduler:
         self.retention_s = retention_s
         self.traces = traces  # each job's kept trace context (JobStore.trace_contexts)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+        # Outcomes are committed in batches; an attempt is done (slot freed) only after its commit.
+        self.recorder = Recorder(queue, self.owner)
         self._rng = random.Random()
         self._wake = asyncio.Event()
         self._stopping = False
@@ -167,7 +170,7 @@ class Scheduler:
         started_at = now()
         outcome = await self.sender.send(item.url, item.body, headers)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
-        finished = await self.queue.finish(item, self.owner, started_at, outcome, plan)
+        finished = await self.recorder.record(Attempted(claimed=item, started_at=started_at, outcome=outcome, plan=plan))
         if self.notices is not None and d.endpoint_id is not None:
             self.notices.note(d.tenant, d.endpoint_id)
         label = "retry" if finished.status == "pending" else finished.status
@@ -193,6 +196,9 @@ class Scheduler:
             task.cancel()
         if pending:
             await asyncio.wait(pending)
+        # A batch already being written commits first: its leases are released by it, not below.
+        with contextlib.suppress(Exception):
+            await self.recorder.close()
         if cancelled:
             # The receiver may have had them: sending again is allowed (at-least-once,
             # receivers de-duplicate by webhook-id); waiting out the lease is not needed.

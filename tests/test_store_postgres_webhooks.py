@@ -15,14 +15,14 @@ from typing import Any
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Claimed, callback_owner, new_test_event
+from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Attempted, Claimed, callback_owner, new_test_event
 from herald.storage.postgres.db import PgDatabase
 from herald.storage.postgres.webhooks import MIGRATIONS, PgDeliveryQueue, PgWebhookStore
 from notifier.delivery import Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from notifier.signing import ROTATION_OVERLAP_S
 from schemas import JobEvent
-from tests import portal_store
+from tests import delivery_batches, portal_store
 
 ALL_TYPES = ("job.queued", "job.running", "job.progress", "job.succeeded", "job.failed", "job.cancelled")
 OK = Outcome(status_code=200, latency_s=0.012)
@@ -592,3 +592,31 @@ async def test_recover_and_test_events_wait_for_nothing_a_concurrent_disable_mis
             other.update_endpoint("t1", endpoint_id, {"status": "disabled"}),
         )
         assert [r for r in await deliveries(webhooks.db, endpoint_id=endpoint_id) if r["status"] == "pending"] == []
+
+
+async def test_many_attempts_recorded_in_one_batch(webhooks: PgWebhookStore, queue: PgDeliveryQueue) -> None:
+    await delivery_batches.many_attempts_recorded_in_one_batch(webhooks, queue)
+
+
+async def test_a_batch_of_outcomes_and_a_fan_out_of_the_same_jobs_at_once_do_not_deadlock(
+    webhooks: PgWebhookStore, queue: PgDeliveryQueue, db: PgDatabase, other_db: PgDatabase
+) -> None:
+    """finish_many takes its order locks sorted, as fan-out does: both finish, and the retried
+    deliveries with a newer version behind them end superseded."""
+    await endpoint(webhooks)
+    await endpoint(webhooks, url="https://example.com/other")
+    jobs = [f"job-{n}" for n in range(20)]
+    assert await queue.fan_out([event(j, 1, "job.queued") for j in jobs]) == 40
+    claimed = await claim(queue, per_target=100)
+    assert len(claimed) == 40
+    attempts = [Attempted(claimed=c, started_at=0.0, outcome=FAILED, plan=Plan("retry", delay_s=60)) for c in claimed]
+    other = PgDeliveryQueue(other_db)
+    finished, pending = await asyncio.gather(
+        queue.finish_many(attempts, "n1"), other.fan_out([event(j, 2, "job.running") for j in reversed(jobs)]))
+    assert len(finished) == 40 and pending >= 0
+    assert {f.status for f in finished} <= {"pending", "superseded"}
+    rows = await deliveries(db)
+    older = [r for r in rows if r["version"] == 1]
+    assert all(r["attempts"] == 1 and r["lease_owner"] is None for r in older)
+    # Whichever committed first, no version-1 delivery waits for a retry behind a version 2.
+    assert all(r["status"] == "superseded" for r in older)

@@ -11,6 +11,7 @@ import uuid
 import json
 import signal
 import socket
+import sqlite3
 import threading
 import time
 from collections import Counter
@@ -28,6 +29,7 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 import herald
+from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
 from herald.storage.sqlite import jobs as sqlite_jobs
 from herald.storage.sqlite import webhooks as sqlite_webhooks
@@ -37,10 +39,11 @@ from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
 from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
 from herald.transitions import Change
 from notifier.delivery import Outcome, Sender
+from notifier.recorder import Recorder
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
 from notifier.ssrf import is_public_address
 from schemas import JobEvent
-from tests import portal_store
+from tests import delivery_batches, portal_store
 from tests.harness import Deployment, client, free_port, new_database, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
@@ -884,5 +887,109 @@ async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> No
     await store.open()
     try:
         await portal_store.recover_test_events_and_health(WebhookStore(db), DeliveryQueue(db))
+    finally:
+        await store.close()
+
+
+# ----- outcomes recorded in batches (issue 14) ------------------------------------------------
+
+
+async def test_many_attempts_recorded_in_one_batch_in_the_store(tmp_path: Path) -> None:
+    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    store = Store(db, retention_s=60)
+    await store.open()
+    try:
+        await delivery_batches.many_attempts_recorded_in_one_batch(WebhookStore(db), DeliveryQueue(db))
+    finally:
+        await store.close()
+
+
+class _RefusingQueue(DeliveryQueue):
+    """The real SQLite queue, except that a transaction holding one chosen delivery's attempt fails
+    (as a store refusing one row would): the recorder must still record the others."""
+
+    def __init__(self, db: Database, refused: str) -> None:
+        super().__init__(db)
+        self.refused = refused
+        self.batch_sizes: list[int] = []
+        self.writing = asyncio.Event()  # a batch has reached the store
+        self.gate: asyncio.Event | None = None  # if set: the store answers once it opens
+
+    async def finish_many(self, attempts: Any, owner: str) -> Any:
+        self.batch_sizes.append(len(attempts))
+        self.writing.set()
+        if self.gate is not None:
+            await self.gate.wait()
+        if any(a.claimed.delivery.id == self.refused for a in attempts):
+            raise sqlite3.OperationalError("refused for the test")
+        return await super().finish_many(attempts, owner)
+
+
+async def test_the_recorder_commits_attempts_that_finish_together_in_one_transaction(tmp_path: Path) -> None:
+    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    store = Store(db, retention_s=60)
+    await store.open()
+    try:
+        webhooks = WebhookStore(db)
+        ids = [(await webhooks.create_endpoint("acme", url=f"https://hooks.example.com/{n}", event_types=["job.queued"],
+                                               kinds=None, signature="hmac-sha256"))[0].id for n in range(3)]
+        events = [e for _ in range(5) for e in await _two_jobs(store)]
+        assert await DeliveryQueue(db).fan_out(events) == 30
+        claimed = await DeliveryQueue(db).claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
+        assert len(claimed) == 30
+        refused = claimed[7].delivery.id
+        queue = _RefusingQueue(db, refused)
+        recorder = Recorder(queue, "n1")
+        outcomes = {ids[0]: Outcome(status_code=200, latency_s=0.01),
+                    ids[1]: Outcome(status_code=500, latency_s=0.02, response=b"down"),
+                    ids[2]: Outcome(status_code=204, latency_s=0.01)}
+
+        def attempt(item: Claimed) -> Attempted:
+            outcome = outcomes[item.delivery.endpoint_id or ""]
+            return Attempted(claimed=item, started_at=time.time(), outcome=outcome,
+                             plan=Plan("delivered") if outcome.ok else Plan("retry", delay_s=60))
+
+        # All 30 answers come in the same loop turn: one transaction, which fails (one
+        # refused attempt), then each on its own: 29 recorded, the refused one raises.
+        results = await asyncio.gather(*(recorder.record(attempt(c)) for c in claimed), return_exceptions=True)
+        assert queue.batch_sizes == [30] + [1] * 30
+        for item, result in zip(claimed, results, strict=True):
+            if item.delivery.id == refused:
+                assert isinstance(result, sqlite3.OperationalError)
+            else:
+                assert isinstance(result, Finished)
+                assert result.status == ("pending" if item.delivery.endpoint_id == ids[1] else "delivered")
+        logged = await webhooks.attempts([c.delivery.id for c in claimed])
+        assert not logged.get(refused) and len([i for i, rows in logged.items() if rows]) == 29
+        for item in claimed:
+            if item.delivery.id != refused:
+                [row] = logged[item.delivery.id]
+                assert row.status_code == outcomes[item.delivery.endpoint_id or ""].status_code
+        # The refused one stays leased and unrecorded: it is sent again once its lease runs out.
+        [left] = [r for r in await webhooks.list_deliveries(claimed[7].delivery.endpoint_id or "", status=None,
+                                                            before_seq=None, limit=100) if r.id == refused]
+        assert left.status == "pending" and left.attempts == 0 and left.lease_owner == "n1"
+
+        # Answers arriving while a batch is being written join the next one: two transactions.
+        queue.refused, queue.batch_sizes = "", []
+        again = await _RefusingQueue(db, "").claim("n2", lease_s=30, per_target=10, limit=100, in_flight={})
+        assert again == []  # everything is recorded or leased
+        await db.write(lambda conn: conn.execute("UPDATE webhook_deliveries SET lease_until = 0, next_attempt_at = 0"
+                                                 " WHERE status = 'pending'"))
+        retried = await queue.claim("n2", lease_s=30, per_target=10, limit=100, in_flight={})
+        expected = {c.delivery.id for c in claimed if c.delivery.endpoint_id == ids[1]} | {refused}
+        assert {c.delivery.id for c in retried} == expected  # the retries and the refused one
+        recorder = Recorder(queue, "n2")
+        queue.gate, queue.writing = asyncio.Event(), asyncio.Event()
+        first = [asyncio.create_task(recorder.record(attempt(c))) for c in retried[:4]]
+        await queue.writing.wait()  # the first batch is being written (held at the gate)
+        rest = [asyncio.create_task(recorder.record(attempt(c))) for c in retried[4:]]
+        await asyncio.sleep(0)  # one loop turn: the new tasks hand in their attempts
+        queue.gate.set()
+        await asyncio.gather(*first, *rest)
+        assert queue.batch_sizes == [4, len(retried) - 4] and recorder.batches == 2
+        logged = await webhooks.attempts([c.delivery.id for c in retried])
+        assert all(logged[c.delivery.id][-1].status_code == outcomes[c.delivery.endpoint_id or ""].status_code
+                   for c in retried)
     finally:
         await store.close()

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from herald.deliveries import AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished, HealthRow
+from herald.deliveries import Attempted, AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished, HealthRow
 from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
 from herald.transitions import Change
 from schemas import JobEvent
@@ -245,6 +245,11 @@ class DeliveryQueue(Protocol):
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Record the attempt and apply its plan in one transaction."""
+
+    async def finish_many(self, attempts: Sequence[Attempted], owner: str) -> list[Finished]:
+        """``finish`` for each of ``attempts``, in order, all in one transaction: every attempt and
+        its consequence is committed when this returns, or nothing is (it raised). The notifier
+        records the attempts that finished together this way (``notifier.recorder``)."""
 
     async def release(self, delivery_ids: Sequence[str], owner: str) -> None: ...
 

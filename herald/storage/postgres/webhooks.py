@@ -24,11 +24,11 @@ and shaped by how much is due, is planned afresh each call (``force_custom_plan`
 
 Concurrency, and why each lock is there:
 
-* **Claims never overlap.** ``herald_webhook_claim`` picks candidates with the window
-  query of the SQLite version (per-target cap, oldest first, nothing whose older version
-  of the same job is pending for the same target), locks them in an outer step with
-  ``FOR UPDATE SKIP LOCKED`` (a window function cannot sit under ``FOR UPDATE``), and
-  writes the lease in a second statement. Rows another notifier holds are skipped, and a
+* **Claims never overlap.** ``herald_webhook_claim`` picks candidates per target as the
+  SQLite version does (per-target cap, oldest first, nothing whose older version of the
+  same job is pending for the same target: a LATERAL scan of each target's pending index
+  range), locks them in an outer step with ``FOR UPDATE SKIP LOCKED``, and writes the
+  lease in a second statement. Rows another notifier holds are skipped, and a
   row it leased meanwhile is re-checked on its newest version and dropped.
 * **Order per job and target survives concurrent fan-out.** Two notifiers can fan out v1
   and v2 of one job at the same moment, or v1 while another claims v2. So fan-out takes a
@@ -38,7 +38,9 @@ Concurrency, and why each lock is there:
   re-checks the ordering rule after taking its row locks (second statement, newer
   snapshot), so an older delivery committed meanwhile holds the newer one back. ``finish``
   takes the same advisory lock, so its "a newer version exists: superseded" check sees a
-  fan-out that ran meanwhile, and two finishes of one delivery number attempts in turn.
+  fan-out that ran meanwhile, and two finishes of one delivery number attempts in turn. ``finish_many`` (the
+  attempts one notifier saw finish together, in one transaction) takes all its order
+  locks first, sorted as fan-out's are.
 * **Endpoints deleted or disabled meanwhile.** Fan-out holds the matching endpoints
   ``FOR KEY SHARE`` (which ordinary updates such as ``failing_since`` do not wait for);
   deleting or disabling an endpoint through the API first takes its row ``FOR UPDATE``,
@@ -75,6 +77,7 @@ import msgspec
 
 from herald.deliveries import (
     CALLBACK_PREFIX,
+    Attempted,
     PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
     AttemptRow,
@@ -342,7 +345,8 @@ BEGIN
 END $$;
 """
 
-# notifier.queue's claim: the same candidates, locked SKIP LOCKED, leased in a later statement.
+# notifier.queue's first claim (a window over everything pending), as migration 1 created it;
+# migration 3 replaces it with the claim per target below.
 _CLAIM_FUNCTION = """
 CREATE FUNCTION herald_webhook_claim(
     p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
@@ -384,6 +388,101 @@ BEGIN
          ORDER BY c.next_attempt_at, c.seq
          -- LIMIT above the row locks: rows another notifier holds are passed over and the
          -- next candidates taken, so concurrent claims split the work instead of colliding.
+         LIMIT p_limit
+           FOR UPDATE OF d SKIP LOCKED
+    ) locked;
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- A new snapshot: an older version committed by a fan-out since the candidates were
+    -- read holds its newer one back (fan-out locked the newer row while deciding, so it
+    -- either finished before our lock or will see our lease and supersede itself).
+    RETURN QUERY
+    WITH leased AS (
+        UPDATE webhook_deliveries d SET lease_owner = p_owner, lease_until = ts + p_lease_s
+         WHERE d.id = ANY(ids)
+           AND NOT EXISTS (
+               SELECT 1 FROM webhook_deliveries older
+                WHERE older.target = d.target AND older.job_id = d.job_id
+                  AND older.status = 'pending' AND older.version < d.version)
+        RETURNING d
+    )
+    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys
+      FROM leased l
+      JOIN webhook_messages m ON m.event_id = (l.d).event_id
+      LEFT JOIN webhook_endpoints e ON e.id = (l.d).endpoint_id
+     CROSS JOIN LATERAL (
+        -- the keys that sign now: the current one first, then any in their overlap
+        SELECT array_agg(wk.algorithm ORDER BY wk.created_at DESC) AS algorithms,
+               array_agg(wk.secret ORDER BY wk.created_at DESC) AS secrets,
+               array_agg(wk.public_key ORDER BY wk.created_at DESC) AS public_keys
+          FROM webhook_keys wk
+         WHERE wk.owner = coalesce((l.d).endpoint_id, '{callback_prefix}' || (l.d).tenant)
+           AND (wk.retire_at IS NULL OR wk.retire_at > ts)
+     ) k
+     ORDER BY (l.d).next_attempt_at, (l.d).seq;
+END $$;
+"""
+
+# The claim of migration 3, replacing the one above: the same rules, read per target. The
+# targets with pending deliveries come from a loose index scan (one probe per target), and
+# each target's oldest claimable deliveries from its own range of a partial index, at most
+# the slots it has left (LATERAL ... LIMIT). The window over every pending row, run on every
+# claim, grew with the backlog and was the claim's whole cost (bench/RESULTS.md, issue 14).
+_CLAIM_BY_TARGET_FUNCTION = """
+CREATE INDEX webhook_deliveries_pending_by_target ON webhook_deliveries (target, next_attempt_at, seq)
+    WHERE status = 'pending';
+
+CREATE OR REPLACE FUNCTION herald_webhook_claim(
+    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_busy_targets TEXT[], p_busy_counts INTEGER[]
+) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[])
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    ts DOUBLE PRECISION := {now};
+    ids TEXT[];
+BEGIN
+    -- Candidates: per target, due, unleased, endpoint enabled, its message there, nothing
+    -- whose older version of the same job is pending for the same target, oldest first, as
+    -- many as the slots the target has left in this notifier (p_busy_*: what it has in
+    -- flight); then the oldest of them all, locked SKIP LOCKED (rows another notifier holds
+    -- are passed over), up to p_limit.
+    SELECT coalesce(array_agg(locked.id), '{{}}') INTO ids FROM (
+        SELECT d.id
+          FROM webhook_deliveries d
+          JOIN (
+            WITH RECURSIVE targets(target) AS (
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w WHERE w.status = 'pending')
+                UNION ALL
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.target > t.target)
+                  FROM targets t WHERE t.target IS NOT NULL
+            )
+            SELECT cand.id, cand.next_attempt_at, cand.seq
+              FROM targets t
+              LEFT JOIN unnest(p_busy_targets, p_busy_counts) AS b(target, n) ON b.target = t.target
+             CROSS JOIN LATERAL (
+                SELECT c.id, c.next_attempt_at, c.seq
+                  FROM webhook_deliveries c
+                  LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+                 WHERE c.target = t.target AND c.status = 'pending' AND c.next_attempt_at <= ts
+                   AND (c.lease_until IS NULL OR c.lease_until <= ts)
+                   AND (c.endpoint_id IS NULL OR e.status = 'enabled')
+                   AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
+                   AND NOT EXISTS (
+                       SELECT 1 FROM webhook_deliveries older
+                        WHERE older.target = c.target AND older.job_id = c.job_id
+                          AND older.status = 'pending' AND older.version < c.version)
+                 ORDER BY c.next_attempt_at, c.seq
+                 LIMIT greatest(p_per_target - coalesce(b.n, 0), 0)
+             ) cand
+             WHERE t.target IS NOT NULL
+          ) c ON c.id = d.id
+         WHERE d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
+         ORDER BY c.next_attempt_at, c.seq
          LIMIT p_limit
            FOR UPDATE OF d SKIP LOCKED
     ) locked;
@@ -495,6 +594,42 @@ END $$;
 """
 
 
+# Several attempts recorded in one transaction, one round trip: herald_webhook_finish for
+# each, in the caller's order. The order locks of the whole batch are taken first and
+# sorted, as fan-out takes its own, so a batch and a fan-out cannot deadlock on them.
+_FINISH_MANY_FUNCTION = """
+CREATE FUNCTION herald_webhook_finish_many(
+    p_ids TEXT[], p_targets TEXT[], p_job_ids TEXT[], p_owner TEXT, p_started_at DOUBLE PRECISION[],
+    p_status_codes INTEGER[], p_latency_ms DOUBLE PRECISION[], p_errors TEXT[], p_responses BYTEA[],
+    p_ok BOOLEAN[], p_plans TEXT[], p_delays_s DOUBLE PRECISION[], p_gone BOOLEAN[],
+    p_disable_after DOUBLE PRECISION
+) RETURNS TABLE (o_ord INTEGER, o_status TEXT, o_next_attempt_at DOUBLE PRECISION, o_endpoint_disabled BOOLEAN)
+LANGUAGE plpgsql AS $$
+DECLARE
+    lock_key INTEGER;
+    i INTEGER;
+    f RECORD;
+BEGIN
+    FOR lock_key IN
+        SELECT DISTINCT hashtext(x.target || chr(10) || x.job_id)
+          FROM unnest(p_targets, p_job_ids) AS x(target, job_id) ORDER BY 1
+    LOOP
+        PERFORM pg_advisory_xact_lock({order_lock}, lock_key);
+    END LOOP;
+    FOR i IN 1 .. coalesce(cardinality(p_ids), 0) LOOP
+        SELECT * INTO f FROM herald_webhook_finish(
+            p_ids[i], p_targets[i], p_job_ids[i], p_owner, p_started_at[i], p_status_codes[i], p_latency_ms[i],
+            p_errors[i], p_responses[i], p_ok[i], p_plans[i], p_delays_s[i], p_gone[i], p_disable_after);
+        o_ord := i;
+        o_status := f.o_status;
+        o_next_attempt_at := f.o_next_attempt_at;
+        o_endpoint_disabled := f.o_endpoint_disabled;
+        RETURN NEXT;
+    END LOOP;
+END $$;
+"""
+
+
 def _ddl(sql: str) -> str:
     """Fill in the shared constants (the clock expression, lock classes, the callback prefix)."""
     return sql.format(now=NOW_SQL, key_lock=KEY_LOCK_CLASS, order_lock=ORDER_LOCK_CLASS,
@@ -505,6 +640,8 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("webhooks-1-tables", _SCHEMA),
     ("webhooks-1-functions",
      _ddl(_KEY_FUNCTIONS) + _ddl(_FAN_OUT_FUNCTION) + _ddl(_CLAIM_FUNCTION) + _ddl(_FINISH_FUNCTION)),
+    ("webhooks-2-finish-many", _ddl(_FINISH_MANY_FUNCTION)),
+    ("webhooks-3-claim-by-target", _ddl(_CLAIM_BY_TARGET_FUNCTION)),
 ]
 
 _FAIL_PENDING_SQL = f"""
@@ -865,6 +1002,29 @@ class PgDeliveryQueue:
             assert row is not None
             return Finished(status=row["o_status"], next_attempt_at=row["o_next_attempt_at"],
                             endpoint_disabled=bool(row["o_endpoint_disabled"]))
+
+        return await _retrying(call)
+
+    async def finish_many(self, attempts: Sequence[Attempted], owner: str) -> list[Finished]:
+        """``finish`` for each attempt, in order, in one statement: one transaction, one round trip."""
+        if not attempts:
+            return []
+        ds = [a.claimed.delivery for a in attempts]
+        args = (
+            [d.id for d in ds], [d.target for d in ds], [d.job_id for d in ds], owner,
+            [a.started_at for a in attempts], [a.outcome.status_code for a in attempts],
+            [round(a.outcome.latency_s * 1000, 3) for a in attempts], [a.outcome.error for a in attempts],
+            [a.outcome.response[:RESPONSE_KEEP_BYTES] or None for a in attempts], [a.outcome.ok for a in attempts],
+            [a.plan.status for a in attempts], [a.plan.delay_s for a in attempts],
+            [a.plan.disable_endpoint for a in attempts], ENDPOINT_DISABLE_AFTER_S,
+        )
+
+        async def call() -> list[Finished]:
+            rows = await self.db.pool.fetch(
+                "SELECT * FROM herald_webhook_finish_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
+                " ORDER BY o_ord", *args)
+            return [Finished(status=r["o_status"], next_attempt_at=r["o_next_attempt_at"],
+                             endpoint_disabled=bool(r["o_endpoint_disabled"])) for r in rows]
 
         return await _retrying(call)
 

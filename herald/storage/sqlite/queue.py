@@ -5,7 +5,8 @@
   NATS message delivered twice creates nothing twice.
 * ``claim`` leases due deliveries to one notifier process, so any number of them share
   the work and a killed one's deliveries come back when its lease runs out.
-* ``finish`` records an attempt and its consequence in one transaction.
+* ``finish`` records an attempt and its consequence in one transaction; ``finish_many``
+  records many (the notifier's attempts that finished together) in one transaction.
 
 Order per job and target: a delivery is claimable only while no older version of the
 same job is pending for the same target; an event reaching the notifier after a newer
@@ -25,6 +26,7 @@ import msgspec
 
 from herald.deliveries import (
     CALLBACK_PREFIX,
+    Attempted,
     PROGRESS_INTERVAL_S,
     Claimed,
     DeliveryRow,
@@ -38,26 +40,41 @@ from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, l
 from herald.timefmt import now
 from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
+from notifier.signing import SigningKey
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 
 _payload_encoder = msgspec.json.Encoder()
 
-_CLAIM_SQL = """
-SELECT * FROM (
-    SELECT d.*, e.url AS endpoint_url, m.body AS body,
-           ROW_NUMBER() OVER (PARTITION BY d.target ORDER BY d.next_attempt_at, d.seq) AS rank
-    FROM webhook_deliveries d
-    JOIN webhook_messages m ON m.event_id = d.event_id
-    LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
-    WHERE d.status = 'pending' AND d.next_attempt_at <= :now
-      AND (d.lease_until IS NULL OR d.lease_until <= :now)
-      AND (d.endpoint_id IS NULL OR e.status = 'enabled')
-      AND d.target NOT IN (SELECT value FROM json_each(:full))
-      AND NOT EXISTS (
-          SELECT 1 FROM webhook_deliveries o
-          WHERE o.target = d.target AND o.job_id = d.job_id AND o.status = 'pending' AND o.version < d.version)
-) WHERE rank <= :per_target ORDER BY next_attempt_at LIMIT :limit
+# The claim reads per target, never everything pending: the targets that have pending
+# deliveries (a loose index scan: one index probe per target, however long each one's
+# backlog), then each target's oldest claimable deliveries through its own index range,
+# at most the slots it has left. The old single query ranked every pending row with a
+# window function (ROW_NUMBER() OVER (PARTITION BY target ...)) on every claim: its cost
+# grew with the backlog, and it was the notifier's biggest database cost (bench/RESULTS.md).
+_PENDING_TARGETS_SQL = """
+WITH RECURSIVE t(target) AS (
+    SELECT (SELECT MIN(target) FROM webhook_deliveries WHERE status = 'pending')
+    UNION ALL
+    SELECT (SELECT MIN(target) FROM webhook_deliveries WHERE status = 'pending' AND target > t.target)
+      FROM t WHERE t.target IS NOT NULL
+) SELECT target FROM t WHERE target IS NOT NULL
+"""
+
+# INDEXED BY: the per-target range in due order is the point of this query; if the index were
+# ever missing it fails loudly instead of quietly scanning.
+_TARGET_CANDIDATES_SQL = """
+SELECT d.*, e.url AS endpoint_url, m.body AS body
+FROM webhook_deliveries d INDEXED BY webhook_deliveries_pending_by_target
+JOIN webhook_messages m ON m.event_id = d.event_id
+LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
+WHERE d.target = :target AND d.status = 'pending' AND d.next_attempt_at <= :now
+  AND (d.lease_until IS NULL OR d.lease_until <= :now)
+  AND (d.endpoint_id IS NULL OR e.status = 'enabled')
+  AND NOT EXISTS (
+      SELECT 1 FROM webhook_deliveries o
+      WHERE o.target = d.target AND o.job_id = d.job_id AND o.status = 'pending' AND o.version < d.version)
+ORDER BY d.next_attempt_at, d.seq LIMIT :room
 """
 
 
@@ -173,61 +190,45 @@ class SqliteDeliveryQueue:
 
         def tx(conn: sqlite3.Connection) -> list[Claimed]:
             ts = now()
-            # Targets with no slot left here are skipped in SQL, so they cannot crowd out the rest.
-            full = [target for target, n in in_flight.items() if n >= per_target]
-            params = {"now": ts, "per_target": per_target, "limit": limit, "full": msgspec.json.encode(full).decode()}
-            rows = conn.execute(_CLAIM_SQL, params).fetchall()
-            taken: dict[str, int] = {}
+            # Each target's oldest claimable deliveries, at most the slots it has left here
+            # (a target with none left is not read at all, so it cannot crowd out the rest);
+            # then the oldest of them all, as many as this notifier has slots.
+            rows: list[sqlite3.Row] = []
+            for (target,) in conn.execute(_PENDING_TARGETS_SQL).fetchall():
+                room = per_target - in_flight.get(target, 0)
+                if room > 0:
+                    rows.extend(conn.execute(_TARGET_CANDIDATES_SQL, {"target": target, "now": ts, "room": room}))
+            rows.sort(key=lambda r: (r["next_attempt_at"], r["seq"]))
+            keys_by_owner: dict[str, tuple[SigningKey, ...]] = {}
             claimed: list[Claimed] = []
-            for row in rows:
-                target = row["target"]
-                if in_flight.get(target, 0) + taken.get(target, 0) >= per_target:
-                    continue
+            for row in rows[:limit]:
                 conn.execute("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
                              (owner, ts + lease_s, row["id"]))
-                taken[target] = taken.get(target, 0) + 1
-                if row["endpoint_id"] is not None:
-                    keys = live_keys(conn, row["endpoint_id"], ts)
-                else:
-                    current_callback_key(conn, row["tenant"], ts)  # created on first use
-                    keys = live_keys(conn, callback_owner(row["tenant"]), ts)
+                key_owner = row["endpoint_id"] or callback_owner(row["tenant"])
+                if key_owner not in keys_by_owner:
+                    if row["endpoint_id"] is None:
+                        current_callback_key(conn, row["tenant"], ts)  # created on first use
+                    keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts))
                 delivery = DeliveryRow.from_mapping(row)
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
-                claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=tuple(keys)))
-                if len(claimed) >= limit:
-                    break
+                claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner]))
             return claimed
 
         return await self.db.write(tx)
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Log the attempt and apply its plan: delivered, retry later, superseded, or failed."""
-        d = claimed.delivery
+        attempt = Attempted(claimed=claimed, started_at=started_at, outcome=outcome, plan=plan)
+        return await self.db.write(lambda conn: _finish(conn, attempt, owner, now()))
 
-        def tx(conn: sqlite3.Connection) -> Finished:
+    async def finish_many(self, attempts: Sequence[Attempted], owner: str) -> list[Finished]:
+        """``finish`` for each attempt, in order, in one transaction (one lock, one commit for all)."""
+        if not attempts:
+            return []
+
+        def tx(conn: sqlite3.Connection) -> list[Finished]:
             ts = now()
-            if not conn.execute("SELECT 1 FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone():
-                return Finished(status="dropped", next_attempt_at=None, endpoint_disabled=False)  # endpoint deleted
-            (n,) = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM webhook_attempts WHERE delivery_id = ?",
-                                (d.id,)).fetchone()
-            conn.execute(
-                "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)"
-                " VALUES (?,?,?,?,?,?,?)",
-                (d.id, n, started_at, outcome.status_code, round(outcome.latency_s * 1000, 3), outcome.error,
-                 outcome.response[:RESPONSE_KEEP_BYTES] or None),
-            )
-            status, next_at = _status_after(conn, d, plan, ts)
-            disabled = False
-            if d.endpoint_id is not None:
-                disabled = _endpoint_health(conn, d.endpoint_id, ok=outcome.ok, gone=plan.disable_endpoint, at=ts)
-                if disabled and status == "pending":
-                    status, next_at = "failed", None
-            conn.execute(
-                "UPDATE webhook_deliveries SET status = ?, attempts = ?, next_attempt_at = ?, lease_owner = NULL,"
-                " lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
-                (status, n, next_at, ts, d.id, owner),
-            )
-            return Finished(status=status, next_attempt_at=next_at, endpoint_disabled=disabled)
+            return [_finish(conn, attempt, owner, ts) for attempt in attempts]
 
         return await self.db.write(tx)
 
@@ -260,6 +261,33 @@ class SqliteDeliveryQueue:
             return len(ids)
 
         return await self.db.write(tx)
+
+
+def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float) -> Finished:
+    """Log one attempt and apply its plan, inside the caller's transaction."""
+    d, outcome, plan = attempt.claimed.delivery, attempt.outcome, attempt.plan
+    if not conn.execute("SELECT 1 FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone():
+        return Finished(status="dropped", next_attempt_at=None, endpoint_disabled=False)  # endpoint deleted
+    (n,) = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM webhook_attempts WHERE delivery_id = ?",
+                        (d.id,)).fetchone()
+    conn.execute(
+        "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)"
+        " VALUES (?,?,?,?,?,?,?)",
+        (d.id, n, attempt.started_at, outcome.status_code, round(outcome.latency_s * 1000, 3), outcome.error,
+         outcome.response[:RESPONSE_KEEP_BYTES] or None),
+    )
+    status, next_at = _status_after(conn, d, plan, ts)
+    disabled = False
+    if d.endpoint_id is not None:
+        disabled = _endpoint_health(conn, d.endpoint_id, ok=outcome.ok, gone=plan.disable_endpoint, at=ts)
+        if disabled and status == "pending":
+            status, next_at = "failed", None
+    conn.execute(
+        "UPDATE webhook_deliveries SET status = ?, attempts = ?, next_attempt_at = ?, lease_owner = NULL,"
+        " lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
+        (status, n, next_at, ts, d.id, owner),
+    )
+    return Finished(status=status, next_attempt_at=next_at, endpoint_disabled=disabled)
 
 
 def _status_after(conn: sqlite3.Connection, d: DeliveryRow, plan: Plan, ts: float) -> tuple[str, float | None]:

@@ -74,6 +74,10 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due ON webhook_deliveries (next_attempt_at) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS webhook_deliveries_order ON webhook_deliveries (target, job_id, version);
+-- The claim: which targets have pending deliveries, and each one's in due order (seq, the
+-- rowid, ends every index, so ties are in seq order too).
+CREATE INDEX IF NOT EXISTS webhook_deliveries_pending_by_target ON webhook_deliveries (target, next_attempt_at)
+    WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS webhook_deliveries_by_endpoint ON webhook_deliveries (endpoint_id, seq);
 CREATE INDEX IF NOT EXISTS webhook_deliveries_finished ON webhook_deliveries (updated_at) WHERE status != 'pending';
 
