@@ -1,12 +1,15 @@
 """Sending one webhook attempt over HTTP: one shared client, pooled connections, the SSRF guard.
 
-The client is httpx's ``AsyncClient`` over the ``httpx-aiohttp`` transport: measured on
-this kind of machine it sends several times more POSTs per second than httpx's default
-transport (``bench/RESULTS.md``). It also gives the SSRF guard a place at connect time:
-aiohttp resolves names through ``PublicOnlyResolver``, so the address actually dialled is
-the one that was checked (no window for DNS rebinding between check and connect), and
-literal addresses are checked by ``check_url_syntax`` before every attempt. Proxies from
-the environment are ignored (a proxy would dial on our behalf, past the guard).
+The client is an ``aiohttp.ClientSession``. It was httpx's ``AsyncClient`` over the
+``httpx-aiohttp`` transport (several times faster than httpx's own transport), but the
+notifier's profile (issue 14, ``bench/RESULTS.md``) showed the httpx layer above aiohttp
+costing more CPU per POST than aiohttp itself (building the request and its URL, header
+objects, cookie extraction, mapping the response): aiohttp directly halves the HTTP
+client's share of a delivery. aiohttp also gives the SSRF guard a place at connect time:
+it resolves names through ``PublicOnlyResolver``, so the address actually dialled is the
+one that was checked (no window for DNS rebinding between check and connect), and literal
+addresses are checked by ``check_url_syntax`` before every attempt. Proxies from the
+environment are ignored (a proxy would dial on our behalf, past the guard).
 """
 
 from __future__ import annotations
@@ -20,10 +23,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 import aiohttp
-import httpx
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
-from httpx_aiohttp import AiohttpTransport
 
 import herald
 from notifier.ssrf import UnsafeUrl, check_url_syntax, is_public_address
@@ -90,11 +91,8 @@ def parse_retry_after(value: str | None, *, at: float) -> float | None:
 
 
 def _describe(exc: BaseException) -> str:
-    # httpx-aiohttp maps aiohttp's errors onto httpx's, sometimes loosely (a refused
-    # connection becomes ConnectTimeout); the original cause says what really happened.
-    cause = exc.__cause__ or exc
-    text = str(cause) or type(cause).__name__
-    return f"{type(cause).__name__}: {text}"[:500]
+    text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:500]
 
 
 class Sender:
@@ -103,7 +101,7 @@ class Sender:
     def __init__(self, *, allow_private: bool, max_connections: int = MAX_CONNECTIONS) -> None:
         self._allow_private = allow_private
         self._max_connections = max_connections
-        self._client: httpx.AsyncClient | None = None
+        self._session: aiohttp.ClientSession | None = None
 
     async def __aenter__(self) -> Sender:
         connector = aiohttp.TCPConnector(
@@ -111,12 +109,13 @@ class Sender:
             limit_per_host=0,  # the scheduler bounds work per endpoint
             resolver=PublicOnlyResolver(allow_private=self._allow_private),
         )
-        session = aiohttp.ClientSession(connector=connector, trust_env=False, auto_decompress=False)
-        self._client = httpx.AsyncClient(
-            transport=AiohttpTransport(client=session),
-            headers={"user-agent": USER_AGENT, "content-type": "application/json"},
-            follow_redirects=False,  # SPEC §7: a 3xx is a failure
-            timeout=None,  # the whole attempt is bounded by SUCCESS_WITHIN_S below
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            trust_env=False,
+            auto_decompress=False,
+            # identity: the answer's first KiB is kept as sent, and it is not decompressed
+            headers={"user-agent": USER_AGENT, "content-type": "application/json", "accept-encoding": "identity"},
+            timeout=aiohttp.ClientTimeout(total=None),  # the whole attempt is bounded by SUCCESS_WITHIN_S below
         )
         return self
 
@@ -126,13 +125,13 @@ class Sender:
         await self.aclose()
 
     async def aclose(self) -> None:
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
     async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Outcome:
         """POST ``body``; a 2xx within ``SUCCESS_WITHIN_S`` is success. Never raises for network trouble."""
-        assert self._client is not None, "Sender is not open"
+        assert self._session is not None, "Sender is not open"
         started = time.perf_counter()
         try:
             check_url_syntax(url, allow_private=self._allow_private)
@@ -140,23 +139,25 @@ class Sender:
             return Outcome(status_code=None, latency_s=0.0, error=f"refused by the SSRF guard: {exc}")
         try:
             async with asyncio.timeout(SUCCESS_WITHIN_S):
-                async with self._client.stream("POST", url, content=body, headers=headers) as response:
+                # allow_redirects=False: SPEC §7, a 3xx is a failure
+                async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as response:
                     head = await _read_head(response)
                     retry_after = parse_retry_after(response.headers.get("retry-after"), at=time.time())
-                    return Outcome(status_code=response.status_code, latency_s=time.perf_counter() - started,
+                    return Outcome(status_code=response.status, latency_s=time.perf_counter() - started,
                                    response=head, retry_after_s=retry_after)
         except TimeoutError:
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True,
                            error=f"no answer within {SUCCESS_WITHIN_S:g} s")
-        except (httpx.HTTPError, aiohttp.ClientError, OSError) as exc:
+        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc))
 
 
-async def _read_head(response: httpx.Response) -> bytes:
+async def _read_head(response: aiohttp.ClientResponse) -> bytes:
     """The first KiB of the body, for the attempt log; the rest is not read."""
     head = b""
-    async for chunk in response.aiter_raw():
-        head += chunk
-        if len(head) >= RESPONSE_KEEP_BYTES:
+    while len(head) < RESPONSE_KEEP_BYTES:
+        chunk = await response.content.read(RESPONSE_KEEP_BYTES - len(head))
+        if not chunk:
             break
-    return head[:RESPONSE_KEEP_BYTES]
+        head += chunk
+    return head

@@ -91,9 +91,6 @@ async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Schedu
 
 async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
     """Run until ``stop`` is set; then stop fetching, finish or hand back attempts, drain NATS."""
-    # Every attempt is logged once, with its context, by the scheduler; httpx's own line
-    # per request would only repeat it without job_id or endpoint_id.
-    logging.getLogger("httpx").setLevel(logging.WARNING)
     async with AsyncExitStack() as stack:
         storage = await open_storage(settings)
         stack.push_async_callback(storage.close)
