@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import email.utils
 import errno
+import functools
 import socket
 import time
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ from types import TracebackType
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
 from aiohttp.resolver import ThreadedResolver
+from yarl import URL
 
 import herald
 from notifier.ssrf import UnsafeUrl, check_url_syntax, is_public_address
@@ -90,6 +92,24 @@ def parse_retry_after(value: str | None, *, at: float) -> float | None:
     return max(0.0, when.timestamp() - at)
 
 
+@functools.lru_cache(maxsize=4096)
+def _checked_url(url: str, allow_private: bool) -> URL | str:
+    """The URL parsed once for aiohttp, or why the SSRF guard refuses it.
+
+    Both depend on the string alone (names are checked when they are resolved, at connect
+    time), and a notifier sends to the same few URLs over and over: parsing and checking
+    each once per process took a few percent of a delivery's CPU.
+    """
+    try:
+        check_url_syntax(url, allow_private=allow_private)
+    except UnsafeUrl as exc:
+        return str(exc)
+    try:
+        return URL(url)
+    except ValueError as exc:
+        return f"not a valid URL: {exc}"
+
+
 def _describe(exc: BaseException) -> str:
     text = str(exc) or type(exc).__name__
     return f"{type(exc).__name__}: {text}"[:500]
@@ -133,14 +153,13 @@ class Sender:
         """POST ``body``; a 2xx within ``SUCCESS_WITHIN_S`` is success. Never raises for network trouble."""
         assert self._session is not None, "Sender is not open"
         started = time.perf_counter()
-        try:
-            check_url_syntax(url, allow_private=self._allow_private)
-        except UnsafeUrl as exc:
-            return Outcome(status_code=None, latency_s=0.0, error=f"refused by the SSRF guard: {exc}")
+        target = _checked_url(url, self._allow_private)
+        if isinstance(target, str):
+            return Outcome(status_code=None, latency_s=0.0, error=f"refused by the SSRF guard: {target}")
         try:
             async with asyncio.timeout(SUCCESS_WITHIN_S):
                 # allow_redirects=False: SPEC §7, a 3xx is a failure
-                async with self._session.post(url, data=body, headers=headers, allow_redirects=False) as response:
+                async with self._session.post(target, data=body, headers=headers, allow_redirects=False) as response:
                     head = await _read_head(response)
                     retry_after = parse_retry_after(response.headers.get("retry-after"), at=time.time())
                     return Outcome(status_code=response.status, latency_s=time.perf_counter() - started,
