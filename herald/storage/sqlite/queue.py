@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import sqlite3
 import uuid
+from collections import Counter
 from collections.abc import Mapping, Sequence
 
 import msgspec
@@ -227,8 +228,7 @@ class SqliteDeliveryQueue:
             return []
 
         def tx(conn: sqlite3.Connection) -> list[Finished]:
-            ts = now()
-            return [_finish(conn, attempt, owner, ts) for attempt in attempts]
+            return _finish_many(conn, attempts, owner, now())
 
         return await self.db.write(tx)
 
@@ -261,6 +261,62 @@ class SqliteDeliveryQueue:
             return len(ids)
 
         return await self.db.write(tx)
+
+
+_DROPPED = Finished(status="dropped", next_attempt_at=None, endpoint_disabled=False)  # its endpoint was deleted
+_DELIVERED = Finished(status="delivered", next_attempt_at=None, endpoint_disabled=False)
+_CHUNK = 500  # ids per IN (...) list, well within SQLite's limit on parameters
+
+
+def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner: str, ts: float) -> list[Finished]:
+    """``_finish`` for each attempt, the common case set-based.
+
+    A 2xx answer (delivered), each delivery once in the batch, is what a busy notifier
+    records nearly always: for those, one read of which deliveries still exist, one of
+    their attempt counts, and one ``executemany`` each for the attempts, the deliveries and
+    the endpoints' failing streaks, instead of five statements per attempt. The rest
+    (failures, retries, a delivery twice in a batch) go through ``_finish`` one by one,
+    in order, after them.
+    """
+    results: list[Finished | None] = [None] * len(attempts)
+    times = Counter(a.claimed.delivery.id for a in attempts)
+    fast = [i for i, a in enumerate(attempts)
+            if a.plan.status == "delivered" and a.outcome.ok and times[a.claimed.delivery.id] == 1]
+    if fast:
+        ids = [attempts[i].claimed.delivery.id for i in fast]
+        present: set[str] = set()
+        last_n: dict[str, int] = {}
+        for start in range(0, len(ids), _CHUNK):
+            chunk = ids[start:start + _CHUNK]
+            marks = ",".join("?" * len(chunk))
+            present.update(r[0] for r in conn.execute(f"SELECT id FROM webhook_deliveries WHERE id IN ({marks})", chunk))
+            last_n.update((r[0], r[1]) for r in conn.execute(
+                f"SELECT delivery_id, MAX(n) FROM webhook_attempts WHERE delivery_id IN ({marks}) GROUP BY delivery_id",
+                chunk))
+        logged, settled, healthy = [], [], set()
+        for i in fast:
+            attempt = attempts[i]
+            d, outcome = attempt.claimed.delivery, attempt.outcome
+            if d.id not in present:
+                results[i] = _DROPPED
+                continue
+            n = last_n.get(d.id, 0) + 1
+            logged.append((d.id, n, attempt.started_at, outcome.status_code, round(outcome.latency_s * 1000, 3),
+                           outcome.error, outcome.response[:RESPONSE_KEEP_BYTES] or None))
+            settled.append((n, ts, d.id, owner))
+            if d.endpoint_id is not None:
+                healthy.add(d.endpoint_id)
+            results[i] = _DELIVERED
+        conn.executemany(
+            "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)"
+            " VALUES (?,?,?,?,?,?,?)", logged)
+        conn.executemany(
+            "UPDATE webhook_deliveries SET status = 'delivered', attempts = ?, next_attempt_at = NULL,"
+            " lease_owner = NULL, lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?", settled)
+        conn.executemany("UPDATE webhook_endpoints SET failing_since = NULL WHERE id = ? AND failing_since IS NOT NULL",
+                         [(e,) for e in sorted(healthy)])
+    return [result if result is not None else _finish(conn, attempt, owner, ts)
+            for attempt, result in zip(attempts, results, strict=True)]
 
 
 def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float) -> Finished:
