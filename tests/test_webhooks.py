@@ -661,6 +661,41 @@ def test_two_notifiers_share_the_work_without_doubles(http: httpx.Client, herald
         herald_wh.kill("notifier-b", signal.SIGTERM)
 
 
+def test_attempts_finishing_together_are_each_recorded_with_their_outcome(http: httpx.Client,
+                                                                         receiver: Receiver) -> None:
+    """The notifier records attempts in batches (issue 14): many deliveries to several endpoints
+    answering at once, some with 500s, still leave every attempt in the log with its own
+    status, latency and answer, and every delivery with its own end."""
+    def down(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        return 500, {}
+
+    def flaky(_hit: Hit, n: int) -> tuple[int, dict[str, str]]:
+        return (500, {}) if n == 1 else (200, {})
+
+    paths = {"/batch-a": ok, "/batch-b": ok, "/batch-down": down, "/batch-flaky": flaky}
+    endpoints = {p: register(http, receiver, p, b, event_types=["job.queued"])["id"] for p, b in paths.items()}
+    ids = {export(http)["id"] for _ in range(12)}
+
+    def settled(endpoint_id: str) -> Callable[[], list[dict[str, Any]] | None]:
+        def check() -> list[dict[str, Any]] | None:
+            log = [d for d in deliveries(http, endpoint_id) if d["job_id"] in ids]
+            return log if len(log) == len(ids) and all(d["status"] != "pending" for d in log) else None
+        return check
+
+    tries = len(SCHEDULE.split(",")) + 1
+    for path, endpoint_id in endpoints.items():
+        log = settle(settled(endpoint_id), timeout=30, what=f"every delivery to {path} settled")
+        for d in log:
+            codes = [a["status_code"] for a in d["attempts"]]
+            expected = {"/batch-down": [500] * tries, "/batch-flaky": [500, 200]}.get(path, [200])
+            assert codes == expected, (path, d)  # in attempt order
+            assert d["status"] == ("failed" if path == "/batch-down" else "delivered"), (path, d)
+            for a in d["attempts"]:
+                assert a["latency_ms"] is not None and a["response"] == ("nope" if a["status_code"] == 500 else "thanks")
+        hits = receiver.hits_for(path, ids)
+        assert len(hits) == sum(len(d["attempts"]) for d in log)  # each attempt sent once and logged once
+
+
 # ----- isolation and order ------------------------------------------------------------------
 
 
