@@ -472,10 +472,13 @@ BEGIN
                    AND (c.lease_until IS NULL OR c.lease_until <= ts)
                    AND (c.endpoint_id IS NULL OR e.status = 'enabled')
                    AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
-                   AND NOT EXISTS (
-                       SELECT 1 FROM webhook_deliveries older
-                        WHERE older.target = c.target AND older.job_id = c.job_id
-                          AND older.status = 'pending' AND older.version < c.version)
+                   -- no older version of the job pending for the target: written as a
+                   -- correlated sub-select so that it is one probe of (target, job_id) per
+                   -- candidate whatever the statistics say (a fresh table's planner chose a
+                   -- scan of the target's whole backlog per candidate for a NOT EXISTS)
+                   AND (SELECT min(older.version) FROM webhook_deliveries older
+                         WHERE older.target = c.target AND older.job_id = c.job_id
+                           AND older.status = 'pending') = c.version
                  ORDER BY c.next_attempt_at, c.seq
                  LIMIT greatest(p_per_target - coalesce(b.n, 0), 0)
              ) cand
@@ -497,10 +500,9 @@ BEGIN
     WITH leased AS (
         UPDATE webhook_deliveries d SET lease_owner = p_owner, lease_until = ts + p_lease_s
          WHERE d.id = ANY(ids)
-           AND NOT EXISTS (
-               SELECT 1 FROM webhook_deliveries older
-                WHERE older.target = d.target AND older.job_id = d.job_id
-                  AND older.status = 'pending' AND older.version < d.version)
+           AND (SELECT min(older.version) FROM webhook_deliveries older
+                 WHERE older.target = d.target AND older.job_id = d.job_id
+                   AND older.status = 'pending') = d.version
         RETURNING d
     )
     SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys

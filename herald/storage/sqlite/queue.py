@@ -202,9 +202,10 @@ class SqliteDeliveryQueue:
             rows.sort(key=lambda r: (r["next_attempt_at"], r["seq"]))
             keys_by_owner: dict[str, tuple[SigningKey, ...]] = {}
             claimed: list[Claimed] = []
-            for row in rows[:limit]:
-                conn.execute("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
-                             (owner, ts + lease_s, row["id"]))
+            rows = rows[:limit]
+            conn.executemany("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
+                             [(owner, ts + lease_s, row["id"]) for row in rows])
+            for row in rows:
                 key_owner = row["endpoint_id"] or callback_owner(row["tenant"])
                 if key_owner not in keys_by_owner:
                     if row["endpoint_id"] is None:
