@@ -75,6 +75,7 @@ class Scheduler:
         self._stopping = False
         self._tasks: dict[asyncio.Task[None], Claimed] = {}
         self._in_flight: Counter[str] = Counter()
+        self._backlog = False  # the last claim filled every free slot
 
     def kick(self) -> None:
         """New deliveries were recorded, or a slot came free: look again now."""
@@ -95,6 +96,8 @@ class Scheduler:
                     if time.monotonic() >= next_prune:
                         next_prune = time.monotonic() + PRUNE_EVERY_S
                         await self.queue.prune(now() - self.retention_s)
+                    if self._wake.is_set():
+                        continue  # attempts ended or deliveries came while claiming: claim again now
                     sleep_s = await self._sleep_s()
                 except Exception as exc:  # the store is busy or away: what is due stays due
                     log.warning("webhook scheduler pass failed, will retry: %s", exc)
@@ -106,11 +109,17 @@ class Scheduler:
 
     async def _claim_and_start(self) -> None:
         free = MAX_IN_FLIGHT - len(self._tasks)
-        if free <= 0 or not await self.queue.anything_due():
+        if free <= 0:
+            return
+        # The cheap "anything due?" read spares an idle notifier a write transaction per pass;
+        # while the last claim got all it asked for there is a backlog, and it would only add
+        # a round trip before each claim.
+        if not self._backlog and not await self.queue.anything_due():
             return
         claimed = await self.queue.claim(
             self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
         )
+        self._backlog = len(claimed) >= free
         contexts = await self._trace_contexts(claimed)
         for item in claimed:
             context = contexts.get(item.delivery.job_id)
