@@ -155,6 +155,9 @@ class Claimed:
     url: str
     body: bytes
     keys: tuple[SigningKey, ...]
+    # The job's kept (traceparent, tracestate) (herald.tracing), read with the claim so that
+    # sending needs no second round trip; None: the job has none (or is gone).
+    trace_context: tuple[str, str | None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -122,7 +122,7 @@ class Scheduler:
         self._backlog = len(claimed) >= free
         contexts = await self._trace_contexts(claimed)
         for item in claimed:
-            context = contexts.get(item.delivery.job_id)
+            context = contexts.get(item.delivery.job_id) or item.trace_context
             task = asyncio.create_task(self._attempt(item, context), name=f"webhook-{item.delivery.id}")
             self._tasks[task] = item
             self._in_flight[item.delivery.target] += 1

@@ -113,7 +113,8 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             idle_poll_s=min(1.0, settings.sweep_interval_s),
             retention_s=settings.retention_s,
             notices=notices,
-            traces=storage.jobs.trace_contexts,  # each webhook carries its job's trace (herald.tracing)
+            # each webhook carries its job's trace (herald.tracing): the claim reads it with the
+            # deliveries (Claimed.trace_context), so no separate lookup per claim
         )
         scheduler_task = asyncio.create_task(scheduler.run(), name="webhook-scheduler")
 

@@ -241,7 +241,8 @@ class DeliveryQueue(Protocol):
         self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
     ) -> list[Claimed]:
         """Lease up to ``limit`` due deliveries nobody holds, oldest first, at most ``per_target``
-        in flight per target, never one whose older version of the same job is still pending."""
+        in flight per target, never one whose older version of the same job is still pending;
+        each with its job's trace context (``Claimed.trace_context``), read in the same query."""
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Record the attempt and apply its plan in one transaction."""

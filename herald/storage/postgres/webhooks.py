@@ -434,11 +434,15 @@ _CLAIM_BY_TARGET_FUNCTION = """
 CREATE INDEX webhook_deliveries_pending_by_target ON webhook_deliveries (target, next_attempt_at, seq)
     WHERE status = 'pending';
 
-CREATE OR REPLACE FUNCTION herald_webhook_claim(
+-- A new result column (the job's trace context), so dropped and created again.
+DROP FUNCTION herald_webhook_claim(TEXT, DOUBLE PRECISION, INTEGER, INTEGER, TEXT[], INTEGER[]);
+
+CREATE FUNCTION herald_webhook_claim(
     p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
     p_busy_targets TEXT[], p_busy_counts INTEGER[]
 ) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
-                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[])
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
+                 job_traceparent TEXT, job_tracestate TEXT)
 LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
 #variable_conflict use_column
 DECLARE
@@ -505,10 +509,12 @@ BEGIN
                    AND older.status = 'pending') = d.version
         RETURNING d
     )
-    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys
+    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys,
+           j.traceparent, j.tracestate
       FROM leased l
       JOIN webhook_messages m ON m.event_id = (l.d).event_id
       LEFT JOIN webhook_endpoints e ON e.id = (l.d).endpoint_id
+      LEFT JOIN jobs j ON j.id = (l.d).job_id  -- the trace context, with the claim: no second round trip
      CROSS JOIN LATERAL (
         -- the keys that sign now: the current one first, then any in their overlap
         SELECT array_agg(wk.algorithm ORDER BY wk.created_at DESC) AS algorithms,
@@ -1031,7 +1037,8 @@ class PgDeliveryQueue:
             await _ensure_current_key(self.db, owner, HMAC)
             keys = tuple(_key(r["algorithm"], r["secret"], r["public_key"])
                          for r in await self.db.pool.fetch(_LIVE_KEYS_SQL, owner))
-        return Claimed(delivery=delivery, url=row["send_url"], body=bytes(row["body"]), keys=keys)
+        trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
+        return Claimed(delivery=delivery, url=row["send_url"], body=bytes(row["body"]), keys=keys, trace_context=trace)
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Log the attempt and apply its plan (delivered, retry later, superseded, failed) in one transaction."""

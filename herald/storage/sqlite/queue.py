@@ -65,10 +65,12 @@ WITH RECURSIVE t(target) AS (
 # INDEXED BY: the per-target range in due order is the point of this query; if the index were
 # ever missing it fails loudly instead of quietly scanning.
 _TARGET_CANDIDATES_SQL = """
-SELECT d.*, e.url AS endpoint_url, m.body AS body
+SELECT d.*, e.url AS endpoint_url, m.body AS body, j.traceparent AS job_traceparent,
+       j.tracestate AS job_tracestate
 FROM webhook_deliveries d INDEXED BY webhook_deliveries_pending_by_target
 JOIN webhook_messages m ON m.event_id = d.event_id
 LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
+LEFT JOIN jobs j ON j.id = d.job_id
 WHERE d.target = :target AND d.status = 'pending' AND d.next_attempt_at <= :now
   AND (d.lease_until IS NULL OR d.lease_until <= :now)
   AND (d.endpoint_id IS NULL OR e.status = 'enabled')
@@ -222,7 +224,9 @@ class SqliteDeliveryQueue:
                     keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts))
                 delivery = DeliveryRow.from_mapping(row)
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
-                claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner]))
+                trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
+                claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner],
+                                       trace_context=trace))
             return claimed
 
         return await self.db.write(tx)
