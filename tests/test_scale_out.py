@@ -255,11 +255,12 @@ class Scale:
 @pytest.fixture(scope="module")
 def scale(tmp_path_factory: pytest.TempPathFactory, postgres_server: PostgresServer) -> Iterator[Scale]:
     root = tmp_path_factory.mktemp("scale_out")
+    database_url = new_database(postgres_server)  # before the cluster: a failure here leaves no server running
     cluster = NatsCluster(root / "cluster", max_file_store="8GB")  # Herald reserves 2 GiB for events
     cluster.start()
     deployment = Deployment(
         root,
-        database_url=new_database(postgres_server),
+        database_url=database_url,
         env_overrides={
             "HERALD_NATS_URL": cluster.urls,
             "HERALD_NATS_REPLICAS": "3",
