@@ -46,9 +46,9 @@ class Subscriber:
 
     Overflow drops the stream (it resumes with Last-Event-ID). An event is queued only if
     it is further along than every event queued before (version for a job's stream,
-    tenant sequence for a tenant's): the same event reaches the hub several times (this
-    process's own commit, and each relay that publishes the shared outbox), and a copy must
-    not take a slot. Skipping an older one is safe: the stream already saw a newer event,
+    tenant sequence for a tenant's): the same event can reach the hub more than once (a
+    relay's catch-up pass may publish a row its own process is publishing too, and a
+    publish retried after a lost ack is sent again), and a copy must not take a slot. Skipping an older one is safe: the stream already saw a newer event,
     and a gap it saw is filled from the store.
 
     A list and a bare future rather than an ``asyncio.Queue`` and an ``asyncio.Event``
