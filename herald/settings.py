@@ -146,7 +146,10 @@ class Settings:
     worker_concurrency: Annotated[int, AT_LEAST_ONE] = 4
     worker_grace_s: Annotated[float, NUMBER] = 10.0
     max_queue_age_s: Annotated[float, NUMBER] = 300.0
-    max_held_per_tenant: Annotated[int, COUNT] = 10_000
+    max_held_per_tenant: Annotated[int, COUNT] = 10_000  # a tenant's max_streams default (SPEC §13)
+    tenant_max_running: Annotated[int, COUNT] = 0  # running jobs per tenant, deployment-wide; 0: no cap (SPEC §13)
+    tenant_max_endpoints: Annotated[int, COUNT] = 100  # webhook endpoints per tenant (SPEC §13)
+    output_max_bytes: Annotated[int, AT_LEAST_ONE] = 16 * 1024 * 1024  # streamed output per job (SPEC §8)
     log_format: Annotated[str, LOWER] = "json"
     log_level: Annotated[str, LOWER] = "info"
     signing_secrets: Annotated[tuple[str, ...], Env(_comma_list, ("SIGNING_KEY", "SIGNING_SECRETS"))] = field(
