@@ -21,11 +21,13 @@ from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from gateway.routes import events, health, jobs, page, portal
 from gateway.routes.accept import accept_route
+from gateway.routes.admin import AdminController
 from gateway.routes.results import result_route
 from gateway.routes.webhooks import WebhooksController
 from gateway.services import Services
 from herald.storage.ports import JobStore
 from herald import jetstream
+from herald.directory import Directory
 from herald.logs import log_transition
 from herald.metrics import metrics as process_metrics
 from herald.relay import Relay
@@ -74,6 +76,7 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     # Retention deletes results, so the sweeper starts once the result store is reachable.
     spawn(run_sweeper(svc.store, svc.results, svc.settings), "sweeper", tasks)
     svc.nats = nc
+    await svc.directory.attach(nc)
     await svc.hub.attach(nc)
     await svc.watch.attach(nc)
     relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
@@ -94,6 +97,8 @@ async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     await svc.store.open()
     if not svc.signer.ready:
         svc.signer.set_keys((await svc.store.signing_key(),))
+    await svc.directory.refresh(force=True)
+    spawn(svc.directory.run(), "tenant-directory", tasks)
     spawn(_connect_nats(svc, tasks), "nats-connect", tasks)
 
 
@@ -109,6 +114,7 @@ def create_app(settings: Settings) -> Litestar:
             stack.push_async_callback(storage.close)
             metrics = process_metrics()
             hub = Hub(metrics)
+            directory = Directory(settings, storage.tenants)
             store.on_commit(metrics.observe)
             store.on_commit(log_transition)
             store.on_commit(lambda _job, event: hub.publish(event))
@@ -120,8 +126,9 @@ def create_app(settings: Settings) -> Litestar:
                 results=await open_result_store(settings, None),
                 signer=UrlSigner(settings.configured_signing_keys(), settings.signed_url_ttl_s),
                 metrics=metrics,
-                limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
+                limiter=TenantLimits(directory, settings.max_held_per_tenant),
                 hub=hub,
+                directory=directory,
                 backlog=BacklogGuard(_queued_ages(store, [kind.name for kind in kinds]), settings.max_queue_age_s),
             )
             app.state.services = svc
@@ -132,6 +139,7 @@ def create_app(settings: Settings) -> Litestar:
                 await opening  # a local file: open before serving. PostgreSQL may take a while: /readyz says 503 meanwhile
 
             async def close_nats() -> None:
+                await directory.detach()
                 await hub.detach()
                 await svc.watch.detach()
                 if svc.nats is not None:
@@ -139,6 +147,10 @@ def create_app(settings: Settings) -> Litestar:
                         await svc.nats.drain()
 
             stack.push_async_callback(close_nats)
+            if settings.admin_key is None:
+                log.warning("the admin API is off: every /admin route answers 401 (set HERALD_ADMIN_KEY to turn it on)")
+            if not settings.api_keys:
+                log.info("no HERALD_API_KEYS: only the tenants and keys created through /admin can call the API")
             log.info("gateway ready", extra={"host": settings.http_host, "port": settings.http_port})
             yield
 
@@ -156,6 +168,7 @@ def create_app(settings: Settings) -> Litestar:
             *(accept_route(kind) for kind in kinds),
             *(result_route(kind) for kind in kinds),
             WebhooksController,
+            AdminController,
             page.index,
             page.asset,
             portal.portal_page,
@@ -175,6 +188,7 @@ def create_app(settings: Settings) -> Litestar:
             components=Components(
                 security_schemes={
                     "bearer": SecurityScheme(type="http", scheme="bearer", description="API key"),
+                    "admin": SecurityScheme(type="http", scheme="bearer", description="the operator's HERALD_ADMIN_KEY"),
                     "portal": SecurityScheme(type="http", scheme="bearer", bearer_format="hps_…",
                                              description="portal session token (POST /portal/session): "
                                              "the tenant's /webhooks routes only"),

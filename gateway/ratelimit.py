@@ -14,19 +14,28 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from gateway.problems import Overloaded, RateLimited, TooManyStreams
 from herald.storage.ports import StartBudget
+from herald.tenants import LimitsSource
 
 
 class TenantLimits:
-    def __init__(self, starts_per_s: float, max_held: int) -> None:
-        self.rate = starts_per_s
-        # HERALD_RATE_LIMIT=0 turns the limit off; the burst is twice the rate (SPEC §1).
-        self.start_budget = StartBudget(rate=starts_per_s, burst=max(1.0, 2 * starts_per_s)) if starts_per_s > 0 else None
+    """Each tenant's limits come from ``limits`` (the tenant directory: its own, or the
+    deployment's defaults), so a change made through /admin applies to the next request."""
+
+    def __init__(self, limits: LimitsSource, max_held: int) -> None:
+        self._limits = limits
         self.max_held = max_held
         self._held: Counter[str] = Counter()
 
-    def rate_limited(self, wait_s: float) -> RateLimited:
+    def start_budget(self, tenant: str) -> StartBudget | None:
+        rate = self._limits.limits(tenant).rate_limit
+        # A rate of 0 turns the limit off; the burst is twice the rate (SPEC §1).
+        return StartBudget(rate=rate, burst=max(1.0, 2 * rate)) if rate > 0 else None
+
+    def rate_limited(self, tenant: str, wait_s: float) -> RateLimited:
         wait = max(1, math.ceil(wait_s))
-        return RateLimited(f"job starts are limited to {self.rate:g}/s per tenant; retry after {wait} s", retry_after=wait)
+        rate = self._limits.limits(tenant).rate_limit
+        return RateLimited(f"job starts are limited to {rate:g}/s for this tenant; retry after {wait} s",
+                           retry_after=wait)
 
     def open_stream(self, tenant: str) -> None:
         """Count one held connection (SSE stream or long poll) or refuse it with 429."""

@@ -11,6 +11,7 @@ from gateway.answers import WokenAnswers
 from gateway.deliverywatch import DeliveryWatch
 from gateway.hub import Hub
 from gateway.ratelimit import BacklogGuard, TenantLimits
+from herald.directory import Directory
 from herald.metrics import Metrics
 from herald.settings import Settings
 from herald.signing import UrlSigner
@@ -28,6 +29,7 @@ class Services:
     limiter: TenantLimits
     backlog: BacklogGuard
     hub: Hub
+    directory: Directory  # tenants, keys and limits, cached (herald.directory)
     nats: NATS | None = field(default=None)
     watch: DeliveryWatch = field(default_factory=DeliveryWatch)  # the portal's delivery notices
     answers: WokenAnswers = field(default_factory=WokenAnswers)  # shared by the long polls one change wakes

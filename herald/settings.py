@@ -58,6 +58,12 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
     return keys
 
 
+def _admin_key(name: str, raw: str) -> str:
+    if len(raw) < 32:
+        raise SettingsError(f"{name} must be at least 32 characters")
+    return raw
+
+
 def _schedule(name: str, raw: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in raw.split(",") if x.strip())
@@ -124,9 +130,9 @@ class Settings:
     # Several `herald gateway` processes on one host and port, the kernel spreading connections
     # (SO_REUSEPORT); each gateway has its own relay and hub, so any of them serves any request.
     http_reuse_port: Annotated[bool, FLAG] = False
-    api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(
-        default_factory=lambda: {DEV_KEY: DEV_TENANT}, repr=False
-    )
+    # No default tenant: `herald gateway` without HERALD_API_KEYS knows only the store's
+    # tenants. `herald up` sets the dev tenant for its children (herald.supervisor).
+    api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(default_factory=dict, repr=False)
     retention_s: Annotated[float, NUMBER] = 86400.0
     heartbeat_timeout_s: Annotated[float, NUMBER] = 30.0
     max_attempts: Annotated[int, AT_LEAST_ONE] = 3
@@ -149,6 +155,10 @@ class Settings:
     max_held_per_tenant: Annotated[int, COUNT] = 10_000  # a tenant's max_streams default (SPEC §13)
     tenant_max_running: Annotated[int, COUNT] = 0  # running jobs per tenant, deployment-wide; 0: no cap (SPEC §13)
     tenant_max_endpoints: Annotated[int, COUNT] = 100  # webhook endpoints per tenant (SPEC §13)
+    # Every process re-reads the tenant directory's version at least this often, so a change
+    # whose broadcast was lost still holds within it (SPEC §12: within 2 s).
+    directory_refresh_s: Annotated[float, _number(float, floor=0.05)] = 1.0
+    admin_key: Annotated[str | None, Env(_admin_key)] = field(default=None, repr=False)  # /admin (SPEC §12)
     output_max_bytes: Annotated[int, AT_LEAST_ONE] = 16 * 1024 * 1024  # streamed output per job (SPEC §8)
     log_format: Annotated[str, LOWER] = "json"
     log_level: Annotated[str, LOWER] = "info"
@@ -193,8 +203,8 @@ class Settings:
         return self.result_store or ("nats" if self.uses_postgres else "file")
 
     @property
-    def first_api_key(self) -> str:
-        return next(iter(self.api_keys))
+    def first_api_key(self) -> str | None:
+        return next(iter(self.api_keys), None)
 
     @property
     def heartbeat_interval_s(self) -> float:

@@ -22,6 +22,7 @@ from herald.supervisor import find_nats_server
 T = TypeVar("T")
 
 KEYS = {"acme": "key-acme", "globex": "key-globex"}
+ADMIN_KEY = "test-admin-key-0123456789abcdef-0123456789"  # HERALD_ADMIN_KEY: at least 32 characters
 
 
 def free_port() -> int:
@@ -113,6 +114,7 @@ class Deployment:
             HERALD_NATS_URL=self.nats.url,
             HERALD_DATA_DIR=str(self.data_dir),
             HERALD_API_KEYS=",".join(f"{t}:{k}" for t, k in KEYS.items()),
+            HERALD_ADMIN_KEY=ADMIN_KEY,
             HERALD_REPORT_PAGE_MS="20",
             HERALD_SWEEP_INTERVAL_S="0.2",
             HERALD_HEARTBEAT_TIMEOUT_S="3",

@@ -17,6 +17,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from gateway.auth import bearer_tenant, require_tenant
+from herald.tenants import SCOPE_JOBS_READ
 from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
 from gateway.hub import RESYNC
@@ -68,7 +69,7 @@ async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str
         if job is None:
             raise NotFound("no such job")
         return job
-    tenant = bearer_tenant(request, svc.settings)
+    tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
     if tenant is None:
         raise Unauthorized("send Authorization: Bearer <key> or use the signed links.events URL")
     return await find_job(svc, tenant, job_id)
@@ -170,7 +171,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
                                                      query.get("sig"), extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /events/link for a fresh one")
         return tenant
-    return require_tenant(request, svc.settings)
+    return require_tenant(request, svc, SCOPE_JOBS_READ)
 
 
 async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: int | None) -> AsyncIterator[bytes]:
@@ -289,7 +290,7 @@ async def tenant_events(
       responses=problems(401))
 async def events_link(request: Request) -> EventLink:
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     url = svc.signer.sign("/events", TENANT_EVENTS_PURPOSE, extra=tenant)
     return EventLink(url=f"{url}&tenant={tenant}", expires_in=int(svc.settings.signed_url_ttl_s))
 

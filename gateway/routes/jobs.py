@@ -11,6 +11,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.answers import StatusAnswer, status_answer
 from gateway.auth import require_tenant
+from herald.tenants import SCOPE_JOBS_READ, SCOPE_JOBS_WRITE
 from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
 from gateway.openapi import problems
@@ -68,7 +69,7 @@ async def get_job(
 ) -> Response[JobStatus]:
     """200 while queued/running (with Retry-After), 303 to the result once succeeded, 200 failed/cancelled."""
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     job = await find_job(svc, tenant, job_id)
     if_none_match = request.headers.get("if-none-match")
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
@@ -96,7 +97,7 @@ async def list_jobs(
     cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
 ) -> JobList:
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     if job_state is not None and job_state not in JOB_STATES:
         raise InvalidRequest(detail=f"state must be one of {', '.join(JOB_STATES)}")
     before = decode_position(cursor) if cursor else None
@@ -116,7 +117,7 @@ async def list_jobs(
 async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
     """Queued: cancelled at once (200). Running: cancel requested (202), the worker stops between steps."""
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_WRITE)
     for _ in range(5):  # the job may move between our read and our write: read again
         job = await find_job(svc, tenant, job_id)
         try:

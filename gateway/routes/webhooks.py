@@ -86,7 +86,7 @@ def _webhooks(request: Request) -> WebhookStore:
 def _tenant(request: Request) -> str:
     """The API key's tenant, or a portal session's (these routes are the portal's scope)."""
     svc = services(request)
-    return require_webhook_tenant(request, svc.settings, svc.signer)
+    return require_webhook_tenant(request, svc)
 
 
 # ----- reading requests ---------------------------------------------------------------
@@ -239,7 +239,7 @@ def _webhook_events_tenant(request: Request, svc: Services) -> str:
                                                      query.get("sig"), extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /webhooks/events/link for a fresh one")
         return tenant
-    return require_webhook_tenant(request, svc.settings, svc.signer)
+    return require_webhook_tenant(request, svc)
 
 
 def _notice_frame(endpoint_id: str | None) -> bytes:

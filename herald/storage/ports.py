@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from herald.deliveries import Attempted, AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished, HealthRow
 from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
+from herald.tenants import AuditRow, DirectorySnapshot, KeyRow, TenantRow
 from herald.transitions import Change
 from schemas import JobEvent
 
@@ -225,6 +226,62 @@ class WebhookStore(Protocol):
         """Per endpoint: delivered and failed among its newest ``window`` deliveries, and the newest one."""
 
 
+class TenantStore(Protocol):
+    """Tenants, their API keys (hashes only) and the admin audit log (SPEC §12).
+
+    Every change bumps the directory's ``version`` and appends its audit row in the same
+    transaction, so a process that sees a new version and re-reads the snapshot sees the
+    change, and no change goes unaudited.
+    """
+
+    async def directory_version(self) -> int:
+        """A number that grows with every change (cheap: one row)."""
+        ...
+
+    async def snapshot(self) -> DirectorySnapshot:
+        """Every tenant row and every unrevoked key, with the version they are at."""
+        ...
+
+    async def create_tenant(self, tenant_id: str, limits: Mapping[str, float], *, source: str = "api",
+                            disabled: bool = False) -> TenantRow | None:
+        """None if the id is taken."""
+        ...
+
+    async def get_tenant(self, tenant_id: str) -> TenantRow | None: ...
+
+    async def list_tenants(self, *, after: str | None, limit: int) -> list[TenantRow]:
+        """By id, those after ``after``."""
+        ...
+
+    async def update_tenant(self, tenant_id: str, *, limits: Mapping[str, float | None] | None,
+                            disabled: bool | None) -> TenantRow | None:
+        """Set (a value) or clear (None: back to the default) the named limits, and/or
+        disable or enable. None if there is no such tenant."""
+        ...
+
+    async def create_key(self, key: KeyRow) -> KeyRow: ...
+
+    async def list_keys(self, tenant_id: str) -> list[KeyRow]:
+        """The tenant's unrevoked keys, oldest first."""
+        ...
+
+    async def get_key(self, key_id: str) -> KeyRow | None:
+        """An unrevoked key."""
+        ...
+
+    async def revoke_key(self, key_id: str) -> KeyRow | None:
+        """None if there is no such unrevoked key."""
+        ...
+
+    async def touch_keys(self, used_at: Mapping[str, float]) -> None:
+        """Record when keys were last used (callers batch this: at most once a minute a key)."""
+        ...
+
+    async def audit_log(self, *, before: int | None, limit: int) -> list[AuditRow]:
+        """Newest first; ``before`` is an earlier answer's row id (as int)."""
+        ...
+
+
 class DeliveryQueue(Protocol):
     """The durable schedule of webhook deliveries, shared by any number of notifiers."""
 
@@ -295,6 +352,7 @@ class Storage:
     jobs: JobStore
     webhooks: WebhookStore
     deliveries: DeliveryQueue
+    tenants: TenantStore
 
     async def close(self) -> None:
         await self.jobs.close()
