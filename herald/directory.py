@@ -25,6 +25,8 @@ import contextlib
 import hmac
 import logging
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 from nats.aio.client import Client as NATS
@@ -206,6 +208,24 @@ class Directory:
             for key_id, at in used.items():  # next time
                 self._used.setdefault(key_id, at)
             raise
+
+
+@asynccontextmanager
+async def running_directory(settings: Settings, store: TenantStore, nc: NATS | None) -> AsyncIterator[Directory]:
+    """A loaded directory that follows changes (broadcast and bounded age) while the block runs:
+    for the worker and notifier processes, which enforce tenants' limits."""
+    directory = Directory(settings, store)
+    await directory.refresh(force=True)
+    if nc is not None:
+        await directory.attach(nc)
+    task = asyncio.create_task(directory.run(), name="tenant-directory")
+    try:
+        yield directory
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await directory.detach()
 
 
 __all__ = ["ALL_SCOPES", "CHANGED_SUBJECT", "Directory", "Principal"]

@@ -27,6 +27,7 @@ from gateway.routes.results import result_route
 from herald import jetstream
 from herald.constants import EVENTS_STREAM, JOBS_STREAM, NOTIFIER_CONSUMER, RESULTS_BUCKET, worker_consumer_name
 from herald.jobs import JobRow
+from herald.directory import Directory
 from herald.settings import DEV_KEY, DEV_TENANT, Settings
 from herald.storage.ports import ResultBody, ResultStore
 from herald.storage.results import (
@@ -366,7 +367,11 @@ def _download_app(results: ResultStore, job: JobRow) -> Litestar:
         route_handlers=[result_route(kind)],  # type: ignore[arg-type]
         exception_handlers={HTTPException: handle_http_exception},
     )
-    app.state.services = SimpleNamespace(settings=Settings(), store=_Jobs(job), results=results, signer=None)
+    settings = Settings(api_keys={DEV_KEY: DEV_TENANT})
+    # The directory's HERALD_API_KEYS part needs no store: the route reads nothing else of it.
+    directory = Directory(settings, store=None)  # type: ignore[arg-type]
+    app.state.services = SimpleNamespace(settings=settings, store=_Jobs(job), results=results, signer=None,
+                                         directory=directory)
     return app
 
 

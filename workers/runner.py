@@ -30,6 +30,7 @@ from herald.metrics import metrics
 from herald.relay import Relay
 from herald.jobs import JobRow, TransitionRejected
 from herald.settings import Settings
+from herald.directory import running_directory
 from herald.storage import open_storage
 from herald.storage.ports import JobStore, ResultStore
 from herald.storage.results import open_result_store
@@ -299,6 +300,8 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         if nc is None:
             return
         stack.push_async_callback(_drain, nc)
+        # Tenants' limits as they change at run time (SPEC §12, §13).
+        directory = await stack.enter_async_context(running_directory(settings, storage.tenants, nc))
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
