@@ -149,6 +149,7 @@ class Settings:
     max_held_per_tenant: Annotated[int, COUNT] = 10_000  # a tenant's max_streams default (SPEC §13)
     tenant_max_running: Annotated[int, COUNT] = 0  # running jobs per tenant, deployment-wide; 0: no cap (SPEC §13)
     tenant_max_endpoints: Annotated[int, COUNT] = 100  # webhook endpoints per tenant (SPEC §13)
+    metrics_tenant_labels: Annotated[bool, FLAG] = False  # a per-tenant series of started runs (cardinality: opt in)
     output_max_bytes: Annotated[int, AT_LEAST_ONE] = 16 * 1024 * 1024  # streamed output per job (SPEC §8)
     log_format: Annotated[str, LOWER] = "json"
     log_level: Annotated[str, LOWER] = "info"
