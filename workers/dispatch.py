@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import json
 import logging
 import time
@@ -74,7 +73,9 @@ class TenantQueue:
     usage_at: float = 0.0
     last_start: float = 0.0
     running: int = 0  # this process's runs of it
+    taking: bool = False  # a pull request is out
     consumer_cap: int | None = None  # the max_running its consumer was made with (None: not made yet)
+    inbox: Inbox | None = None
 
     def decayed(self, now: float) -> float:
         return self.usage * 0.5 ** ((now - self.usage_at) / HALF_LIFE_S)
@@ -83,65 +84,64 @@ class TenantQueue:
         self.usage, self.usage_at = max(0.0, self.decayed(now) + seconds), now
 
 
-class Puller:
-    """Pull requests (``no_wait``) on any consumer of the work stream over one inbox
-    subscription, so a worker with many tenants' consumers needs no subscription per
-    consumer. A message that arrives after its request gave up is handed back at once (nak)."""
+class Inbox:
+    """The answers to one consumer's pull requests (``no_wait``), one request at a time.
 
-    def __init__(self, nc: NATS) -> None:
+    JetStream delivers a pulled message under its own subject, so answers are told apart by
+    subscription: each consumer this worker pulls from has its inbox. A message that comes
+    after its request gave up waits here for the next request."""
+
+    def __init__(self, nc: NATS, consumer: str) -> None:
         self._nc = nc
-        self._prefix = nc.new_inbox()
-        self._ids = itertools.count()
-        self._waiting: dict[str, asyncio.Queue[Msg]] = {}
+        self.consumer = consumer
+        self._subject = nc.new_inbox()
+        self._answers: asyncio.Queue[Msg] = asyncio.Queue()
         self._sub: object | None = None
 
-    async def start(self) -> None:
-        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._arrived)
-
-    async def stop(self) -> None:
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()  # type: ignore[attr-defined]
-
     async def _arrived(self, msg: Msg) -> None:
-        queue = self._waiting.get(msg.subject.rsplit(".", 1)[-1])
-        if queue is not None:
-            queue.put_nowait(msg)
-        elif not JetStreamContext.is_status_msg(msg) and msg.reply:
-            with contextlib.suppress(Exception):
-                await msg.nak()
+        self._answers.put_nowait(msg)
 
-    async def take(self, consumer: str, batch: int) -> tuple[list[Msg], str | None]:
+    async def take(self, batch: int) -> tuple[list[Msg], str | None]:
         """Up to ``batch`` messages the consumer has now, and the status that ended the answer
-        (``"404"``: no more; ``"409"``: at max_ack_pending; None: all came, or no answer)."""
-        request = str(next(self._ids))
-        queue: asyncio.Queue[Msg] = asyncio.Queue()
-        self._waiting[request] = queue
+        (``"404"``: no more; ``"409"``: at max_ack_pending; ``"timeout"``: no answer; None: all came)."""
+        if self._sub is None:
+            self._sub = await self._nc.subscribe(self._subject, cb=self._arrived)
         messages: list[Msg] = []
+        while not self._answers.empty():  # late answers to an earlier request
+            msg = self._answers.get_nowait()
+            if not JetStreamContext.is_status_msg(msg):
+                messages.append(msg)
+        if len(messages) >= batch:
+            return messages, None
         status: str | None = None
+        await self._nc.publish(
+            f"$JS.API.CONSUMER.MSG.NEXT.{JOBS_STREAM}.{self.consumer}",
+            json.dumps({"batch": batch - len(messages), "no_wait": True}).encode(),
+            reply=self._subject,
+        )
+        deadline = time.monotonic() + REQUEST_TIMEOUT_S
         try:
-            await self._nc.publish(
-                f"$JS.API.CONSUMER.MSG.NEXT.{JOBS_STREAM}.{consumer}",
-                json.dumps({"batch": batch, "no_wait": True}).encode(),
-                reply=f"{self._prefix}.{request}",
-            )
-            deadline = time.monotonic() + REQUEST_TIMEOUT_S
             while len(messages) < batch:
-                msg = await asyncio.wait_for(queue.get(), timeout=max(0.001, deadline - time.monotonic()))
+                msg = await asyncio.wait_for(self._answers.get(), timeout=max(0.001, deadline - time.monotonic()))
                 status = JetStreamContext.is_status_msg(msg)
                 if status:
                     break
                 messages.append(msg)
         except (TimeoutError, asyncio.TimeoutError):
             status = "timeout"
-        finally:
-            del self._waiting[request]
-            while not queue.empty():  # came after we stopped listening: hand back
-                late = queue.get_nowait()
-                if not JetStreamContext.is_status_msg(late) and late.reply:
-                    with contextlib.suppress(Exception):
-                        await late.nak()
         return messages, status
+
+    async def close(self) -> None:
+        """Stop listening; hand back what came too late (another worker takes it at once)."""
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()  # type: ignore[attr-defined]
+            self._sub = None
+        while not self._answers.empty():
+            msg = self._answers.get_nowait()
+            if not JetStreamContext.is_status_msg(msg) and msg.reply:
+                with contextlib.suppress(Exception):
+                    await msg.nak()
 
 
 @dataclass(eq=False)
@@ -151,7 +151,7 @@ class KindQueue:
     kind: KindDeclaration
     settings: Settings
     js: JetStreamContext
-    puller: Puller
+    nc: NATS
     limits: LimitsSource
     tenants: dict[str | None, TenantQueue] = field(default_factory=dict)
     wake: asyncio.Event = field(default_factory=asyncio.Event)
@@ -168,8 +168,10 @@ class KindQueue:
         for token, queue in list(self.tenants.items()):
             if token not in counts:
                 queue.count = 0
-                if queue.running == 0 and queue.decayed(time.monotonic()) < 0.01:
+                if queue.running == 0 and queue.decayed(time.monotonic()) < 0.01 and not queue.taking:
                     del self.tenants[token]  # forgotten: idle, and its use has faded
+                    if queue.inbox is not None:
+                        asyncio.ensure_future(queue.inbox.close())
         for token, count in counts.items():
             queue = self.queue(token)
             if count > queue.count:
@@ -217,7 +219,13 @@ class KindQueue:
             config = jetstream.worker_consumer(self.settings, self.kind, queue.token, cap)
             await jetstream.ensure_consumer(self.js, config)
             queue.consumer_cap = cap
-        messages, status = await self.puller.take(worker_consumer_name(self.kind.name, queue.token), batch)
+        if queue.inbox is None:
+            queue.inbox = Inbox(self.nc, worker_consumer_name(self.kind.name, queue.token))
+        queue.taking = True
+        try:
+            messages, status = await queue.inbox.take(batch)
+        finally:
+            queue.taking = False
         now = time.monotonic()
         if len(messages) < batch:
             if status == "timeout":
@@ -258,12 +266,10 @@ class Dispatch:
                  limits: LimitsSource) -> None:
         self.nc = nc
         self.js = js
-        self.puller = Puller(nc)
-        self.kinds = {kind.name: KindQueue(kind, settings, js, self.puller, limits) for kind in kinds}
+        self.kinds = {kind.name: KindQueue(kind, settings, js, nc, limits) for kind in kinds}
         self._subs: list[object] = []
 
     async def start(self) -> None:
-        await self.puller.start()
         for name in self.kinds:
             for subject in (f"jobs.{name}", f"jobs.{name}.*"):
                 self._subs.append(await self.nc.subscribe(subject, cb=self._heard))
@@ -273,7 +279,10 @@ class Dispatch:
         for sub in self._subs:
             with contextlib.suppress(Exception):
                 await sub.unsubscribe()  # type: ignore[attr-defined]
-        await self.puller.stop()
+        for queue in self.kinds.values():
+            for tenant in queue.tenants.values():
+                if tenant.inbox is not None:
+                    await tenant.inbox.close()
 
     async def _heard(self, msg: Msg) -> None:
         name = msg.subject.split(".")[1]
