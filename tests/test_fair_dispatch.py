@@ -172,3 +172,16 @@ def test_the_backlog_guard_refuses_only_the_tenant_whose_queue_is_old(deployment
         assert refusal.headers["content-type"].startswith("application/problem+json")
         assert refusal.headers["retry-after"] == "5"
         assert globex.post("/reports", json={"title": "fresh", "pages": 1}).status_code == 202
+
+
+def test_any_tenant_name_becomes_one_subject_token() -> None:
+    """Tenants from HERALD_API_KEYS may hold dots, spaces or wildcards: their work subject
+    still has exactly one tenant token, and the tenant is read back from it."""
+    from herald.constants import job_subject, tenant_from_token, tenant_token
+
+    assert job_subject("report", "acme") == "jobs.report.acme"
+    for tenant in ("acme", "a.b", "we *are* > you", "ÜBER", "~x"):
+        token = tenant_token(tenant)
+        assert not set(token) & set(".*> \t") and token
+        assert tenant_from_token(token) == tenant
+    assert len({tenant_token(t) for t in ("a.b", "a-b", "a_b", "~612e62")}) == 4
