@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -59,7 +59,9 @@ class JobStatus(msgspec.Struct, kw_only=True):
     trace_id: str | None = None
     # Queued jobs on the status resource and job lists only (null in the history: a stored
     # snapshot cannot know why a job will wait).
-    queued_reason: QueuedReason | None = None
+    queued_reason: Annotated[QueuedReason | None, msgspec.Meta(description=(
+        "Why a queued job waits: its tenant runs its max_running already (tenant-max-running), "
+        "or its turn for a worker slot comes (waiting-for-slot). null unless queued."))] = None
 
 
 class JobList(msgspec.Struct, kw_only=True):
