@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from litestar import Litestar
@@ -18,6 +18,7 @@ from gateway.hub import Hub
 from gateway.middleware import bind_job_context, instrument
 from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
+from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from gateway.routes import events, health, jobs, page, portal
 from gateway.routes.accept import accept_route
@@ -25,7 +26,6 @@ from gateway.routes.admin import AdminController
 from gateway.routes.results import result_route
 from gateway.routes.webhooks import WebhooksController
 from gateway.services import Services
-from herald.storage.ports import JobStore
 from herald import jetstream
 from herald.directory import Directory
 from herald.logs import log_transition
@@ -85,13 +85,6 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     log.info("NATS connected, streams ready")
 
 
-def _queued_ages(store: JobStore, kinds: list[str]) -> Callable[[], Awaitable[Mapping[str, float]]]:
-    async def read() -> Mapping[str, float]:
-        return await store.queued_ages(kinds)
-
-    return read
-
-
 async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     """Open (or wait for) the store, load the URL signing key, then start what needs both."""
     await svc.store.open()
@@ -129,7 +122,8 @@ def create_app(settings: Settings) -> Litestar:
                 limiter=TenantLimits(directory, settings.max_held_per_tenant),
                 hub=hub,
                 directory=directory,
-                backlog=BacklogGuard(_queued_ages(store, [kind.name for kind in kinds]), settings.max_queue_age_s),
+                backlog=BacklogGuard(store.tenant_queued_age, settings.max_queue_age_s),
+                queue_reasons=QueueReasons(store, directory),
             )
             app.state.services = svc
             tasks: list[asyncio.Task[None]] = []

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 from gateway.problems import Overloaded, RateLimited, TooManyStreams
 from herald.storage.ports import StartBudget
@@ -52,33 +52,41 @@ class TenantLimits:
 
 
 class BacklogGuard:
-    """Back-pressure: while the oldest queued job of a kind is older than the bound, starts
-    of that kind get 503. Per kind: a kind no running worker serves (its jobs wait in
-    JetStream for one) does not hold back the kinds that are being served.
+    """Back-pressure: while a tenant's oldest queued job of a kind is older than the bound,
+    that tenant's starts of that kind get 503 (SPEC §13). Judged per tenant, so one tenant
+    filling a queue is refused while the others are not; per kind, so a kind no running
+    worker serves does not hold back the kinds that are being served.
 
-    The ages are read from the store at most every ``refresh_s`` (a partial index makes the
-    read cheap, but starts are the hot path).
+    Each (kind, tenant) age is read from the store (one index lookup) at most every
+    ``refresh_s``: starts are the hot path. Ages of pairs not asked about lately are dropped.
     """
 
     def __init__(
-        self, queued_ages: Callable[[], Awaitable[Mapping[str, float]]], max_age_s: float, refresh_s: float = 0.5
+        self, queued_age: Callable[[str, str], Awaitable[float]], max_age_s: float, refresh_s: float = 0.5,
+        keep: int = 10_000,
     ) -> None:
-        self._queued_ages = queued_ages
+        self._queued_age = queued_age
         self.max_age_s = max_age_s
         self._refresh_s = refresh_s
-        self._ages: Mapping[str, float] = {}
-        self._read_at = -math.inf
+        self._keep = keep
+        self._ages: dict[tuple[str, str], tuple[float, float]] = {}  # (kind, tenant) -> (age, read at)
 
-    async def check(self, kind: str) -> None:
+    async def check(self, kind: str, tenant: str) -> None:
         if self.max_age_s <= 0:
             return
         now = time.monotonic()
-        if now - self._read_at >= self._refresh_s:
-            self._ages, self._read_at = await self._queued_ages(), now
-        age = self._ages.get(kind, 0.0)
+        key = (kind, tenant)
+        known = self._ages.get(key)
+        if known is None or now - known[1] >= self._refresh_s:
+            known = (await self._queued_age(kind, tenant), now)
+            self._ages.pop(key, None)
+            self._ages[key] = known
+            if len(self._ages) > self._keep:
+                del self._ages[next(iter(self._ages))]  # the least recently read
+        age = known[0]
         if age > self.max_age_s:
             raise Overloaded(
-                f"the oldest queued {kind} job has waited {age:.0f} s (limit {self.max_age_s:g} s); "
+                f"your oldest queued {kind} job has waited {age:.0f} s (limit {self.max_age_s:g} s); "
                 "retry later instead of growing the backlog",
                 retry_after=5,
             )

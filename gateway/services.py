@@ -10,6 +10,7 @@ from nats.aio.client import Client as NATS
 from gateway.answers import WokenAnswers
 from gateway.deliverywatch import DeliveryWatch
 from gateway.hub import Hub
+from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from herald.directory import Directory
 from herald.metrics import Metrics
@@ -30,6 +31,7 @@ class Services:
     backlog: BacklogGuard
     hub: Hub
     directory: Directory  # tenants, keys and limits, cached (herald.directory)
+    queue_reasons: QueueReasons  # why a queued job waits (SPEC §13)
     nats: NATS | None = field(default=None)
     watch: DeliveryWatch = field(default_factory=DeliveryWatch)  # the portal's delivery notices
     answers: WokenAnswers = field(default_factory=WokenAnswers)  # shared by the long polls one change wakes

@@ -159,6 +159,7 @@ class Settings:
     # whose broadcast was lost still holds within it (SPEC §12: within 2 s).
     directory_refresh_s: Annotated[float, _number(float, floor=0.05)] = 1.0
     admin_key: Annotated[str | None, Env(_admin_key)] = field(default=None, repr=False)  # /admin (SPEC §12)
+    metrics_tenant_labels: Annotated[bool, FLAG] = False  # a per-tenant series of started runs (cardinality: opt in)
     output_max_bytes: Annotated[int, AT_LEAST_ONE] = 16 * 1024 * 1024  # streamed output per job (SPEC §8)
     log_format: Annotated[str, LOWER] = "json"
     log_level: Annotated[str, LOWER] = "info"

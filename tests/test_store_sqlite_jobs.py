@@ -72,3 +72,22 @@ async def test_an_accepted_job_is_the_row_a_read_returns(processes: tuple[Sqlite
     a, b = processes
     accepted = await a.accept(new_job(callback_url="https://example.com/hook"))
     assert await b.get(accepted.job.id) == accepted.job
+
+
+async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(
+    processes: tuple[SqliteJobStore, SqliteJobStore],
+) -> None:
+    """SPEC §13 max_running, two processes on one file: ten claims at once with a cap of 2,
+    exactly two run and the rest stay queued (TENANT_AT_CAP)."""
+    from herald.jobs import TransitionRejected
+    from herald.transitions import TENANT_AT_CAP, Change
+
+    a, b = processes
+    jobs = [(await a.accept(new_job("capped"))).job.id for _ in range(10)]
+    capped = Change(expect={"queued"}, to="running", claim=True, max_running=2)
+    outcomes = await asyncio.gather(*((a if n % 2 else b).transition(job_id, capped) for n, job_id in enumerate(jobs)),
+                                    return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(refused) == 8 and all(isinstance(o, TransitionRejected) and o.reason == TENANT_AT_CAP for o in refused)
+    assert await b.running_counts(["capped"]) == {"capped": 2}
+    assert await a.tenant_queued_age("report", "capped") >= 0.0 and await a.tenant_queued_age("report", "x") == 0.0

@@ -68,7 +68,7 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     # The same guard as a webhook registration: https to a public address (resolved now).
     if errors := await url_errors(svc.settings, "callback_url", params.callback_url):
         raise InvalidRequest(errors)
-    await svc.backlog.check(kind.name)
+    await svc.backlog.check(kind.name, tenant)
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)

@@ -43,8 +43,9 @@ async def _version(svc: Services, job_id: str) -> int | None:
     return job.version if job is not None else None
 
 
-def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Response[JobStatus]:
-    return answer_response(status_answer(job, svc.signer), if_none_match)
+async def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Response[JobStatus]:
+    reason = await svc.queue_reasons.reason(job)
+    return answer_response(status_answer(job, svc.signer, queued_reason=reason), if_none_match)
 
 
 def answer_response(answer: StatusAnswer, if_none_match: str | None) -> Response[JobStatus]:
@@ -81,10 +82,14 @@ async def get_job(
         if seen is not None:
             # Every poll this change woke shares one read and one encoded answer.
             answer = await svc.answers.answer(svc.store, svc.signer, job.id, seen)
-            return answer_response(answer, if_none_match) if answer is not None else status_response(
-                job, svc, if_none_match)
-        job = await svc.store.get(job.id) or job
-    return status_response(job, svc, if_none_match)
+            if answer is None:
+                return await status_response(job, svc, if_none_match)
+            if answer.job.state != "queued":
+                return answer_response(answer, if_none_match)
+            job = answer.job  # queued again (re-queued): its reason is this poll's own
+        else:
+            job = await svc.store.get(job.id) or job
+    return await status_response(job, svc, if_none_match)
 
 
 @get("/jobs", operation_id="list_jobs", tags=["jobs"], summary="The tenant's jobs, newest first",
@@ -104,7 +109,7 @@ async def list_jobs(
     rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]
     return JobList(
-        items=[public_status(job, svc.signer) for job in page],
+        items=[public_status(job, svc.signer, queued_reason=await svc.queue_reasons.reason(job)) for job in page],
         next_cursor=encode_position(page[-1].created_at, page[-1].id) if len(rows) > limit else None,
     )
 

@@ -25,6 +25,11 @@ Concurrency rules (each backend must keep them without relying on a database-wid
   mismatch, never a unique-violation error.
 * **One rate budget.** ``accept`` spends the tenant's start token in the same transaction
   as the job, so every gateway draws on one bucket, and a start that fails spends nothing.
+* **A capped claim counts under a lock.** A claim with ``Change.max_running`` counts the
+  tenant's running jobs and writes in one transaction that no other capped claim of the
+  tenant can interleave with (SQLite: the write lock; PostgreSQL: the tenant's counter
+  row), so two workers never both take a tenant's last running slot. Claims without a cap
+  take no extra lock.
 * **Ordered history.** Events of one tenant get gap-free, increasing ``seq`` numbers in
   commit order of their transactions (a per-tenant counter row, updated in the
   transaction), and one job's events have consecutive versions.
@@ -138,6 +143,13 @@ class JobStore(Protocol):
         """The age of the oldest queued job of each of ``kinds`` (0.0 when none is queued), on
         the store's clock: per-kind queue age in /metrics, per-kind back-pressure. One index
         lookup per kind (a partial index on queued jobs by kind and age)."""
+
+    async def tenant_queued_age(self, kind: str, tenant: str) -> float:
+        """The age of the tenant's oldest queued job of ``kind`` (0.0 when none), on the store's
+        clock: per-tenant back-pressure (SPEC §13). One index lookup."""
+
+    async def running_counts(self, tenants: Sequence[str]) -> dict[str, int]:
+        """How many jobs each tenant runs now, deployment-wide (``max_running``, SPEC §13)."""
 
     async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
         """Each job's kept ``(traceparent, tracestate)`` (``herald.tracing``), in one read;
