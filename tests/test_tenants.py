@@ -392,3 +392,29 @@ def test_env_tenants_limits_can_be_changed_but_their_keys_not_revoked(fresh: Dep
     status_within(base, KEYS["globex"], 401)
     with client(base) as acme:
         assert acme.get("/jobs").status_code == 200
+
+
+def test_a_cap_set_over_the_api_holds_on_the_workers(fresh: Deployment) -> None:
+    fresh.env_overrides.update(HERALD_REPORT_PAGE_MS="100")
+    base = fresh.start_gateway()
+    fresh.start_worker(HERALD_WORKER_CONCURRENCY="4")
+    new_tenant(base, "capped")
+    key = new_key(base, "capped")["key"]
+    with admin(base) as http:
+        assert http.patch("/admin/tenants/capped", json={"limits": {"max_running": 1}}).status_code == 200
+    time.sleep(PROPAGATION_S)  # the SPEC's bound is what is under test: after it, every worker knows the cap
+    with keyed(base, key) as http:
+        ids = [http.post("/reports", json={"title": "c", "pages": 4}).json()["id"] for _ in range(3)]
+        most_running = 0
+        reasons: set[str | None] = set()
+
+        def all_done() -> bool:
+            nonlocal most_running
+            states = [http.get(f"/jobs/{job_id}", follow_redirects=False).json() for job_id in ids]
+            most_running = max(most_running, sum(s["state"] == "running" for s in states))
+            reasons.update(s.get("queued_reason") for s in states if s["state"] == "queued")
+            return all(s["state"] == "succeeded" for s in states)
+
+        wait_until(all_done, timeout=60, interval=0.05, what="the capped tenant's jobs")
+    assert most_running == 1
+    assert "tenant-max-running" in reasons, reasons
