@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 
 PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
 CALLBACK_PREFIX = "callback:"
-# herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again).
-DELIVERY_OUTCOMES = ("delivered", "retry", "failed", "superseded", "dropped")
+# herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again;
+# "paced": not attempted but rescheduled, its target being paced by the notifier's breaker).
+DELIVERY_OUTCOMES = ("delivered", "retry", "failed", "superseded", "dropped", "paced")
 
 
 # A webhook.test delivery belongs to no job: its job_id column holds this prefix and the

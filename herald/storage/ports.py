@@ -32,7 +32,7 @@ Concurrency rules (each backend must keep them without relying on a database-wid
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -238,11 +238,23 @@ class DeliveryQueue(Protocol):
     async def next_due_after(self, at: float) -> float | None: ...
 
     async def claim(
-        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
+        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int],
+        per_tenant: int = 0, tenant_in_flight: Mapping[str, int] | None = None, held: Collection[str] = (),
     ) -> list[Claimed]:
-        """Lease up to ``limit`` due deliveries nobody holds, oldest first, at most ``per_target``
-        in flight per target, never one whose older version of the same job is still pending;
-        each with its job's trace context (``Claimed.trace_context``), read in the same query."""
+        """Lease up to ``limit`` due deliveries nobody holds, at most ``per_target`` in flight per
+        target (``in_flight``: what this notifier has) and ``per_tenant`` per tenant
+        (``tenant_in_flight``; 0: no cap), none of the ``held`` targets, never one whose older
+        version of the same job is still pending; each with its job's trace context
+        (``Claimed.trace_context``), read in the same query.
+
+        Fair (SPEC §13): the slots go to the tenant with the fewest in flight first, and within a
+        tenant round robin over its targets; oldest first only among equals. So a tenant's backlog
+        never stands before another tenant's due delivery."""
+
+    async def defer(self, delivery_ids: Sequence[str], owner: str, targets: Sequence[str], delay_s: float) -> None:
+        """Reschedule without counting an attempt (a paced target, SPEC §13): the leased
+        ``delivery_ids`` are handed back due in ``delay_s``, and every due, unleased pending
+        delivery of ``targets`` is moved to then as well."""
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Record the attempt and apply its plan in one transaction."""
