@@ -19,6 +19,7 @@ from gateway.middleware import bind_job_context, instrument
 from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.ratelimit import BacklogGuard, TenantLimits
+from herald.tenants import DefaultLimits, LimitsSource
 from gateway.routes import events, health, jobs, page, portal
 from gateway.routes.accept import accept_route
 from gateway.routes.results import result_route
@@ -109,6 +110,7 @@ def create_app(settings: Settings) -> Litestar:
             stack.push_async_callback(storage.close)
             metrics = process_metrics()
             hub = Hub(metrics)
+            limits: LimitsSource = DefaultLimits(settings)
             store.on_commit(metrics.observe)
             store.on_commit(log_transition)
             store.on_commit(lambda _job, event: hub.publish(event))
@@ -120,7 +122,8 @@ def create_app(settings: Settings) -> Litestar:
                 results=await open_result_store(settings, None),
                 signer=UrlSigner(settings.configured_signing_keys(), settings.signed_url_ttl_s),
                 metrics=metrics,
-                limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
+                limiter=TenantLimits(settings.rate_limit, limits),
+                limits=limits,
                 hub=hub,
                 backlog=BacklogGuard(_queued_ages(store, [kind.name for kind in kinds]), settings.max_queue_age_s),
             )

@@ -15,6 +15,7 @@ from herald.metrics import Metrics
 from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage.ports import JobStore, ResultStore, Storage
+from herald.tenants import LimitsSource
 
 
 @dataclass(slots=True)
@@ -26,6 +27,7 @@ class Services:
     signer: UrlSigner
     metrics: Metrics
     limiter: TenantLimits
+    limits: LimitsSource  # each tenant's limits (SPEC §13): the tenant directory, or the defaults
     backlog: BacklogGuard
     hub: Hub
     nats: NATS | None = field(default=None)

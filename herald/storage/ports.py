@@ -175,8 +175,12 @@ class WebhookStore(Protocol):
     """Endpoints, their signing keys, the tenants' callback secrets and the delivery log."""
 
     async def create_endpoint(
-        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
-    ) -> tuple[EndpointRow, SigningKey]: ...
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
+        max_endpoints: int = 0,
+    ) -> tuple[EndpointRow, SigningKey]:
+        """A new enabled endpoint with its first key. With ``max_endpoints`` > 0, raises
+        ``EndpointLimitReached`` if the tenant already has that many (counted and inserted as
+        one step, so concurrent creations at several gateways cannot pass the cap together)."""
 
     async def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None: ...
 
@@ -216,7 +220,9 @@ class WebhookStore(Protocol):
     async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
                                 body: bytes) -> DeliveryRow | None:
         """Queue one ``webhook.test`` delivery to an enabled endpoint, due now, with its signed
-        body (``herald.deliveries.new_test_event`` names it). None: no such enabled endpoint."""
+        body (``herald.deliveries.new_test_event`` names it). None: no such enabled endpoint.
+        Raises ``TestEventsLimited`` past ``TEST_EVENTS_PER_WINDOW`` per endpoint in
+        ``TEST_EVENT_WINDOW_S`` (counted from the store, so across every gateway)."""
 
     async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
         """The bodies of these events as signed and sent (absent: pruned)."""

@@ -80,12 +80,18 @@ from herald.deliveries import (
     Attempted,
     PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
+    TEST_EVENT_WINDOW_S,
+    TEST_EVENTS_PER_WINDOW,
+    TEST_JOB_END,
+    TEST_JOB_PREFIX,
     AttemptRow,
     Claimed,
     DeliveryRow,
+    EndpointLimitReached,
     EndpointRow,
     Finished,
     HealthRow,
+    TestEventsLimited,
     callback_owner,
     event_id,
 )
@@ -103,6 +109,7 @@ T = TypeVar("T")
 # serialises an owner's key changes.
 ORDER_LOCK_CLASS = 0x57484F52
 KEY_LOCK_CLASS = 0x57484B59
+ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpoints)
 
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
@@ -860,13 +867,13 @@ class PgWebhookStore:
     # ----- endpoints ----------------------------------------------------------------
 
     async def create_endpoint(
-        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
+        max_endpoints: int = 0,
     ) -> tuple[EndpointRow, SigningKey]:
         endpoint_id = str(uuid.uuid4())
         key = new_key(signature)  # an unknown scheme fails before anything is written
         # One statement: the endpoint and its first key (nobody can have rotated it yet).
-        row = await self.db.pool.fetchrow(
-            f"""
+        insert = f"""
             WITH clock AS (SELECT {NOW_SQL} AS ts),
             endpoint AS (
                 INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,
@@ -876,10 +883,21 @@ class PgWebhookStore:
                 INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key)
                 SELECT id, created_at, $7, $8, $9 FROM endpoint)
             SELECT * FROM endpoint
-            """,
-            endpoint_id, tenant, url, list(event_types), None if kinds is None else list(kinds), signature,
-            key.algorithm, key.secret, key.public_key,
-        )
+            """
+        args = (endpoint_id, tenant, url, list(event_types), None if kinds is None else list(kinds), signature,
+                key.algorithm, key.secret, key.public_key)
+        if max_endpoints <= 0:
+            row = await self.db.pool.fetchrow(insert, *args)
+        else:
+            # The count and the insert under one lock per tenant, so that creations at several
+            # gateways at once cannot pass the cap together; the insert, a later statement, sees
+            # every endpoint committed before the lock was granted.
+            async with self.db.pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", ENDPOINT_LOCK_CLASS, tenant)
+                count = await conn.fetchval("SELECT count(*) FROM webhook_endpoints WHERE tenant = $1", tenant)
+                if count >= max_endpoints:
+                    raise EndpointLimitReached(max_endpoints)
+                row = await conn.fetchrow(insert, *args)
         assert row is not None
         return EndpointRow.from_mapping(row), key
 
@@ -1036,23 +1054,36 @@ class PgWebhookStore:
 
     async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
                                 body: bytes) -> DeliveryRow | None:
-        """One webhook.test delivery, due now, in one statement; the endpoint held as in ``recover``."""
-        row = await self.db.pool.fetchrow(
-            f"""
-            WITH endpoint AS (
-                SELECT id FROM webhook_endpoints WHERE id = $1 AND tenant = $2 AND status = 'enabled' FOR KEY SHARE),
-            clock AS (SELECT {NOW_SQL} AS ts),
-            message AS (
-                INSERT INTO webhook_messages (event_id, body, created_at)
-                SELECT $3, $5, clock.ts FROM endpoint, clock)
-            INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
-                                            status, scheduled_at, next_attempt_at, created_at, updated_at)
-            SELECT gen_random_uuid()::TEXT, $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
-                   'pending', clock.ts, clock.ts, clock.ts, clock.ts
-              FROM endpoint, clock
-            RETURNING *
-            """,
-            endpoint_id, tenant, event_id, job_key, body, TEST_EVENT_TYPE)
+        """One webhook.test delivery, due now, the endpoint held as in ``recover``; at most
+        ``TEST_EVENTS_PER_WINDOW`` per endpoint in ``TEST_EVENT_WINDOW_S`` (a lock per endpoint
+        makes the count and the insert one step)."""
+        async with self.db.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", ENDPOINT_LOCK_CLASS, endpoint_id)
+            recent = [r[0] for r in await conn.fetch(
+                f"""
+                SELECT created_at FROM webhook_deliveries
+                 WHERE target = $1 AND job_id >= $2 AND job_id < $3 AND created_at > {NOW_SQL} - $4
+                 ORDER BY created_at
+                """, endpoint_id, TEST_JOB_PREFIX, TEST_JOB_END, TEST_EVENT_WINDOW_S)]
+            if len(recent) >= TEST_EVENTS_PER_WINDOW:
+                ts = await conn.fetchval(f"SELECT {NOW_SQL}")
+                raise TestEventsLimited(recent[-TEST_EVENTS_PER_WINDOW] + TEST_EVENT_WINDOW_S - ts)
+            row = await conn.fetchrow(
+                f"""
+                WITH endpoint AS (
+                    SELECT id FROM webhook_endpoints WHERE id = $1 AND tenant = $2 AND status = 'enabled' FOR KEY SHARE),
+                clock AS (SELECT {NOW_SQL} AS ts),
+                message AS (
+                    INSERT INTO webhook_messages (event_id, body, created_at)
+                    SELECT $3, $5, clock.ts FROM endpoint, clock)
+                INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
+                                                status, scheduled_at, next_attempt_at, created_at, updated_at)
+                SELECT gen_random_uuid()::TEXT, $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
+                       'pending', clock.ts, clock.ts, clock.ts, clock.ts
+                  FROM endpoint, clock
+                RETURNING *
+                """,
+                endpoint_id, tenant, event_id, job_key, body, TEST_EVENT_TYPE)
         return DeliveryRow.from_mapping(row) if row is not None else None
 
     async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
