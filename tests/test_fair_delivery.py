@@ -197,11 +197,14 @@ def test_a_refusing_target_is_paced_one_probe_at_a_time_and_resumes_when_it_answ
     assert all(later - earlier >= 0.9 for earlier, later in zip(probes, probes[1:], strict=False)), times
     assert len(times) <= 8 + 4, times  # the burst and a probe after 1, 2 (, 4) s
     attempts_when_paced = len(times)
+    print(f"attempts while refusing (s after the first): {[round(t - times[0], 2) for t in times]},"
+          f" {len(untouched)} of {len(during)} deliveries held back unattempted")
 
     # The target comes back: the next probe gets an answer and everything held back goes out.
     receiver = Receiver(port=port).start()
     try:
-        receiver.route("/hook").hmac.append(endpoint["secret"])
+        receiver.route("/hook")
+        receiver.routes["/hook"].hmac.append(endpoint["secret"])
         final = wait_until(lambda: (items := log()) and all(d["status"] == "delivered" for d in items) and items,
                            timeout=60, interval=0.2, what="every delivery delivered once the target answers")
         assert not receiver.problems, receiver.problems
