@@ -17,32 +17,43 @@ from herald.storage.ports import StartBudget
 from herald.tenants import LimitsSource
 
 
+# How long a refused stream is told to wait: held streams end when clients go or jobs end,
+# so a few seconds is a fair guess and keeps a reconnect loop from hammering the gateway.
+STREAM_RETRY_AFTER_S = 5
+
+
 class TenantLimits:
     """Each tenant's limits come from ``limits`` (the tenant directory: its own, or the
-    deployment's defaults), so a change made through /admin applies to the next request."""
+    deployment's defaults), read at each start or opening, so a change made through /admin
+    applies to the next request. SSE streams (a job's, the tenant's, the portal's notices),
+    held long polls and held feed polls (``GET /events?wait=`` answered as JSON) are one
+    count against the tenant's ``max_streams``."""
 
-    def __init__(self, limits: LimitsSource, max_held: int) -> None:
-        self._limits = limits
-        self.max_held = max_held
+    def __init__(self, limits: LimitsSource) -> None:
+        self.limits = limits
         self._held: Counter[str] = Counter()
 
     def start_budget(self, tenant: str) -> StartBudget | None:
-        rate = self._limits.limits(tenant).rate_limit
+        rate = self.limits.limits(tenant).rate_limit
         # A rate of 0 turns the limit off; the burst is twice the rate (SPEC §1).
         return StartBudget(rate=rate, burst=max(1.0, 2 * rate)) if rate > 0 else None
 
     def rate_limited(self, tenant: str, wait_s: float) -> RateLimited:
         wait = max(1, math.ceil(wait_s))
-        rate = self._limits.limits(tenant).rate_limit
+        rate = self.limits.limits(tenant).rate_limit
         return RateLimited(f"job starts are limited to {rate:g}/s for this tenant; retry after {wait} s",
                            retry_after=wait)
 
+    def held(self, tenant: str) -> int:
+        return self._held[tenant] if tenant in self._held else 0
+
     def open_stream(self, tenant: str) -> None:
-        """Count one held connection (SSE stream or long poll) or refuse it with 429."""
-        if self._held[tenant] >= self.max_held:
+        """Count one held connection (SSE stream, long poll, held feed poll) or refuse it with 429."""
+        cap = self.limits.limits(tenant).max_streams
+        if self.held(tenant) >= cap:
             raise TooManyStreams(
-                f"this tenant already holds {self.max_held} streams and long polls; close some first", retry_after=5
-            )
+                f"this tenant already holds {cap} streams and long polls (max_streams) on this gateway;"
+                " close some first", retry_after=STREAM_RETRY_AFTER_S)
         self._held[tenant] += 1
 
     def close_stream(self, tenant: str) -> None:

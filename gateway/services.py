@@ -17,6 +17,7 @@ from herald.metrics import Metrics
 from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage.ports import JobStore, ResultStore, Storage
+from herald.tenants import LimitsSource
 
 
 @dataclass(slots=True)
@@ -28,6 +29,7 @@ class Services:
     signer: UrlSigner
     metrics: Metrics
     limiter: TenantLimits
+    limits: LimitsSource  # each tenant's limits (SPEC §13): the tenant directory, or the defaults
     backlog: BacklogGuard
     hub: Hub
     directory: Directory  # tenants, keys and limits, cached (herald.directory)

@@ -146,6 +146,7 @@ class Settings:
         5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0
     )
     webhook_min_backoff_s: Annotated[float, NUMBER] = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
+    webhook_pause_s: Annotated[float, NUMBER] = 5.0  # a paced target's first pause before its probe (SPEC §13)
     report_page_ms: Annotated[float, NUMBER] = 200.0
     metrics_port: Annotated[int | None, PORT] = None
     workers: Annotated[int, AT_LEAST_ONE] = 2

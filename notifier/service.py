@@ -114,6 +114,7 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             idle_poll_s=min(1.0, settings.sweep_interval_s),
             retention_s=settings.retention_s,
             notices=notices,
+            pause_s=settings.webhook_pause_s,
             # each webhook carries its job's trace (herald.tracing): the claim reads it with the
             # deliveries (Claimed.trace_context), so no separate lookup per claim
         )

@@ -77,6 +77,8 @@ ENV_KEY = _define("/problems/env-key", "Key from configuration", 409,
                   "a HERALD_API_KEYS key is configuration: remove it there, not over the API")
 JOB_FINISHED = _define("/problems/job-finished", "Job already finished", 409)
 ENDPOINT_DISABLED = _define("/problems/endpoint-disabled", "Endpoint disabled", 409)
+LIMIT_REACHED = _define("/problems/limit-reached", "Limit reached", 409,
+                        "a per-tenant limit (SPEC §13) is used up, e.g. max_endpoints")
 GONE = _define("/problems/gone", "Gone", 410, "the job, or its result, passed its retention")
 PAYLOAD_TOO_LARGE = _define("/problems/payload-too-large", "Request body too large", 413, "body over 1 MiB")
 UNSUPPORTED_MEDIA_TYPE = _define("/problems/unsupported-media-type", "Unsupported media type", 415, "body is not JSON")

@@ -229,6 +229,8 @@ async def _feed(
     position = cursor or 0
     events = await svc.store.tenant_events(tenant, position, limit, kind)
     if not events and wait is not None:
+        # A held feed poll holds a connection like a stream: it counts against max_streams (SPEC §13).
+        svc.limiter.open_stream(tenant)
         subscriber = svc.hub.subscribe_tenant(tenant)
         svc.metrics.long_polls.inc()
         try:
@@ -245,6 +247,7 @@ async def _feed(
         finally:
             svc.metrics.long_polls.dec()
             svc.hub.unsubscribe(subscriber)
+            svc.limiter.close_stream(tenant)
     next_cursor = str(events[-1].seq) if events else str(position)
     return EventFeed(
         events=[FeedEvent(id=str(e.seq), type=e.type, data=e.data) for e in events],

@@ -37,7 +37,7 @@ Concurrency rules (each backend must keep them without relying on a database-wid
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -188,8 +188,12 @@ class WebhookStore(Protocol):
     """Endpoints, their signing keys, the tenants' callback secrets and the delivery log."""
 
     async def create_endpoint(
-        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
-    ) -> tuple[EndpointRow, SigningKey]: ...
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
+        max_endpoints: int = 0,
+    ) -> tuple[EndpointRow, SigningKey]:
+        """A new enabled endpoint with its first key. With ``max_endpoints`` > 0, raises
+        ``EndpointLimitReached`` if the tenant already has that many (counted and inserted as
+        one step, so concurrent creations at several gateways cannot pass the cap together)."""
 
     async def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None: ...
 
@@ -229,7 +233,9 @@ class WebhookStore(Protocol):
     async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
                                 body: bytes) -> DeliveryRow | None:
         """Queue one ``webhook.test`` delivery to an enabled endpoint, due now, with its signed
-        body (``herald.deliveries.new_test_event`` names it). None: no such enabled endpoint."""
+        body (``herald.deliveries.new_test_event`` names it). None: no such enabled endpoint.
+        Raises ``TestEventsLimited`` past ``TEST_EVENTS_PER_WINDOW`` per endpoint in
+        ``TEST_EVENT_WINDOW_S`` (counted from the store, so across every gateway)."""
 
     async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
         """The bodies of these events as signed and sent (absent: pruned)."""
@@ -307,11 +313,23 @@ class DeliveryQueue(Protocol):
     async def next_due_after(self, at: float) -> float | None: ...
 
     async def claim(
-        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
+        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int],
+        per_tenant: int = 0, tenant_in_flight: Mapping[str, int] | None = None, held: Collection[str] = (),
     ) -> list[Claimed]:
-        """Lease up to ``limit`` due deliveries nobody holds, oldest first, at most ``per_target``
-        in flight per target, never one whose older version of the same job is still pending;
-        each with its job's trace context (``Claimed.trace_context``), read in the same query."""
+        """Lease up to ``limit`` due deliveries nobody holds, at most ``per_target`` in flight per
+        target (``in_flight``: what this notifier has) and ``per_tenant`` per tenant
+        (``tenant_in_flight``; 0: no cap), none of the ``held`` targets, never one whose older
+        version of the same job is still pending; each with its job's trace context
+        (``Claimed.trace_context``), read in the same query.
+
+        Fair (SPEC §13): the slots go to the tenant with the fewest in flight first, and within a
+        tenant round robin over its targets; oldest first only among equals. So a tenant's backlog
+        never stands before another tenant's due delivery."""
+
+    async def defer(self, delivery_ids: Sequence[str], owner: str, targets: Sequence[str], delay_s: float) -> None:
+        """Reschedule without counting an attempt (a paced target, SPEC §13): the leased
+        ``delivery_ids`` are handed back due in ``delay_s``, and every due, unleased pending
+        delivery of ``targets`` is moved to then as well."""
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Record the attempt and apply its plan in one transaction."""

@@ -15,7 +15,20 @@ from typing import Any
 
 import msgspec
 
-from herald.deliveries import TEST_EVENT_TYPE, AttemptRow, DeliveryRow, EndpointRow, HealthRow, callback_owner
+from herald.deliveries import (
+    TEST_EVENT_TYPE,
+    TEST_EVENT_WINDOW_S,
+    TEST_EVENTS_PER_WINDOW,
+    TEST_JOB_END,
+    TEST_JOB_PREFIX,
+    AttemptRow,
+    DeliveryRow,
+    EndpointLimitReached,
+    EndpointRow,
+    HealthRow,
+    TestEventsLimited,
+    callback_owner,
+)
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now
 from notifier.signing import ROTATION_OVERLAP_S, SigningKey, new_key
@@ -145,12 +158,17 @@ class SqliteWebhookStore:
     # ----- endpoints ----------------------------------------------------------------
 
     async def create_endpoint(
-        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
+        max_endpoints: int = 0,
     ) -> tuple[EndpointRow, SigningKey]:
         endpoint_id = str(uuid.uuid4())
 
         def tx(conn: sqlite3.Connection) -> tuple[EndpointRow, SigningKey]:
             ts = now()
+            if max_endpoints > 0:  # counted in the writing transaction: two creations cannot both pass
+                (count,) = conn.execute("SELECT COUNT(*) FROM webhook_endpoints WHERE tenant = ?", (tenant,)).fetchone()
+                if count >= max_endpoints:
+                    raise EndpointLimitReached(max_endpoints)
             conn.execute(
                 "INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,"
                 " created_at, updated_at) VALUES (?,?,?,?,?,?, 'enabled', ?, ?)",
@@ -322,6 +340,13 @@ class SqliteWebhookStore:
             if not conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = ? AND tenant = ? AND status = 'enabled'",
                                 (endpoint_id, tenant)).fetchone():
                 return None
+            # webhook.test deliveries are the endpoint's job ids "test:..." (a range of its order index)
+            recent = [r[0] for r in conn.execute(
+                "SELECT created_at FROM webhook_deliveries WHERE target = ? AND job_id >= ? AND job_id < ?"
+                " AND created_at > ? ORDER BY created_at",
+                (endpoint_id, TEST_JOB_PREFIX, TEST_JOB_END, ts - TEST_EVENT_WINDOW_S))]
+            if len(recent) >= TEST_EVENTS_PER_WINDOW:
+                raise TestEventsLimited(recent[-TEST_EVENTS_PER_WINDOW] + TEST_EVENT_WINDOW_S - ts)
             conn.execute("INSERT INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
                          (event_id, body, ts))
             delivery_id = str(uuid.uuid4())
