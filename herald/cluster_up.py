@@ -24,6 +24,7 @@ from herald import jetstream
 from herald.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
 from herald.metrics import MULTIPROC_ENV
 from herald.pgserver import PostgresError, PostgresServer
+from herald.sealing import KEY_FILE, load_or_create_key_file
 from herald.settings import Settings
 from herald.supervisor import (
     STOP_TIMEOUT_S,
@@ -244,6 +245,9 @@ class ClusterSupervisor(Supervisor):
             "HERALD_DATABASE_URL": self.database_url,
             "HERALD_RESULT_STORE": "nats",
             "HERALD_SIGNING_KEY": signing_key,
+            # One key seals the store's secrets for every process, as on separate machines.
+            "HERALD_SECRET_KEY": (",".join(self.settings.secret_keys) if self.settings.secret_keys
+                                  else load_or_create_key_file(self.root / KEY_FILE)),
         }
         python = [sys.executable, "-m", "herald.cli"]
         self.children = []
