@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import asyncpg
-import httpx
 import msgspec
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
@@ -260,11 +259,11 @@ def test_no_secret_in_the_store_or_the_logs(fresh: Deployment, receiver: Receive
 # ----- a store an older Herald wrote -----------------------------------------------------------------
 
 
-def _write_like_main(deployment: Deployment, endpoint_id: str, url: str, secret: bytes, url_key: bytes) -> None:
-    """An endpoint, its HMAC key and the URL-signing key, as ``main`` before sealing wrote them:
+def _write_like_main(data_dir: Path, database_url: str | None, endpoints: dict[str, bytes], url: str,
+                     url_key: bytes) -> None:
+    """Endpoints, their HMAC keys and the URL-signing key, as ``main`` before sealing wrote them:
     the secrets in plaintext. The schema is made by opening the store (it is unchanged)."""
-    settings = Settings(data_dir=deployment.data_dir, database_url=deployment.database_url,
-                        secret_keys=(SECRET_KEY,) if deployment.database_url else ())
+    settings = Settings(data_dir=data_dir, database_url=database_url, secret_keys=(SECRET_KEY,) if database_url else ())
 
     async def schema() -> None:
         storage = await open_storage(settings)
@@ -272,27 +271,29 @@ def _write_like_main(deployment: Deployment, endpoint_id: str, url: str, secret:
 
     asyncio.run(schema())
     ts = time.time()
-    if deployment.database_url is None:
+    if database_url is None:
         import sqlite3
 
-        with sqlite3.connect(deployment.data_dir / "herald.db") as db:
-            db.execute("INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,"
-                       " created_at, updated_at) VALUES (?, 'acme', ?, ?, NULL, 'hmac-sha256', 'enabled', ?, ?)",
-                       (endpoint_id, url, msgspec.json.encode(["job.succeeded"]).decode(), ts, ts))
-            db.execute("INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key)"
-                       " VALUES (?, ?, 'hmac-sha256', ?, NULL)", (endpoint_id, ts, secret))
+        with sqlite3.connect(data_dir / "herald.db") as db:
+            for endpoint_id, secret in endpoints.items():
+                db.execute("INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,"
+                           " created_at, updated_at) VALUES (?, 'acme', ?, ?, NULL, 'hmac-sha256', 'enabled', ?, ?)",
+                           (endpoint_id, url, msgspec.json.encode(["job.succeeded"]).decode(), ts, ts))
+                db.execute("INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key)"
+                           " VALUES (?, ?, 'hmac-sha256', ?, NULL)", (endpoint_id, ts, secret))
             db.execute("INSERT INTO herald_secrets (name, value) VALUES ('url-signing', ?)", (url_key,))
         return
 
     async def write() -> None:
-        conn = await asyncpg.connect(deployment.database_url)
+        conn = await asyncpg.connect(database_url)
         try:
-            await conn.execute(
-                "INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status, created_at,"
-                " updated_at) VALUES ($1, 'acme', $2, $3, NULL, 'hmac-sha256', 'enabled', $4, $4)",
-                endpoint_id, url, ["job.succeeded"], ts)
-            await conn.execute("INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key)"
-                               " VALUES ($1, $2, 'hmac-sha256', $3, NULL)", endpoint_id, ts, secret)
+            for endpoint_id, secret in endpoints.items():
+                await conn.execute(
+                    "INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status, created_at,"
+                    " updated_at) VALUES ($1, 'acme', $2, $3, NULL, 'hmac-sha256', 'enabled', $4, $4)",
+                    endpoint_id, url, ["job.succeeded"], ts)
+                await conn.execute("INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key)"
+                                   " VALUES ($1, $2, 'hmac-sha256', $3, NULL)", endpoint_id, ts, secret)
             await conn.execute("INSERT INTO herald_secrets (name, value) VALUES ('url-signing', $1)", url_key.hex())
         finally:
             await conn.close()
@@ -304,7 +305,7 @@ def test_a_store_written_by_main_is_sealed_at_start_and_its_secrets_still_verify
         fresh: Deployment, receiver: Receiver) -> None:
     endpoint_id, secret, url_key = str(uuid.uuid4()), new_key("hmac-sha256").secret, os.urandom(32)
     whsec = "whsec_" + base64.b64encode(secret).decode()
-    _write_like_main(fresh, endpoint_id, receiver.route("/old"), secret, url_key)
+    _write_like_main(fresh.data_dir, fresh.database_url, {endpoint_id: secret}, receiver.route("/old"), url_key)
     receiver.routes["/old"].hmac.append(whsec)
 
     fresh.start_gateway()
@@ -323,6 +324,30 @@ def test_a_store_written_by_main_is_sealed_at_start_and_its_secrets_still_verify
     result = urllib.parse.urlsplit(status["links"]["result"])
     query = dict(urllib.parse.parse_qsl(result.query))
     assert UrlSigner((url_key,), 900).verify(result.path, RESULT_PURPOSE, query["exp"], query["sig"])
+
+
+def test_processes_starting_at_once_seal_each_plaintext_secret_exactly_once(
+        tmp_path: Path, store_server: PostgresServer | None) -> None:
+    database_url = new_database(store_server) if store_server is not None else None
+    endpoints = {str(uuid.uuid4()): os.urandom(32) for _ in range(30)}
+    url_key = os.urandom(32)
+    _write_like_main(tmp_path, database_url, endpoints, "https://hooks.example.com/x", url_key)
+    settings = Settings(data_dir=tmp_path, database_url=database_url, secret_keys=(SECRET_KEY,))
+
+    async def start_four() -> None:
+        stores = [build_storage(settings) for _ in range(4)]  # four processes' stores
+        try:
+            await asyncio.gather(*(s.jobs.open() for s in stores))
+        finally:
+            await asyncio.gather(*(s.close() for s in stores))
+
+    asyncio.run(start_four())
+    keys, values = _stored_rows(tmp_path, database_url)
+    sealer = Sealer([SECRET_KEY])
+    # Sealed twice, a row would open to a sealed blob, not to the original secret.
+    assert {row["owner"]: sealer.open(bytes(row["secret"]), key_aad(row["owner"], "hmac-sha256", None))
+            for row in keys} == endpoints
+    assert sealer.open(values["url-signing"], secret_aad("url-signing")) == url_key
 
 
 # ----- rotation ---------------------------------------------------------------------------------------

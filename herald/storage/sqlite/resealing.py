@@ -13,12 +13,6 @@ from herald.sealing import FINGERPRINT_BYTES, MAGIC, Sealer, key_aad, secret_aad
 from herald.storage.sqlite.db import Database
 
 
-def _stale(sealer: Sealer, everything: bool) -> tuple[str, bytes]:
-    """A cheap pre-filter on the blob's prefix; the exact check is in Python."""
-    prefix = sealer.current_prefix if everything else MAGIC
-    return f"substr({{column}}, 1, {len(prefix)}) IS NOT ?", prefix
-
-
 def _has_webhook_keys(db: Database) -> bool:
     """A job store opened without the webhook tables (a tool, a test) has only its own secrets."""
     return bool(db.read("SELECT 1 FROM sqlite_master WHERE type = 'table' AND name = 'webhook_keys'"))
@@ -30,10 +24,11 @@ def _needs(sealer: Sealer, blob: bytes, everything: bool) -> bool:
 
 async def reseal(db: Database, sealer: Sealer, *, everything: bool) -> int:
     """Seal what needs it under the first key; the number of rows changed."""
-    where, prefix = _stale(sealer, everything)
-    keys_sql = "SELECT owner, created_at, algorithm, secret, public_key FROM webhook_keys WHERE " + where.format(
-        column="secret")
-    secrets_sql = "SELECT name, value FROM herald_secrets WHERE " + where.format(column="value")
+    # A cheap pre-filter on the blob's head (SQL); the exact check is in Python.
+    prefix = sealer.current_prefix if everything else MAGIC
+    keys_sql = ("SELECT owner, created_at, algorithm, secret, public_key FROM webhook_keys"
+                f" WHERE substr(secret, 1, {len(prefix)}) IS NOT ?")
+    secrets_sql = f"SELECT name, value FROM herald_secrets WHERE substr(value, 1, {len(prefix)}) IS NOT ?"
     webhooks = _has_webhook_keys(db)
     if not (webhooks and db.read(keys_sql, (prefix,))) and not db.read(secrets_sql, (prefix,)):
         return 0  # the usual start: nothing to write, no write lock taken
