@@ -25,6 +25,7 @@ from herald.cluster import ClusterNode, cluster_urls, free_ports, node_argv, pla
 from herald.keyfiles import load_or_create
 from herald.metrics import MULTIPROC_ENV
 from herald.pgserver import PostgresError, PostgresServer
+from herald.sealing import KEY_FILE, load_or_create_key_file
 from herald.settings import Settings
 from herald.supervisor import (
     STOP_TIMEOUT_S,
@@ -237,6 +238,9 @@ class ClusterSupervisor(Supervisor):
             "HERALD_DATABASE_URL": self.database_url,
             "HERALD_RESULT_STORE": "nats",
             "HERALD_SIGNING_KEY": signing_key,
+            # One key seals the store's secrets for every process, as on separate machines.
+            "HERALD_SECRET_KEY": (",".join(self.settings.secret_keys) if self.settings.secret_keys
+                                  else load_or_create_key_file(self.root / KEY_FILE)),
         }
         python = [sys.executable, "-m", "herald.cli"]
         self.children = []

@@ -78,6 +78,17 @@ def _comma_list(name: str, raw: str) -> tuple[str, ...]:
     return tuple(item for item in raw.split(",") if item)
 
 
+def _secret_keys(name: str, raw: str) -> tuple[str, ...]:
+    """``new,old``: the first seals, every one opens (rotation, SPEC §12)."""
+    keys = tuple(item.strip() for item in raw.split(",") if item.strip())
+    for n, key in enumerate(keys, start=1):
+        if len(key) < 32:  # never the key itself in the message
+            raise SettingsError(f"{name}: every key must be at least 32 characters; key {n} has {len(key)}")
+    if not keys:
+        raise SettingsError(f"{name} is set but holds no key")
+    return keys
+
+
 def _names(name: str, raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
@@ -167,6 +178,8 @@ class Settings:
     signing_secrets: Annotated[tuple[str, ...], Env(_comma_list, ("SIGNING_KEY", "SIGNING_SECRETS"))] = field(
         default=(), repr=False
     )
+    # Seal every secret the store keeps (SPEC §12); empty: a generated key file (SQLite only).
+    secret_keys: Annotated[tuple[str, ...], Env(_secret_keys, ("SECRET_KEY",))] = field(default=(), repr=False)
     database_url: Annotated[str | None, Env(_database_url)] = field(default=None, repr=False)  # the PostgreSQL store
     result_store: Annotated[str, Env(_result_store)] = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
     nats_replicas: Annotated[int, AT_LEAST_ONE] = 1

@@ -39,6 +39,7 @@ from herald.storage.postgres.jobs import MIGRATIONS, PgJobStore
 from herald.storage.ports import OutboxRow, StartBudget
 from herald.timefmt import rfc3339
 from herald.transitions import Change
+from tests.harness import make_sealer
 from schemas import JobEvent, JobMessage, Problem
 
 ENCODER = msgspec.json.Encoder()
@@ -46,7 +47,7 @@ CLAIM = Change(expect={"queued"}, to="running", claim=True)
 
 
 def new_store(url: str, *, retention_s: float = 60.0, max_size: int = 20) -> PgJobStore:
-    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s)
+    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
 
 
 @pytest.fixture()
@@ -536,7 +537,7 @@ async def test_concurrent_opens_migrate_the_schema_once(fresh_database: str) -> 
         await asyncio.gather(*(db.open() for db in dbs))
         applied = await dbs[0].pool.fetch("SELECT name FROM herald_migrations")
         assert [r["name"] for r in applied] == [name for name, _ in MIGRATIONS]
-        pg = PgJobStore(dbs[3], retention_s=1.0)
+        pg = PgJobStore(dbs[3], retention_s=1.0, sealer=make_sealer())
         await pg.open()  # already open: no second pool
         assert (await pg.accept(new_job())).job.version == 1
     finally:

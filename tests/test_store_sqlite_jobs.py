@@ -15,13 +15,14 @@ import pytest
 from herald.storage.ports import OutboxRow
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore
+from tests.harness import make_sealer
 from tests.test_store_postgres_jobs import new_job
 
 
 @pytest.fixture()
 async def processes(tmp_path: Path) -> AsyncIterator[tuple[SqliteJobStore, SqliteJobStore]]:
     """Two stores on one file, each with its own connections and writer: two processes."""
-    a, b = (SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0) for _ in range(2))
+    a, b = (SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0, sealer=make_sealer()) for _ in range(2))
     await asyncio.gather(a.open(), b.open())
     try:
         yield a, b
@@ -58,7 +59,7 @@ async def test_a_data_dir_from_before_outbox_origins_is_upgraded(tmp_path: Path)
         conn.executescript(SCHEMA.replace("    tracestate TEXT,\n    origin TEXT\n", "    tracestate TEXT\n"))
         assert "origin" not in {r[1] for r in conn.execute("PRAGMA table_info(outbox)")}
         conn.execute("INSERT INTO outbox (subject, msg_id, payload, created_at) VALUES ('jobs.report', 'j1', x'00', 0)")
-    store = SqliteJobStore(Database(path, SCHEMA), retention_s=60.0)
+    store = SqliteJobStore(Database(path, SCHEMA), retention_s=60.0, sealer=make_sealer())
     await store.open()
     try:
         assert [r.msg_id for r in await store.outbox_batch(10, stale_after_s=1)] == ["j1"]  # the old row still goes out

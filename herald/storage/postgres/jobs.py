@@ -70,8 +70,10 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
+from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
@@ -527,9 +529,10 @@ def _age(now: float, since: float | None) -> float:
 class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
 
-    def __init__(self, db: PgDatabase, *, retention_s: float) -> None:
+    def __init__(self, db: PgDatabase, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db
         self.retention_s = retention_s
+        self._sealer = sealer
         super().__init__()
 
     async def open(self) -> None:
@@ -537,6 +540,13 @@ class PgJobStore(CommitListeners):
         # so that /readyz answers 503 meanwhile); a second open() would make a second pool.
         if not self._db.opened:
             await self._db.open()
+        await self._db.wait_ready()
+        # A store an older Herald wrote keeps its secrets in plaintext: sealed now, in place.
+        await resealing.reseal(self._db.pool, self._sealer, everything=False)
+        await resealing.check_keys(self._db.pool, self._sealer)
+
+    async def reseal_secrets(self) -> int:
+        return await resealing.reseal(self._db.pool, self._sealer, everything=True)
 
     async def close(self) -> None:
         await self._db.close()
@@ -814,13 +824,14 @@ class PgJobStore(CommitListeners):
 
     async def signing_key(self) -> bytes:
         select = "SELECT value FROM herald_secrets WHERE name = $1"
+        aad = secret_aad(SIGNING_KEY_NAME)
         value = await self._fetchval(select, SIGNING_KEY_NAME)
         if value is None:
             # The first process to get here wins; the others' inserts do nothing (each waits
             # for a racing insert to commit first), and every one reads the winner's key.
             await self._fetchval(
                 "INSERT INTO herald_secrets (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
-                SIGNING_KEY_NAME, secrets.token_bytes(32).hex(),
+                SIGNING_KEY_NAME, self._sealer.seal(secrets.token_bytes(32), aad).hex(),
             )
             value = await self._fetchval(select, SIGNING_KEY_NAME)
-        return bytes.fromhex(value)
+        return self._sealer.open(bytes.fromhex(value), aad)

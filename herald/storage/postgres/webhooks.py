@@ -95,6 +95,7 @@ from herald.deliveries import (
     callback_owner,
     event_id,
 )
+from herald.sealing import Sealer, key_aad
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
 from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
@@ -837,32 +838,39 @@ async def _retrying(attempt: Callable[[], Awaitable[T]]) -> T:
     raise AssertionError("unreachable")
 
 
-def _key(algorithm: str, secret: bytes, public_key: bytes | None) -> SigningKey:
-    return SigningKey(algorithm=algorithm, secret=bytes(secret),
-                      public_key=bytes(public_key) if public_key is not None else None)
+def _key(sealer: Sealer, owner: str, algorithm: str, secret: bytes, public_key: bytes | None) -> SigningKey:
+    """A stored key, its secret opened (the SQL moves sealed bytes only)."""
+    public = bytes(public_key) if public_key is not None else None
+    return SigningKey(algorithm=algorithm, secret=sealer.open(secret, key_aad(owner, algorithm, public)),
+                      public_key=public)
 
 
-async def _ensure_current_key(db: PgDatabase, owner: str, algorithm: str) -> SigningKey:
+def _sealed(sealer: Sealer, owner: str, key: SigningKey) -> bytes:
+    return sealer.seal(key.secret, key_aad(owner, key.algorithm, key.public_key))
+
+
+async def _ensure_current_key(db: PgDatabase, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
     """The owner's current key, made now if it has none; concurrent first calls agree on one."""
     candidate = new_key(algorithm)
     row = await db.pool.fetchrow("SELECT * FROM herald_webhook_ensure_key($1, $2, $3, $4)",
-                                 owner, candidate.algorithm, candidate.secret, candidate.public_key)
+                                 owner, candidate.algorithm, _sealed(sealer, owner, candidate), candidate.public_key)
     assert row is not None
-    return _key(row["algorithm"], row["secret"], row["public_key"])
+    return _key(sealer, owner, row["algorithm"], row["secret"], row["public_key"])
 
 
-async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, owner: str, algorithm: str) -> SigningKey:
+async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
     key = new_key(algorithm)
     await conn.execute("SELECT herald_webhook_add_key($1, $2, $3, $4, $5)",
-                       owner, key.algorithm, key.secret, key.public_key, ROTATION_OVERLAP_S)
+                       owner, key.algorithm, _sealed(sealer, owner, key), key.public_key, ROTATION_OVERLAP_S)
     return key
 
 
 class PgWebhookStore:
     """Endpoints, keys and the delivery log as the API sees them."""
 
-    def __init__(self, db: PgDatabase) -> None:
+    def __init__(self, db: PgDatabase, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     # ----- endpoints ----------------------------------------------------------------
 
@@ -885,7 +893,7 @@ class PgWebhookStore:
             SELECT * FROM endpoint
             """
         args = (endpoint_id, tenant, url, list(event_types), None if kinds is None else list(kinds), signature,
-                key.algorithm, key.secret, key.public_key)
+                key.algorithm, _sealed(self.sealer, endpoint_id, key), key.public_key)
         if max_endpoints <= 0:
             row = await self.db.pool.fetchrow(insert, *args)
         else:
@@ -972,21 +980,21 @@ class PgWebhookStore:
             signature = await conn.fetchval(
                 "SELECT signature FROM webhook_endpoints WHERE id = $1 AND tenant = $2 FOR KEY SHARE",
                 endpoint_id, tenant)
-            return await _add_key(conn, endpoint_id, signature) if signature is not None else None
+            return await _add_key(conn, self.sealer, endpoint_id, signature) if signature is not None else None
 
     # ----- the tenant's callback secret ------------------------------------------------
 
     async def callback_key(self, tenant: str) -> SigningKey:
         """The current callback secret, created on first use."""
+        owner = callback_owner(tenant)
         row = await self.db.pool.fetchrow(
-            "SELECT algorithm, secret, public_key FROM webhook_keys WHERE owner = $1 AND retire_at IS NULL",
-            callback_owner(tenant))
+            "SELECT algorithm, secret, public_key FROM webhook_keys WHERE owner = $1 AND retire_at IS NULL", owner)
         if row is not None:
-            return _key(row["algorithm"], row["secret"], row["public_key"])
-        return await _ensure_current_key(self.db, callback_owner(tenant), HMAC)
+            return _key(self.sealer, owner, row["algorithm"], row["secret"], row["public_key"])
+        return await _ensure_current_key(self.db, self.sealer, owner, HMAC)
 
     async def rotate_callback_key(self, tenant: str) -> SigningKey:
-        return await _add_key(self.db.pool, callback_owner(tenant), HMAC)
+        return await _add_key(self.db.pool, self.sealer, callback_owner(tenant), HMAC)
 
     # ----- the delivery log ----------------------------------------------------------------
 
@@ -1121,8 +1129,9 @@ class PgWebhookStore:
 class PgDeliveryQueue:
     """The durable schedule of webhook deliveries, shared by any number of notifiers."""
 
-    def __init__(self, db: PgDatabase) -> None:
+    def __init__(self, db: PgDatabase, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` in one statement (one transaction); returns how many are pending."""
@@ -1189,13 +1198,14 @@ class PgDeliveryQueue:
 
     async def _claimed(self, row: Mapping[str, Any]) -> Claimed:
         delivery = DeliveryRow.from_mapping(row["delivery"])
-        keys = tuple(_key(a, s, p) for a, s, p in zip(row["key_algorithms"] or (), row["key_secrets"] or (),
-                                                        row["key_public_keys"] or (), strict=True))
+        owner = delivery.endpoint_id or callback_owner(delivery.tenant)  # the claim's key owner
+        keys = tuple(_key(self.sealer, owner, a, s, p)
+                     for a, s, p in zip(row["key_algorithms"] or (), row["key_secrets"] or (),
+                                        row["key_public_keys"] or (), strict=True))
         if not keys and delivery.endpoint_id is None:
             # The tenant's first callback delivery: its secret is created on first use.
-            owner = callback_owner(delivery.tenant)
-            await _ensure_current_key(self.db, owner, HMAC)
-            keys = tuple(_key(r["algorithm"], r["secret"], r["public_key"])
+            await _ensure_current_key(self.db, self.sealer, owner, HMAC)
+            keys = tuple(_key(self.sealer, owner, r["algorithm"], r["secret"], r["public_key"])
                          for r in await self.db.pool.fetch(_LIVE_KEYS_SQL, owner))
         trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
         return Claimed(delivery=delivery, url=row["send_url"], body=bytes(row["body"]), keys=keys, trace_context=trace)

@@ -32,8 +32,10 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
+from herald.storage.sqlite import resealing
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now, rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
@@ -132,6 +134,7 @@ CREATE TABLE IF NOT EXISTS herald_secrets (
 """
 
 _event_encoder = msgspec.json.Encoder()
+_SIGNING_KEY_NAME = "url-signing"
 
 
 def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
@@ -213,14 +216,21 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
 class SqliteJobStore(CommitListeners):
     """The job store on one SQLite file. One per process; processes of one machine share the file."""
 
-    def __init__(self, db: Database, *, retention_s: float) -> None:
+    def __init__(self, db: Database, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db
         self.retention_s = retention_s
+        self._sealer = sealer
         super().__init__()
 
     async def open(self) -> None:
         await self._db.open()
         await self._db.write(_add_columns)
+        # A store an older Herald wrote keeps its secrets in plaintext: sealed now, in place.
+        await resealing.reseal(self._db, self._sealer, everything=False)
+        resealing.check_keys(self._db, self._sealer)
+
+    async def reseal_secrets(self) -> int:
+        return await resealing.reseal(self._db, self._sealer, everything=True)
 
     async def close(self) -> None:
         await self._db.close()
@@ -513,17 +523,19 @@ class SqliteJobStore(CommitListeners):
     # ----- shared secrets ---------------------------------------------------------------
 
     async def signing_key(self) -> bytes:
-        rows = self._db.read("SELECT value FROM herald_secrets WHERE name = 'url-signing'")
+        aad = secret_aad(_SIGNING_KEY_NAME)
+        rows = self._db.read("SELECT value FROM herald_secrets WHERE name = ?", (_SIGNING_KEY_NAME,))
         if rows:
-            return bytes(rows[0]["value"])
+            return self._sealer.open(rows[0]["value"], aad)
 
         def tx(conn: sqlite3.Connection) -> bytes:
             # The first process to get here wins; the others read what it wrote.
-            conn.execute("INSERT OR IGNORE INTO herald_secrets (name, value) VALUES ('url-signing', ?)",
-                         (secrets.token_bytes(32),))
-            return bytes(conn.execute("SELECT value FROM herald_secrets WHERE name = 'url-signing'").fetchone()[0])
+            conn.execute("INSERT OR IGNORE INTO herald_secrets (name, value) VALUES (?, ?)",
+                         (_SIGNING_KEY_NAME, self._sealer.seal(secrets.token_bytes(32), aad)))
+            return bytes(conn.execute("SELECT value FROM herald_secrets WHERE name = ?",
+                                      (_SIGNING_KEY_NAME,)).fetchone()[0])
 
-        return await self._db.write(tx)
+        return self._sealer.open(await self._db.write(tx), aad)
 
 
 def _event_from_row(row: sqlite3.Row) -> JobEvent:

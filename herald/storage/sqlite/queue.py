@@ -36,6 +36,7 @@ from herald.deliveries import (
     callback_owner,
     event_id,
 )
+from herald.sealing import Sealer
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, live_keys
 from herald.timefmt import now
@@ -152,8 +153,9 @@ def _add_delivery(
 
 
 class SqliteDeliveryQueue:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` in one transaction; returns how many are pending."""
@@ -223,8 +225,8 @@ class SqliteDeliveryQueue:
                 key_owner = row["endpoint_id"] or callback_owner(row["tenant"])
                 if key_owner not in keys_by_owner:
                     if row["endpoint_id"] is None:
-                        current_callback_key(conn, row["tenant"], ts)  # created on first use
-                    keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts))
+                        current_callback_key(conn, row["tenant"], ts, self.sealer)  # created on first use
+                    keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts, self.sealer))
                 delivery = DeliveryRow.from_mapping(row)
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
                 trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
