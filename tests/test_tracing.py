@@ -332,9 +332,7 @@ def test_a_job_re_queued_after_its_worker_died_stays_in_its_trace(
     """The context lives in the store and the messages: a worker killed mid-job takes no
     part of the trace with it; the sweeper's re-queue and the second attempt join it."""
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    # A heartbeat timeout with room for a loaded machine: the second worker must not lose the
-    # job to a second re-queue while it starts up (the test follows exactly one re-queue).
-    fresh.env_overrides.update(otel, HERALD_HEARTBEAT_TIMEOUT_S="6")
+    fresh.env_overrides.update(otel)
     base = fresh.start_gateway()
     fresh.start_notifier()
     fresh.start_worker("worker-1", HERALD_REPORT_PAGE_MS="100")
@@ -360,10 +358,15 @@ def test_a_job_re_queued_after_its_worker_died_stays_in_its_trace(
     (accept,) = [s for s in found if s.name == "POST /reports"]
     (requeue,) = [s for s in found if s.name == "store transition job.queued"]
     assert requeue.service == "herald-gateway" and requeue.parent_span_id == accept.span_id  # the sweeper, from the row
-    (run,) = [s for s in found if s.name == "run report"]  # the killed attempt's run never ended: never exported
+    # The killed attempt's run never ended: never exported. The dead worker's unacked message,
+    # redelivered, is processed too (and skipped: the job is no longer queued): no attempt on it.
+    (run,) = [s for s in found if s.name == "run report" and "herald.job.attempt" in s.attributes]
     assert run.attributes["herald.job.attempt"] == 2
-    publish = by_id[run.parent_span_id]  # continued from the re-queue's work message
-    assert publish.name == "publish jobs" and publish.attributes["messaging.message.id"] == f"{job['id']}.a2"
+    # Continued from a work message of the job: the re-queue's, or the dead worker's own,
+    # redelivered by JetStream after its lease (whichever reached the new worker first).
+    publish = by_id[run.parent_span_id]
+    assert publish.name == "publish jobs"
+    assert publish.attributes["messaging.message.id"] in (job["id"], f"{job['id']}.a2"), publish.attributes
 
 
 def test_context_helpers() -> None:
