@@ -127,6 +127,10 @@ class Settings:
     api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(
         default_factory=lambda: {DEV_KEY: DEV_TENANT}, repr=False
     )
+    admin_key: Annotated[str | None, TEXT] = field(default=None, repr=False)  # the bearer key of /admin (SPEC §12)
+    # What the client commands (`herald submit|status|…`, `herald tenants|keys`) talk to, and with which key.
+    url: Annotated[str, TEXT] = "http://127.0.0.1:8000"
+    api_key: Annotated[str, TEXT] = field(default=DEV_KEY, repr=False)
     retention_s: Annotated[float, NUMBER] = 86400.0
     heartbeat_timeout_s: Annotated[float, NUMBER] = 30.0
     max_attempts: Annotated[int, AT_LEAST_ONE] = 3
