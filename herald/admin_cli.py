@@ -200,7 +200,7 @@ def _tenant_rows(tenants: Iterable[Tenant]) -> Iterable[list[str]]:
         limits = t.limits
         yield [t.id, t.source, "disabled" if t.disabled else "enabled", _cap(limits.rate_limit),
                _cap(limits.max_running) if limits.max_running else "no cap", _cap(limits.max_endpoints),
-               _cap(limits.max_streams), t.created_at]
+               _cap(limits.max_streams), t.created_at or "-"]
 
 
 TENANT_COLUMNS = ("ID", "SOURCE", "STATE", "STARTS/S", "RUNNING", "ENDPOINTS", "STREAMS", "CREATED")
@@ -209,7 +209,7 @@ KEY_COLUMNS = ("ID", "NAME", "SCOPES", "CREATED", "EXPIRES", "LAST USED")
 
 def _key_rows(keys: Iterable[ApiKey]) -> Iterable[list[str]]:
     for k in keys:
-        yield [k.id, k.name, " ".join(k.scopes), k.created_at, k.expires_at or "never", k.last_used_at or "never"]
+        yield [k.id, k.name, " ".join(k.scopes), k.created_at or "-", k.expires_at or "never", k.last_used_at or "never"]
 
 
 def _show_tenant(out: Output, tenant: Tenant) -> None:
@@ -282,5 +282,5 @@ def _audit(admin: HeraldAdmin, args: argparse.Namespace, out: Output) -> int:
     else:
         out.table(("AT", "ACTION", "TENANT", "KEY", "DETAIL"),
                   ([e.at, e.action, e.tenant or "", e.key_id or "",
-                    "" if e.detail is None else msgspec.json.encode(e.detail).decode()] for e in entries))
+                    msgspec.json.encode(e.detail).decode() if e.detail else ""] for e in entries))
     return 0

@@ -23,9 +23,10 @@ from herald_client.models import (
     TenantList,
 )
 
-LimitsArg = TenantLimits | Mapping[str, float]
+LimitsArg = TenantLimits | Mapping[str, float | None]
 """Limits to set: a ``TenantLimits``, or a mapping with only the limits to change
-(``{"rate_limit": 5}``); the others keep their value (on create: the deployment's default)."""
+(``{"rate_limit": 5}``; ``None``: back to the deployment's default); the others keep their
+value (on create: the deployment's default)."""
 
 Page = TypeVar("Page", TenantList, KeyList, AuditList)
 
@@ -62,9 +63,9 @@ def each(path: str, page: type[Page], page_size: int | None, ctx: Context) -> Fl
         found = yield from _core.json_call("GET", path + query, None, page, ctx, replay_safe=True)
         for item in found.items:
             yield Emit(item)
-        if not found.next_cursor or not found.items:
+        cursor = getattr(found, "next_cursor", None)  # a key listing is one page
+        if not cursor or not found.items:
             return
-        cursor = found.next_cursor
 
 
 def create_tenant(tenant: str, limits: LimitsArg | None, ctx: Context) -> Flow[Tenant]:

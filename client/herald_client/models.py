@@ -212,7 +212,7 @@ class Tenant(msgspec.Struct, kw_only=True):
     ``HERALD_API_KEYS``: configuration, whose keys the API cannot revoke)."""
 
     id: str
-    created_at: str
+    created_at: str | None  # None for a tenant of HERALD_API_KEYS never changed over the API
     disabled: bool
     limits: TenantLimits
     source: str = "api"
@@ -224,15 +224,17 @@ class TenantList(msgspec.Struct, kw_only=True):
 
 
 class ApiKey(msgspec.Struct, kw_only=True):
-    """A tenant's key as listed: never the key itself. ``last_used_at`` is to the minute."""
+    """A tenant's key as listed: never the key itself. ``last_used_at`` is to the minute;
+    ``source`` is ``"env"`` for a key of ``HERALD_API_KEYS``."""
 
     id: str
     tenant: str
     name: str
     scopes: list[str]
-    created_at: str
+    created_at: str | None
     expires_at: str | None
     last_used_at: str | None
+    source: str = "api"
 
 
 class CreatedKey(ApiKey, kw_only=True):
@@ -242,8 +244,9 @@ class CreatedKey(ApiKey, kw_only=True):
 
 
 class KeyList(msgspec.Struct, kw_only=True):
+    """A tenant's keys: one page, all of them (SPEC §12)."""
+
     items: list[ApiKey]
-    next_cursor: str | None = None
 
 
 class AuditEntry(msgspec.Struct, kw_only=True):
@@ -255,7 +258,7 @@ class AuditEntry(msgspec.Struct, kw_only=True):
     action: str
     tenant: str | None
     key_id: str | None
-    detail: Any = None
+    detail: dict[str, Any] = msgspec.field(default_factory=dict)
 
 
 class AuditList(msgspec.Struct, kw_only=True):
