@@ -14,7 +14,7 @@ import argparse
 import itertools
 import sys
 from collections.abc import Callable, Iterable
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
 
 import msgspec
@@ -105,7 +105,8 @@ class Output:
         from rich.console import Console
 
         if self._console is None:
-            self._console = Console(highlight=False)
+            # Piped (grep, a file): whole rows, one line each, however wide; on a terminal, its width.
+            self._console = Console(highlight=False, width=None if sys.stdout.isatty() else 240)
         return self._console
 
     def json(self, value: Any) -> None:
@@ -117,7 +118,7 @@ class Output:
         from rich.table import Table
         from rich.text import Text
 
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False)
         for index, column in enumerate(columns):
             table.add_column(column, no_wrap=index == 0)  # an id stays whole, to copy and paste
         for row in rows:
@@ -195,21 +196,32 @@ def _cap(value: float) -> str:
     return f"{value:g}"
 
 
+def _when(value: str | None, never: str = "-") -> str:
+    """An RFC 3339 time as a table shows it: UTC, to the minute."""
+    if not value:
+        return never
+    try:
+        return datetime.fromisoformat(value).astimezone(timezone.utc).strftime("%Y-%m-%d %H:%M")
+    except ValueError:
+        return value
+
+
 def _tenant_rows(tenants: Iterable[Tenant]) -> Iterable[list[str]]:
     for t in tenants:
         limits = t.limits
         yield [t.id, t.source, "disabled" if t.disabled else "enabled", _cap(limits.rate_limit),
                _cap(limits.max_running) if limits.max_running else "no cap", _cap(limits.max_endpoints),
-               _cap(limits.max_streams), t.created_at or "-"]
+               _cap(limits.max_streams), _when(t.created_at)]
 
 
-TENANT_COLUMNS = ("ID", "SOURCE", "STATE", "STARTS/S", "RUNNING", "ENDPOINTS", "STREAMS", "CREATED")
-KEY_COLUMNS = ("ID", "NAME", "SCOPES", "CREATED", "EXPIRES", "LAST USED")
+TENANT_COLUMNS = ("ID", "SOURCE", "STATE", "STARTS/S", "RUNNING", "ENDPOINTS", "STREAMS", "CREATED (UTC)")
+KEY_COLUMNS = ("ID", "NAME", "SCOPES", "CREATED (UTC)", "EXPIRES", "LAST USED")
 
 
 def _key_rows(keys: Iterable[ApiKey]) -> Iterable[list[str]]:
     for k in keys:
-        yield [k.id, k.name, " ".join(k.scopes), k.created_at or "-", k.expires_at or "never", k.last_used_at or "never"]
+        yield [k.id, k.name, ",".join(k.scopes), _when(k.created_at), _when(k.expires_at, "never"),
+               _when(k.last_used_at, "never")]
 
 
 def _show_tenant(out: Output, tenant: Tenant) -> None:
@@ -281,6 +293,6 @@ def _audit(admin: HeraldAdmin, args: argparse.Namespace, out: Output) -> int:
         out.json(entries)
     else:
         out.table(("AT", "ACTION", "TENANT", "KEY", "DETAIL"),
-                  ([e.at, e.action, e.tenant or "", e.key_id or "",
+                  ([_when(e.at), e.action, e.tenant or "", e.key_id or "",
                     msgspec.json.encode(e.detail).decode() if e.detail else ""] for e in entries))
     return 0
