@@ -142,7 +142,6 @@ def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
     def run(args: argparse.Namespace) -> int:
         try:
             from herald_client import (
-                Conflict,
                 Forbidden,
                 HeraldAdmin,
                 HeraldConnectionError,
@@ -174,9 +173,7 @@ def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
                                    "(a gateway without one has the admin API off)")
         except Forbidden as exc:
             return _fail(str(exc), "HERALD_ADMIN_KEY holds a tenant's key, not the admin key")
-        except Conflict as exc:
-            return _fail(str(exc))
-        except HeraldError as exc:  # 400 naming the field, 404, 5xx, …
+        except HeraldError as exc:  # 400 naming the field, 404, 409, 5xx, …
             return _fail(str(exc))
         except KeyboardInterrupt:
             return 130
