@@ -30,6 +30,7 @@ from herald import jetstream
 from herald.relay import Relay
 from herald.settings import Settings
 from herald.jobs import NewJob
+from herald.sealing import load_sealer
 from herald.storage import build_storage
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore, _append_event, _fetch
@@ -118,7 +119,7 @@ def new_jobs(tenant: str, n: int) -> list[NewJob]:
 async def seed_jobs(settings: Settings, jobs: list[NewJob], chunk: int = 5000) -> list[str]:
     """``jobs`` as queued report jobs in the store ``settings`` name (no outbox rows)."""
     if settings.database_url is not None:
-        await _seed_postgres(settings.database_url, jobs, chunk)
+        await _seed_postgres(settings, jobs, chunk)
     else:
         await seed_sqlite(settings.db_path, jobs, chunk)
     return [job.id for job in jobs]
@@ -128,7 +129,8 @@ async def seed_sqlite(db_path: Path, jobs: list[NewJob], chunk: int = 5000) -> N
     """Rows and history as ``SqliteJobStore.accept`` writes them, no outbox."""
     db_path.parent.mkdir(parents=True, exist_ok=True)
     db = Database(db_path, SCHEMA)
-    store = SqliteJobStore(db, retention_s=86400.0)
+    # The data dir's own secret key: the store is the deployment's (or the baseline's own file).
+    store = SqliteJobStore(db, retention_s=86400.0, sealer=load_sealer(Settings(data_dir=db_path.parent)))
     await store.open()
     try:
         for start in range(0, len(jobs), chunk):
@@ -161,18 +163,18 @@ _JOB_COLUMNS = ("id", "tenant", "kind", "collection", "state", "params", "progre
 _EVENT_COLUMNS = ("tenant", "seq", "job_id", "kind", "version", "type", "at", "data")
 
 
-async def _seed_postgres(url: str, jobs: list[NewJob], chunk: int) -> None:
+async def _seed_postgres(settings: Settings, jobs: list[NewJob], chunk: int) -> None:
     """Rows and history as ``herald_accept`` writes them (its own row builder), no outbox."""
     import asyncpg
 
     from herald.storage.postgres.jobs import _queued_row
 
     # The schema first, as a Herald process creates it (migrations under the advisory lock).
-    storage = build_storage(Settings(database_url=url))
+    storage = build_storage(settings)
     await storage.jobs.open()
     await storage.jobs.close()
     encoder = msgspec.json.Encoder()
-    conn = await asyncpg.connect(url)
+    conn = await asyncpg.connect(settings.database_url)
     try:
         for start in range(0, len(jobs), chunk):
             batch = jobs[start:start + chunk]

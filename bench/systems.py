@@ -26,6 +26,9 @@ from pathlib import Path
 from bench.procs import (BenchError, PidGroup, Proc, Procs, children, cmdline, free_port, http_get, http_ok, listening,
                          wait_until)
 from herald.settings import Settings
+
+# Seals the store's secrets in the bench's PostgreSQL deployments (SPEC §12).
+SECRET_KEY = "bench-secret-key-of-at-least-32-characters"
 from herald.supervisor import find_nats_server, nats_conf
 
 TENANT = "bench"
@@ -92,7 +95,8 @@ class Herald:
 
     def store_settings(self) -> Settings:
         """What a process of the bench needs to open this deployment's store and NATS (``Driver``)."""
-        return Settings(data_dir=self.data_dir, nats_url=self.nats.url, database_url=self.database_url)
+        return Settings(data_dir=self.data_dir, nats_url=self.nats.url, database_url=self.database_url,
+                        secret_keys=(SECRET_KEY,) if self.database_url else ())
 
     @property
     def base(self) -> str:
@@ -109,6 +113,7 @@ class Herald:
         )
         if self.database_url:
             env["HERALD_DATABASE_URL"] = self.database_url
+            env["HERALD_SECRET_KEY"] = SECRET_KEY  # required with PostgreSQL
         env.update(self.settings)
         env.update(extra)
         return env
@@ -208,6 +213,7 @@ class ClusterHerald:
         env = clean_env(
             HERALD_DATA_DIR=str(root / "data"),
             HERALD_NATS_PORT=str(self.nats_port),
+            HERALD_SECRET_KEY=SECRET_KEY,  # given, so that the bench can open the cluster's store too
             HERALD_API_KEYS=f"{TENANT}:{API_KEY}",
             HERALD_RATE_LIMIT="0",
             HERALD_WEBHOOK_ALLOW_PRIVATE="1",

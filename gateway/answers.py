@@ -25,6 +25,7 @@ from gateway.render import etag, public_status, retry_after
 from herald.jobs import JobRow
 from herald.signing import UrlSigner
 from herald.storage.ports import JobStore
+from schemas.jobs import QueuedReason
 
 _encoder = msgspec.json.Encoder()  # what Litestar's JSON rendering of a Struct gives, byte for byte
 
@@ -40,11 +41,13 @@ class StatusAnswer:
     body: bytes
 
 
-def status_answer(job: JobRow, signer: UrlSigner, at: float | None = None) -> StatusAnswer:
+def status_answer(
+    job: JobRow, signer: UrlSigner, at: float | None = None, queued_reason: QueuedReason | None = None
+) -> StatusAnswer:
     """The answer to a poll of ``job`` at the instant ``at`` (default: now), headers and body."""
     at = time.time() if at is None else at
     tag = etag(job)
-    body = _encoder.encode(public_status(job, signer, now=at))
+    body = _encoder.encode(public_status(job, signer, now=at, queued_reason=queued_reason))
     if job.state == "succeeded":
         return StatusAnswer(job, signer.expiry(at), None, 303, tag,
                             {"Location": job.result_url, "ETag": tag, "Cache-Control": "no-store"}, body)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
 
 from litestar import Litestar
@@ -18,14 +18,16 @@ from gateway.hub import Hub
 from gateway.middleware import bind_job_context, instrument
 from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
+from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from gateway.routes import events, health, jobs, page, portal
 from gateway.routes.accept import accept_route
+from gateway.routes.admin import AdminController
 from gateway.routes.results import result_route
 from gateway.routes.webhooks import WebhooksController
 from gateway.services import Services
-from herald.storage.ports import JobStore
 from herald import jetstream
+from herald.directory import Directory
 from herald.logs import log_transition
 from herald.metrics import metrics as process_metrics
 from herald.relay import Relay
@@ -74,6 +76,7 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     # Retention deletes results, so the sweeper starts once the result store is reachable.
     spawn(run_sweeper(svc.store, svc.results, svc.settings), "sweeper", tasks)
     svc.nats = nc
+    await svc.directory.attach(nc)
     await svc.hub.attach(nc)
     await svc.watch.attach(nc)
     relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
@@ -82,18 +85,13 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     log.info("NATS connected, streams ready")
 
 
-def _queued_ages(store: JobStore, kinds: list[str]) -> Callable[[], Awaitable[Mapping[str, float]]]:
-    async def read() -> Mapping[str, float]:
-        return await store.queued_ages(kinds)
-
-    return read
-
-
 async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
     """Open (or wait for) the store, load the URL signing key, then start what needs both."""
     await svc.store.open()
     if not svc.signer.ready:
         svc.signer.set_keys((await svc.store.signing_key(),))
+    await svc.directory.refresh(force=True)
+    spawn(svc.directory.run(), "tenant-directory", tasks)
     spawn(_connect_nats(svc, tasks), "nats-connect", tasks)
 
 
@@ -109,6 +107,7 @@ def create_app(settings: Settings) -> Litestar:
             stack.push_async_callback(storage.close)
             metrics = process_metrics()
             hub = Hub(metrics)
+            directory = Directory(settings, storage.tenants)
             store.on_commit(metrics.observe)
             store.on_commit(log_transition)
             store.on_commit(lambda _job, event: hub.publish(event))
@@ -120,9 +119,12 @@ def create_app(settings: Settings) -> Litestar:
                 results=await open_result_store(settings, None),
                 signer=UrlSigner(settings.configured_signing_keys(), settings.signed_url_ttl_s),
                 metrics=metrics,
-                limiter=TenantLimits(settings.rate_limit, settings.max_held_per_tenant),
+                limiter=TenantLimits(directory),
+                limits=directory,
                 hub=hub,
-                backlog=BacklogGuard(_queued_ages(store, [kind.name for kind in kinds]), settings.max_queue_age_s),
+                directory=directory,
+                backlog=BacklogGuard(store.tenant_queued_age, settings.max_queue_age_s),
+                queue_reasons=QueueReasons(store, directory),
             )
             app.state.services = svc
             tasks: list[asyncio.Task[None]] = []
@@ -132,6 +134,7 @@ def create_app(settings: Settings) -> Litestar:
                 await opening  # a local file: open before serving. PostgreSQL may take a while: /readyz says 503 meanwhile
 
             async def close_nats() -> None:
+                await directory.detach()
                 await hub.detach()
                 await svc.watch.detach()
                 if svc.nats is not None:
@@ -139,6 +142,10 @@ def create_app(settings: Settings) -> Litestar:
                         await svc.nats.drain()
 
             stack.push_async_callback(close_nats)
+            if settings.admin_key is None:
+                log.warning("the admin API is off: every /admin route answers 401 (set HERALD_ADMIN_KEY to turn it on)")
+            if not settings.api_keys:
+                log.info("no HERALD_API_KEYS: only the tenants and keys created through /admin can call the API")
             log.info("gateway ready", extra={"host": settings.http_host, "port": settings.http_port})
             yield
 
@@ -156,6 +163,7 @@ def create_app(settings: Settings) -> Litestar:
             *(accept_route(kind) for kind in kinds),
             *(result_route(kind) for kind in kinds),
             WebhooksController,
+            AdminController,
             page.index,
             page.asset,
             portal.portal_page,
@@ -175,6 +183,7 @@ def create_app(settings: Settings) -> Litestar:
             components=Components(
                 security_schemes={
                     "bearer": SecurityScheme(type="http", scheme="bearer", description="API key"),
+                    "admin": SecurityScheme(type="http", scheme="bearer", description="the operator's HERALD_ADMIN_KEY"),
                     "portal": SecurityScheme(type="http", scheme="bearer", bearer_format="hps_…",
                                              description="portal session token (POST /portal/session): "
                                              "the tenant's /webhooks routes only"),

@@ -1,12 +1,16 @@
-"""Tenancy: bearer keys (compared in constant time), portal sessions and signed URLs.
+"""Who is calling: API keys with scopes, portal sessions, the operator's admin key (SPEC §2, §12).
 
-A *portal session* (SPEC §7) is a bearer token ``hps_<exp>.<tenant, base64url>.<sig>``
+Keys are checked against the process's tenant directory (``herald.directory``), which is
+in memory: authenticating costs no store read. A route names the scope it needs
+(``herald.tenants``); a valid key without it gets ``403 /problems/insufficient-scope``.
+
+A *portal session* (SPEC §7) is a bearer token ``hps_<exp>.<tenant, base64url>.<key id>.<sig>``
 that ``POST /portal/session`` hands out for a valid portal link: an HMAC under the URL
-signing keys, scoped to one tenant and to the ``/webhooks`` routes. The webhook routes
-take it (``require_webhook_tenant``); every other route refuses it with ``403
-/problems/portal-scope`` (``require_tenant``, ``bearer_tenant``), so a portal link never
-opens a tenant's jobs, and its tenant is inside the signature, so never another tenant's
-anything.
+signing keys, scoped to one tenant, bound to the key that made the link (revoking that
+key, or disabling the tenant, ends it) and to the ``/webhooks`` routes. The webhook
+routes take it (``require_webhook_tenant``); every other route refuses it with ``403
+/problems/portal-scope``, so a portal link never opens a tenant's jobs, and its tenant is
+inside the signature, so never another tenant's anything.
 """
 
 from __future__ import annotations
@@ -17,9 +21,12 @@ import hmac
 
 from litestar import Request
 
-from gateway.problems import PortalScope, Unauthorized
-from herald.settings import Settings
+from gateway.problems import AdminOnly, InsufficientScope, PortalScope, Unauthorized
+from gateway.services import Services
+from herald.directory import Principal
+from herald.jobs import StoreUnavailable
 from herald.signing import UrlSigner
+from herald.tenants import KEY_PREFIX, SCOPE_WEBHOOKS
 
 PORTAL_TOKEN_PREFIX = "hps_"
 PORTAL_LINK_PURPOSE = "portal"  # the signed /portal URL: valid HERALD_SIGNED_URL_TTL_S to open
@@ -27,16 +34,7 @@ PORTAL_SESSION_PURPOSE = "portal-session"
 PORTAL_SESSION_PATH = "/webhooks"
 PORTAL_SESSION_S = 8 * 3600  # an opened portal works this long (a working day), then needs a fresh link
 MAX_TENANT_LENGTH = 64
-
-
-def _tenant_for_key(settings: Settings, presented: str) -> str | None:
-    found: str | None = None
-    candidate = presented.encode()
-    # Compare against every key so timing does not reveal how many matched or where.
-    for key, tenant in settings.api_keys.items():
-        if hmac.compare_digest(key.encode(), candidate):
-            found = tenant
-    return found
+MAX_KEY_ID_LENGTH = 64
 
 
 def _bearer_token(request: Request) -> str | None:
@@ -49,57 +47,104 @@ def _bearer_token(request: Request) -> str | None:
     return token.strip()
 
 
-def bearer_tenant(request: Request, settings: Settings) -> str | None:
-    """The tenant of the request's API key; None without a valid one. A portal session
-    token is refused outright (403): it is valid only on the webhook routes."""
+def _principal(token: str, svc: Services) -> Principal | None:
+    principal = svc.directory.authenticate(token)
+    if principal is None and token.startswith(KEY_PREFIX) and not svc.directory.loaded:
+        # The store's keys are not loaded yet (PostgreSQL still connecting): the client can
+        # outwait this, so 503 rather than a 401 that says the key is wrong.
+        raise StoreUnavailable("the tenant directory is not loaded yet")
+    return principal
+
+
+def _scoped(principal: Principal, scope: str) -> str:
+    if scope not in principal.scopes:
+        raise InsufficientScope(scope)
+    return principal.tenant
+
+
+def bearer_tenant(request: Request, svc: Services, scope: str) -> str | None:
+    """The tenant of the request's API key; None without a valid one; 403 if the key lacks
+    ``scope``. A portal session token is refused outright (403): it is valid only on the
+    webhook routes."""
     token = _bearer_token(request)
     if token is None:
         return None
     if token.startswith(PORTAL_TOKEN_PREFIX):
         raise PortalScope()
-    return _tenant_for_key(settings, token)
+    principal = _principal(token, svc)
+    return None if principal is None else _scoped(principal, scope)
 
 
-def require_tenant(request: Request, settings: Settings) -> str:
-    tenant = bearer_tenant(request, settings)
-    if tenant is None:
+def require_principal(request: Request, svc: Services) -> Principal:
+    token = _bearer_token(request)
+    if token is None:
         raise Unauthorized()
-    return tenant
+    if token.startswith(PORTAL_TOKEN_PREFIX):
+        raise PortalScope()
+    principal = _principal(token, svc)
+    if principal is None:
+        raise Unauthorized()
+    return principal
+
+
+def require_tenant(request: Request, svc: Services, scope: str) -> str:
+    return _scoped(require_principal(request, svc), scope)
+
+
+def require_admin(request: Request, svc: Services) -> None:
+    """The operator's ``HERALD_ADMIN_KEY``; unset, every /admin route is 401. A tenant's key: 403."""
+    token = _bearer_token(request)
+    admin_key = svc.settings.admin_key
+    if token is not None and admin_key is not None and hmac.compare_digest(token.encode(), admin_key.encode()):
+        return
+    if admin_key is None:
+        raise Unauthorized("the admin API is off: set HERALD_ADMIN_KEY on the gateway")
+    if token is not None and not token.startswith(PORTAL_TOKEN_PREFIX) and svc.directory.authenticate(token):
+        raise AdminOnly()
+    raise Unauthorized("send Authorization: Bearer <HERALD_ADMIN_KEY>")
 
 
 # ----- portal sessions ---------------------------------------------------------------------
 
 
-def portal_token(signer: UrlSigner, tenant: str) -> str:
-    exp, sig = signer.seal(PORTAL_SESSION_PATH, PORTAL_SESSION_PURPOSE, extra=tenant, ttl_s=PORTAL_SESSION_S)
+def portal_binding(tenant: str, key_id: str) -> str:
+    """What a portal link and session sign besides their path: the tenant and the key that made it."""
+    return f"{tenant}|{key_id}"
+
+
+def portal_token(signer: UrlSigner, tenant: str, key_id: str) -> str:
+    exp, sig = signer.seal(PORTAL_SESSION_PATH, PORTAL_SESSION_PURPOSE, extra=portal_binding(tenant, key_id),
+                           ttl_s=PORTAL_SESSION_S)
     name = base64.urlsafe_b64encode(tenant.encode()).decode().rstrip("=")
-    return f"{PORTAL_TOKEN_PREFIX}{exp}.{name}.{sig}"
+    return f"{PORTAL_TOKEN_PREFIX}{exp}.{name}.{key_id}.{sig}"
 
 
-def portal_token_tenant(signer: UrlSigner, token: str) -> str | None:
-    """The tenant a portal session token was made for, if it is genuine and not expired."""
-    exp, _, rest = token.removeprefix(PORTAL_TOKEN_PREFIX).partition(".")
-    name, _, sig = rest.partition(".")
+def portal_token_principal(signer: UrlSigner, token: str) -> tuple[str, str] | None:
+    """``(tenant, key id)`` of a genuine, unexpired portal session token."""
+    parts = token.removeprefix(PORTAL_TOKEN_PREFIX).split(".")
+    if len(parts) != 4:
+        return None
+    exp, name, key_id, sig = parts
     try:
         tenant = base64.urlsafe_b64decode(name + "=" * (-len(name) % 4)).decode()
     except (ValueError, binascii.Error, UnicodeDecodeError):
         return None
-    if not tenant or len(tenant) > MAX_TENANT_LENGTH:
+    if not tenant or len(tenant) > MAX_TENANT_LENGTH or not key_id or len(key_id) > MAX_KEY_ID_LENGTH:
         return None
-    if not signer.verify(PORTAL_SESSION_PATH, PORTAL_SESSION_PURPOSE, exp, sig, extra=tenant):
+    if not signer.verify(PORTAL_SESSION_PATH, PORTAL_SESSION_PURPOSE, exp, sig, extra=portal_binding(tenant, key_id)):
         return None
-    return tenant
+    return tenant, key_id
 
 
-def require_webhook_tenant(request: Request, settings: Settings, signer: UrlSigner) -> str:
-    """The tenant of an API key or of a portal session: the webhook routes take both."""
+def require_webhook_tenant(request: Request, svc: Services) -> str:
+    """The tenant of an API key with the ``webhooks`` scope, or of a live portal session."""
     token = _bearer_token(request)
     if token is not None and token.startswith(PORTAL_TOKEN_PREFIX):
-        tenant = portal_token_tenant(signer, token)
-        if tenant is None:
+        found = portal_token_principal(svc.signer, token)
+        if found is None:
             raise Unauthorized("this portal session has expired or is not valid: open a fresh portal link")
+        tenant, key_id = found
+        if not svc.directory.key_live(key_id, tenant):
+            raise Unauthorized("the key that opened this portal session was revoked, or its tenant disabled")
         return tenant
-    tenant = _tenant_for_key(settings, token) if token is not None else None
-    if tenant is None:
-        raise Unauthorized()
-    return tenant
+    return require_tenant(request, svc, SCOPE_WEBHOOKS)

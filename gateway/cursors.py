@@ -44,6 +44,18 @@ def decode_position(raw: str) -> tuple[float, str]:
     return at, row_id
 
 
+def encode_name(name: str) -> str:
+    return _encode(name)
+
+
+def decode_name(raw: str, max_length: int = 64) -> str:
+    """A position by name (tenants are listed by id): printable ASCII within a length."""
+    name = _decode(raw)
+    if not name or len(name) > max_length or not name.isascii() or not name.isprintable():
+        raise InvalidCursor()
+    return name
+
+
 def encode_seq(seq: int) -> str:
     return _encode(str(seq))
 
@@ -54,6 +66,6 @@ def decode_seq(raw: str) -> int:
 
 def parse_seq(text: str) -> int:
     """A plain sequence number (event ids, ``after=``): digits, within a 64-bit column."""
-    if not text.isdigit() or len(text) > 19 or int(text) > MAX_SEQ:
+    if not text.isascii() or not text.isdigit() or len(text) > 19 or int(text) > MAX_SEQ:
         raise InvalidCursor()
     return int(text)

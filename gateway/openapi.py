@@ -29,6 +29,7 @@ from litestar.openapi.spec import (
     Reference,
     RequestBody,
     Schema,
+    Tag,
 )
 
 from gateway.problems import PROBLEM_MEDIA_TYPE
@@ -120,6 +121,9 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     openapi.components.schemas = schemas
     binary = Schema(type=OpenAPIType.STRING, format="binary")  # type: ignore[arg-type]
 
+    openapi.tags = [*(openapi.tags or []), Tag(
+        name="admin", description="The operator's API (SPEC §12): tenants, their scoped keys and limits, the audit "
+        "log. Takes `Authorization: Bearer <HERALD_ADMIN_KEY>`; off (401) while that is unset.")]
     _describe_kinds(openapi.paths, schemas, kinds)
     json_result = Schema(description="the JSON value the handler returned")
     for kind in kinds:
@@ -149,5 +153,8 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     for path, item in openapi.paths.items():
         for operation in (item.get, item.post, item.put, item.patch, item.delete):
             if operation is not None and operation.operation_id not in PUBLIC_OPERATIONS:
+                if path.startswith("/admin"):
+                    operation.security = [{"admin": []}]
+                    continue
                 security = BEARER_OR_PORTAL if path.startswith("/webhooks") else BEARER
                 operation.security = security  # type: ignore[assignment]

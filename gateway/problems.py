@@ -12,9 +12,9 @@ from litestar.exceptions import HTTPException
 from herald.jobs import StoreUnavailable
 from schemas import FieldError, Problem
 from schemas.problems import (
-    BAD_REQUEST, CONFLICT, ENDPOINT_DISABLED, FORBIDDEN, GENERIC, GONE, IDEMPOTENCY_KEY_MISMATCH,
+    ADMIN_ONLY, BAD_REQUEST, CONFLICT, ENV_KEY, INSUFFICIENT_SCOPE, TENANT_EXISTS, ENDPOINT_DISABLED, FORBIDDEN, GENERIC, GONE, IDEMPOTENCY_KEY_MISMATCH,
     IDEMPOTENCY_KEY_REQUIRED, INTERNAL, INVALID_CURSOR, INVALID_IDEMPOTENCY_KEY, INVALID_REQUEST,
-    INVALID_SIGNATURE, JOB_FINISHED, MALFORMED_JSON, METHOD_NOT_ALLOWED, NOT_ACCEPTABLE, NOT_FOUND,
+    INVALID_SIGNATURE, JOB_FINISHED, LIMIT_REACHED, MALFORMED_JSON, METHOD_NOT_ALLOWED, NOT_ACCEPTABLE, NOT_FOUND,
     NOT_READY, NO_RESULT, OVERLOADED, PAYLOAD_TOO_LARGE, PORTAL_SCOPE, RATE_LIMITED, RESULT_NOT_READY,
     STORE_UNAVAILABLE, TOO_MANY_STREAMS, UNAUTHORIZED, UNAVAILABLE, UNPROCESSABLE,
     UNSUPPORTED_MEDIA_TYPE, ProblemType,
@@ -105,6 +105,28 @@ class PortalScope(ProblemError):
         super().__init__(detail)
 
 
+class InsufficientScope(ProblemError):
+    kind = INSUFFICIENT_SCOPE
+
+    def __init__(self, scope: str) -> None:
+        super().__init__(f"this key lacks the scope {scope}, which this route needs")
+
+
+class AdminOnly(ProblemError):
+    kind = ADMIN_ONLY
+
+    def __init__(self, detail: str = "the /admin routes take the operator's HERALD_ADMIN_KEY, not a tenant's key") -> None:
+        super().__init__(detail)
+
+
+class TenantExists(ProblemError):
+    kind = TENANT_EXISTS
+
+
+class EnvKey(ProblemError):
+    kind = ENV_KEY
+
+
 class NotFound(ProblemError):
     kind = NOT_FOUND
 
@@ -127,6 +149,10 @@ class JobFinished(ProblemError):
 
 class EndpointDisabled(ProblemError):
     kind = ENDPOINT_DISABLED
+
+
+class LimitReached(ProblemError):
+    kind = LIMIT_REACHED
 
 
 class Gone(ProblemError):

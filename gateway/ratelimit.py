@@ -10,30 +10,50 @@ from __future__ import annotations
 import math
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable
 
 from gateway.problems import Overloaded, RateLimited, TooManyStreams
 from herald.storage.ports import StartBudget
+from herald.tenants import LimitsSource
+
+
+# How long a refused stream is told to wait: held streams end when clients go or jobs end,
+# so a few seconds is a fair guess and keeps a reconnect loop from hammering the gateway.
+STREAM_RETRY_AFTER_S = 5
 
 
 class TenantLimits:
-    def __init__(self, starts_per_s: float, max_held: int) -> None:
-        self.rate = starts_per_s
-        # HERALD_RATE_LIMIT=0 turns the limit off; the burst is twice the rate (SPEC §1).
-        self.start_budget = StartBudget(rate=starts_per_s, burst=max(1.0, 2 * starts_per_s)) if starts_per_s > 0 else None
-        self.max_held = max_held
+    """Each tenant's limits come from ``limits`` (the tenant directory: its own, or the
+    deployment's defaults), read at each start or opening, so a change made through /admin
+    applies to the next request. SSE streams (a job's, the tenant's, the portal's notices),
+    held long polls and held feed polls (``GET /events?wait=`` answered as JSON) are one
+    count against the tenant's ``max_streams``."""
+
+    def __init__(self, limits: LimitsSource) -> None:
+        self.limits = limits
         self._held: Counter[str] = Counter()
 
-    def rate_limited(self, wait_s: float) -> RateLimited:
+    def start_budget(self, tenant: str) -> StartBudget | None:
+        rate = self.limits.limits(tenant).rate_limit
+        # A rate of 0 turns the limit off; the burst is twice the rate (SPEC §1).
+        return StartBudget(rate=rate, burst=max(1.0, 2 * rate)) if rate > 0 else None
+
+    def rate_limited(self, tenant: str, wait_s: float) -> RateLimited:
         wait = max(1, math.ceil(wait_s))
-        return RateLimited(f"job starts are limited to {self.rate:g}/s per tenant; retry after {wait} s", retry_after=wait)
+        rate = self.limits.limits(tenant).rate_limit
+        return RateLimited(f"job starts are limited to {rate:g}/s for this tenant; retry after {wait} s",
+                           retry_after=wait)
+
+    def held(self, tenant: str) -> int:
+        return self._held[tenant] if tenant in self._held else 0
 
     def open_stream(self, tenant: str) -> None:
-        """Count one held connection (SSE stream or long poll) or refuse it with 429."""
-        if self._held[tenant] >= self.max_held:
+        """Count one held connection (SSE stream, long poll, held feed poll) or refuse it with 429."""
+        cap = self.limits.limits(tenant).max_streams
+        if self.held(tenant) >= cap:
             raise TooManyStreams(
-                f"this tenant already holds {self.max_held} streams and long polls; close some first", retry_after=5
-            )
+                f"this tenant already holds {cap} streams and long polls (max_streams) on this gateway;"
+                " close some first", retry_after=STREAM_RETRY_AFTER_S)
         self._held[tenant] += 1
 
     def close_stream(self, tenant: str) -> None:
@@ -43,33 +63,41 @@ class TenantLimits:
 
 
 class BacklogGuard:
-    """Back-pressure: while the oldest queued job of a kind is older than the bound, starts
-    of that kind get 503. Per kind: a kind no running worker serves (its jobs wait in
-    JetStream for one) does not hold back the kinds that are being served.
+    """Back-pressure: while a tenant's oldest queued job of a kind is older than the bound,
+    that tenant's starts of that kind get 503 (SPEC §13). Judged per tenant, so one tenant
+    filling a queue is refused while the others are not; per kind, so a kind no running
+    worker serves does not hold back the kinds that are being served.
 
-    The ages are read from the store at most every ``refresh_s`` (a partial index makes the
-    read cheap, but starts are the hot path).
+    Each (kind, tenant) age is read from the store (one index lookup) at most every
+    ``refresh_s``: starts are the hot path. Ages of pairs not asked about lately are dropped.
     """
 
     def __init__(
-        self, queued_ages: Callable[[], Awaitable[Mapping[str, float]]], max_age_s: float, refresh_s: float = 0.5
+        self, queued_age: Callable[[str, str], Awaitable[float]], max_age_s: float, refresh_s: float = 0.5,
+        keep: int = 10_000,
     ) -> None:
-        self._queued_ages = queued_ages
+        self._queued_age = queued_age
         self.max_age_s = max_age_s
         self._refresh_s = refresh_s
-        self._ages: Mapping[str, float] = {}
-        self._read_at = -math.inf
+        self._keep = keep
+        self._ages: dict[tuple[str, str], tuple[float, float]] = {}  # (kind, tenant) -> (age, read at)
 
-    async def check(self, kind: str) -> None:
+    async def check(self, kind: str, tenant: str) -> None:
         if self.max_age_s <= 0:
             return
         now = time.monotonic()
-        if now - self._read_at >= self._refresh_s:
-            self._ages, self._read_at = await self._queued_ages(), now
-        age = self._ages.get(kind, 0.0)
+        key = (kind, tenant)
+        known = self._ages.get(key)
+        if known is None or now - known[1] >= self._refresh_s:
+            known = (await self._queued_age(kind, tenant), now)
+            self._ages.pop(key, None)
+            self._ages[key] = known
+            if len(self._ages) > self._keep:
+                del self._ages[next(iter(self._ages))]  # the least recently read
+        age = known[0]
         if age > self.max_age_s:
             raise Overloaded(
-                f"the oldest queued {kind} job has waited {age:.0f} s (limit {self.max_age_s:g} s); "
+                f"your oldest queued {kind} job has waited {age:.0f} s (limit {self.max_age_s:g} s); "
                 "retry later instead of growing the backlog",
                 retry_after=5,
             )

@@ -6,14 +6,18 @@ from herald.signing import UrlSigner
 from herald.jobs import JobRow
 from herald.timefmt import now
 from schemas import JobStatus
+from schemas.jobs import QueuedReason
 
 EVENTS_PURPOSE = "events"
 RESULT_PURPOSE = "result"
 
 
-def public_status(job: JobRow, signer: UrlSigner, now: float | None = None) -> JobStatus:
+def public_status(
+    job: JobRow, signer: UrlSigner, now: float | None = None, queued_reason: QueuedReason | None = None
+) -> JobStatus:
     """``now``: the instant the links are signed at (default: this one)."""
     status = job.status()
+    status.queued_reason = queued_reason
     status.links.events = signer.sign(status.links.events, EVENTS_PURPOSE, now=now)
     if status.links.result is not None:
         status.links.result = signer.sign(status.links.result, RESULT_PURPOSE, now=now)

@@ -10,11 +10,14 @@ from nats.aio.client import Client as NATS
 from gateway.answers import WokenAnswers
 from gateway.deliverywatch import DeliveryWatch
 from gateway.hub import Hub
+from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
+from herald.directory import Directory
 from herald.metrics import Metrics
 from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage.ports import JobStore, ResultStore, Storage
+from herald.tenants import LimitsSource
 
 
 @dataclass(slots=True)
@@ -26,8 +29,11 @@ class Services:
     signer: UrlSigner
     metrics: Metrics
     limiter: TenantLimits
+    limits: LimitsSource  # each tenant's limits (SPEC §13): the tenant directory, or the defaults
     backlog: BacklogGuard
     hub: Hub
+    directory: Directory  # tenants, keys and limits, cached (herald.directory)
+    queue_reasons: QueueReasons  # why a queued job waits (SPEC §13)
     nats: NATS | None = field(default=None)
     watch: DeliveryWatch = field(default_factory=DeliveryWatch)  # the portal's delivery notices
     answers: WokenAnswers = field(default_factory=WokenAnswers)  # shared by the long polls one change wakes

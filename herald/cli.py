@@ -180,6 +180,36 @@ def list_kinds(settings: Settings, *, check: bool) -> int:
     return 0
 
 
+def reencrypt_secrets(settings: Settings) -> int:
+    """``herald secrets reencrypt``: every secret in the store sealed under the first key of
+    HERALD_SECRET_KEY, so the keys after it can be dropped (the README's rotation steps)."""
+    from herald.sealing import SealError
+    from herald.storage import open_storage
+
+    async def run() -> int:
+        storage = await open_storage(settings)
+        try:
+            return await storage.jobs.reseal_secrets()
+        finally:
+            await storage.close()
+
+    try:
+        changed = asyncio.run(run())
+    except SealError as exc:
+        print(f"herald: {exc}", file=sys.stderr)
+        return 2
+    print(f"re-encrypted {changed} secret(s) under the first key of HERALD_SECRET_KEY")
+    return 0
+
+
+def _check_secret_key(settings: Settings) -> None:
+    """A process that opens the store needs its secret key, before anything starts
+    (PostgreSQL: HERALD_SECRET_KEY; SQLite: that, or the key file, made here once)."""
+    from herald.sealing import load_sealer
+
+    load_sealer(settings)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="herald", description="Herald: asynchronous request-reply gateway")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +232,9 @@ def build_parser() -> argparse.ArgumentParser:
     kinds = sub.add_parser("kinds", help="list the installed job kinds (and check that their handlers import)")
     kinds.add_argument("--check", action="store_true", help="import every handler, as a worker does at start")
     sub.add_parser("notifier", help="run one webhook notifier process")
+    secrets_cmd = sub.add_parser("secrets", help="the store's sealed secrets (HERALD_SECRET_KEY)")
+    secrets_sub = secrets_cmd.add_subparsers(dest="secrets_command", required=True)
+    secrets_sub.add_parser("reencrypt", help="re-seal every secret in the store under the first key of HERALD_SECRET_KEY")
     with contextlib.suppress(ImportError):
         from herald.client_cli import add_client_commands
 
@@ -219,6 +252,9 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args))
     try:
         settings = _settings(args)
+        if args.command in ("gateway", "worker", "notifier", "secrets") or (
+                args.command == "up" and not args.cluster):  # --cluster makes one for all its processes
+            _check_secret_key(settings)
     except SettingsError as exc:
         print(f"herald: {exc}", file=sys.stderr)
         return 2
@@ -234,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.command == "kinds":
         return list_kinds(settings, check=args.check)
+    if args.command == "secrets":
+        return reencrypt_secrets(settings)
     if args.command == "up" and args.cluster:
         from herald.cluster_up import run_cluster
 

@@ -22,8 +22,10 @@ from pathlib import Path
 
 from herald import jetstream
 from herald.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
+from herald.keyfiles import load_or_create
 from herald.metrics import MULTIPROC_ENV
 from herald.pgserver import PostgresError, PostgresServer
+from herald.sealing import KEY_FILE, load_or_create_key_file
 from herald.settings import Settings
 from herald.supervisor import (
     STOP_TIMEOUT_S,
@@ -50,15 +52,7 @@ def cluster_root(settings: Settings) -> Path:
 
 def load_or_create_signing_key(root: Path) -> str:
     """One URL-signing key for every gateway (SPEC §6), generated once and kept 0600."""
-    path = root / SIGNING_KEY_FILE
-    if path.exists():
-        return path.read_text().strip()
-    key = secrets.token_urlsafe(32)
-    # O_EXCL with mode 0600: the key is never readable by others, not even for a moment.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "w") as handle:
-        handle.write(key + "\n")
-    return key
+    return load_or_create(root / SIGNING_KEY_FILE)
 
 
 def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -244,6 +238,9 @@ class ClusterSupervisor(Supervisor):
             "HERALD_DATABASE_URL": self.database_url,
             "HERALD_RESULT_STORE": "nats",
             "HERALD_SIGNING_KEY": signing_key,
+            # One key seals the store's secrets for every process, as on separate machines.
+            "HERALD_SECRET_KEY": (",".join(self.settings.secret_keys) if self.settings.secret_keys
+                                  else load_or_create_key_file(self.root / KEY_FILE)),
         }
         python = [sys.executable, "-m", "herald.cli"]
         self.children = []
@@ -345,6 +342,7 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         supervisor.root.mkdir(parents=True, exist_ok=True)
+        supervisor.provision_keys()
         if settings.http_host in ("127.0.0.1", "localhost"):
             for port in (settings.http_port, settings.http_port + 1):
                 _require_free_port(port, "HERALD_HTTP_PORT or --port (the cluster's gateways use it and the next)")

@@ -1,21 +1,48 @@
 """Names shared by every process: streams, consumers, subjects, headers."""
 
+import re
+
 JOBS_STREAM = "HERALD_JOBS"
 EVENTS_STREAM = "HERALD_EVENTS"
-# Each kind has its own durable consumer, ``herald-workers-<kind>`` on ``jobs.<kind>``, so a
-# worker pulls only the kinds it serves. ``herald-workers`` alone is the single consumer of
-# every kind that Herald used before (removed by ensure_topology: on a work-queue stream
-# consumers may not overlap).
+# Work messages are split by kind and tenant, ``jobs.<kind>.<tenant token>``, each pair with
+# its own durable consumer ``herald-workers-<kind>-<tenant token>`` (created when first
+# needed), so that workers can share their slots fairly among tenants (SPEC §13,
+# workers/dispatch.py). Older Herald versions published ``jobs.<kind>`` and consumed it
+# with ``herald-workers-<kind>`` (before that, ``herald-workers`` on ``jobs.>``, removed by
+# ensure_topology); workers still drain those. The filters never overlap, which a
+# work-queue stream requires of its consumers.
 WORKERS_CONSUMER = "herald-workers"
 NOTIFIER_CONSUMER = "herald-notifier"
 
+# A tenant id as SPEC §12 allows it is a valid subject token and consumer-name part as it
+# is; anything else (a tenant named in HERALD_API_KEYS may hold any character but ':' and
+# ',') is hex-encoded behind a '~', which no valid id starts with, so tokens never collide.
+_PLAIN_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
+_ENCODED_PREFIX = "~"
 
-def job_subject(kind: str) -> str:
-    return f"jobs.{kind}"
+
+def tenant_token(tenant: str) -> str:
+    """The tenant as one subject token (no '.', '*', '>' or whitespace) and consumer-name part."""
+    if _PLAIN_TENANT.fullmatch(tenant):
+        return tenant
+    return _ENCODED_PREFIX + tenant.encode().hex()
 
 
-def worker_consumer_name(kind: str) -> str:
-    return f"{WORKERS_CONSUMER}-{kind}"
+def tenant_from_token(token: str) -> str:
+    if token.startswith(_ENCODED_PREFIX):
+        return bytes.fromhex(token[len(_ENCODED_PREFIX):]).decode()
+    return token
+
+
+def job_subject(kind: str, tenant: str | None = None) -> str:
+    """The work subject of a tenant's jobs of ``kind``; without a tenant, the subject of an older Herald."""
+    return f"jobs.{kind}" if tenant is None else f"jobs.{kind}.{tenant_token(tenant)}"
+
+
+def worker_consumer_name(kind: str, token: str | None = None) -> str:
+    """The durable consumer of one kind and tenant (token); without one, an older Herald's of the kind.
+    Kind names hold no '-', so the name is unambiguous."""
+    return f"{WORKERS_CONSUMER}-{kind}" if token is None else f"{WORKERS_CONSUMER}-{kind}-{token}"
 
 
 def event_subject(tenant: str, job_id: str) -> str:

@@ -23,15 +23,42 @@ if TYPE_CHECKING:
 
 PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
 CALLBACK_PREFIX = "callback:"
-# herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again).
-DELIVERY_OUTCOMES = ("delivered", "retry", "failed", "superseded", "dropped")
+# herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again;
+# "paced": not attempted but rescheduled, its target being paced by the notifier's breaker).
+DELIVERY_OUTCOMES = ("delivered", "retry", "failed", "superseded", "dropped", "paced")
 
 
 # A webhook.test delivery belongs to no job: its job_id column holds this prefix and the
 # test's own id, so the ordering and superseding rules (per target and job) never tie it
 # to anything else.
 TEST_JOB_PREFIX = "test:"
+TEST_JOB_END = "test;"  # the first string after every "test:..." (';' follows ':'): a range's end
 HEALTH_WINDOW = 100  # an endpoint's success rate is over its newest 100 deliveries
+
+# Test events per endpoint (POST /webhooks/{id}/test): at most TEST_EVENTS_PER_WINDOW in any
+# TEST_EVENT_WINDOW_S, counted in the store (so across every gateway). Enough to click "send
+# test" while fixing a receiver; too few to use the endpoint's slots as a load generator
+# against someone else's URL.
+TEST_EVENTS_PER_WINDOW = 5
+TEST_EVENT_WINDOW_S = 60.0
+
+
+class EndpointLimitReached(Exception):
+    """The tenant already has ``max_endpoints`` endpoints (SPEC §13)."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"this tenant already has {limit} webhook endpoints (max_endpoints)")
+        self.limit = limit
+
+
+class TestEventsLimited(Exception):
+    """Too many test events to one endpoint lately; the next one may go in ``retry_after_s``."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, retry_after_s: float) -> None:
+        super().__init__(f"at most {TEST_EVENTS_PER_WINDOW} test events per endpoint per {TEST_EVENT_WINDOW_S:g} s")
+        self.retry_after_s = retry_after_s
 
 
 def new_test_event() -> tuple[str, str]:

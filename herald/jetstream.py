@@ -22,7 +22,6 @@ from herald.constants import (
     NOTIFIER_CONSUMER,
     RESULTS_BUCKET,
     WORKERS_CONSUMER,
-    job_subject,
     worker_consumer_name,
 )
 from herald.kinds import KindDeclaration, declared_kinds
@@ -93,23 +92,47 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
     ]
 
 
-def worker_consumer(settings: Settings, kind: KindDeclaration) -> ConsumerConfig:
-    """The durable consumer of one kind's work messages (``jobs.<kind>``): a worker binds to
-    the consumers of the kinds it serves, and the other kinds' messages wait in the stream.
+# A tenant's consumer nobody pulled from for this long is removed by the server (a deployment
+# with many short-lived tenants does not keep a consumer per tenant forever); a worker
+# creates it again when the tenant next has work.
+TENANT_CONSUMER_IDLE_S = 3600.0
+UNCAPPED_ACK_PENDING = 10_000
+
+
+def worker_consumer(
+    settings: Settings, kind: KindDeclaration, token: str | None = None, max_running: int = 0
+) -> ConsumerConfig:
+    """The durable consumer of one kind's work messages of one tenant (``jobs.<kind>.<token>``),
+    or (no token) of the messages an older Herald published on ``jobs.<kind>``.
 
     The lease: a worker extends it (in_progress) with every heartbeat; a message whose
     worker died comes back after ack_wait. max_deliver agrees with the kind's attempts
-    (HERALD_MAX_ATTEMPTS unless the kind declares its own)."""
+    (HERALD_MAX_ATTEMPTS unless the kind declares its own). A message is acknowledged only
+    when its run ends, so a tenant's ``max_running`` as ``max_ack_pending`` lets JetStream
+    itself hand out no more of the tenant's jobs of this kind than it may run, to all workers
+    together (SPEC §13; the claim enforces the cap across kinds)."""
     return ConsumerConfig(
-        durable_name=worker_consumer_name(kind.name),
+        durable_name=worker_consumer_name(kind.name, token),
         ack_policy=AckPolicy.EXPLICIT,
         ack_wait=max(1.0, settings.heartbeat_timeout_s),
         max_deliver=kind.attempts(settings.max_attempts) + 1,
-        max_ack_pending=10_000,
-        filter_subject=job_subject(kind.name),
+        max_ack_pending=max_running if max_running > 0 else UNCAPPED_ACK_PENDING,
+        filter_subject=f"jobs.{kind.name}" if token is None else f"jobs.{kind.name}.{token}",
         deliver_policy=DeliverPolicy.ALL,
         num_replicas=settings.nats_replicas,
+        inactive_threshold=None if token is None else TENANT_CONSUMER_IDLE_S,
     )
+
+
+async def ensure_consumer(js: JetStreamContext, config: ConsumerConfig) -> None:
+    """Create the durable consumer, or update it where its settings differ (idempotent)."""
+    try:
+        info = await js.consumer_info(JOBS_STREAM, config.durable_name or "")
+    except NotFoundError:
+        await js.add_consumer(JOBS_STREAM, config)
+        return
+    if _consumer_settings(info.config) != _consumer_settings(config):
+        await js.add_consumer(JOBS_STREAM, config)  # same durable name: updates it
 
 
 def notifier_consumer(settings: Settings) -> ConsumerConfig:
@@ -133,10 +156,11 @@ TOPOLOGY_RETRY_FOR_S = 60.0
 async def ensure_topology(
     js: JetStreamContext, settings: Settings, kinds: Iterable[KindDeclaration] | None = None
 ) -> None:
-    """Create or update streams, durable consumers (one per kind: ``kinds``, by default this
-    process's declared kinds) and (HERALD_RESULT_STORE=nats) the result bucket, each with
-    HERALD_NATS_REPLICAS copies. Safe to run from many processes, and retried whole (every
-    step is idempotent) while the cluster is electing its leaders."""
+    """Create or update streams, the notifier's durable consumer and (HERALD_RESULT_STORE=nats)
+    the result bucket, each with HERALD_NATS_REPLICAS copies. Safe to run from many
+    processes, and retried whole (every step is idempotent) while the cluster is electing its
+    leaders. Workers create their consumers (one per kind and tenant) when first needed
+    (workers/dispatch.py); ``kinds`` is kept for callers that name them."""
     declared = list(declared_kinds().values() if kinds is None else kinds)
     await retry_nats(lambda: _ensure_topology(js, settings, declared), for_s=TOPOLOGY_RETRY_FOR_S)
 
@@ -154,8 +178,7 @@ async def _ensure_topology(js: JetStreamContext, settings: Settings, kinds: list
                 pass
         await js.update_stream(config)
     await _drop_shared_worker_consumer(js)
-    consumers = [(JOBS_STREAM, worker_consumer(settings, kind)) for kind in kinds]
-    consumers.append((EVENTS_STREAM, notifier_consumer(settings)))
+    consumers = [(EVENTS_STREAM, notifier_consumer(settings))]
     for stream, consumer in consumers:
         try:
             info = await js.consumer_info(stream, consumer.durable_name or "")
@@ -182,4 +205,4 @@ async def _drop_shared_worker_consumer(js: JetStreamContext) -> None:
 
 def _consumer_settings(config: ConsumerConfig) -> tuple[object, ...]:
     """What ensure_topology may change on an existing durable consumer."""
-    return (config.ack_wait, config.max_deliver, config.num_replicas or 0)
+    return (config.ack_wait, config.max_deliver, config.num_replicas or 0, config.max_ack_pending)

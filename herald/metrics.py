@@ -47,6 +47,19 @@ class Metrics:
         self.transitions_rejected = Counter("herald_transitions_rejected_total", "Stale or duplicate transitions refused")
         self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading",
                                    ["reason"])
+        # SPEC §13. No tenant label by default: one series per tenant would grow without bound
+        # (Prometheus keeps every series it has seen). HERALD_METRICS_TENANT_LABELS=1 adds the
+        # per-tenant counter for deployments with few tenants.
+        self.jobs_started = Counter("herald_jobs_started_total", "Runs claimed by a worker", ["kind"])
+        self.job_queue_seconds = Histogram(
+            "herald_job_queue_seconds", "Time from acceptance to a worker's claim (first attempts)", ["kind"],
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 2, 5, 10, 30, 60, 300, 900, 3600),
+        )
+        self.tenant_jobs_started = Counter("herald_tenant_jobs_started_total",
+                                           "Runs claimed, per tenant (only with HERALD_METRICS_TENANT_LABELS)",
+                                           ["kind", "tenant"])
+        self.claims_at_cap = Counter("herald_claims_at_cap_total",
+                                     "Claims refused because the tenant ran its max_running already", ["kind"])
         self._zero_known_labels()
 
     def _zero_known_labels(self) -> None:
@@ -58,6 +71,9 @@ class Metrics:
         from schemas import TERMINAL_STATES
 
         for kind in declared_kinds():
+            self.jobs_started.labels(kind=kind)
+            self.job_queue_seconds.labels(kind=kind)
+            self.claims_at_cap.labels(kind=kind)
             self.jobs_accepted.labels(kind=kind)
             self.job_run_seconds.labels(kind=kind)
             for state in TERMINAL_STATES:
@@ -65,6 +81,14 @@ class Metrics:
         for outcome in DELIVERY_OUTCOMES:
             self.webhook_deliveries.labels(outcome=outcome)
 
+
+    def job_started(self, job: "JobRow", tenant_labels: bool = False) -> None:
+        """A worker claimed ``job`` (the row as claimed)."""
+        self.jobs_started.labels(kind=job.kind).inc()
+        if job.attempt == 1:
+            self.job_queue_seconds.labels(kind=job.kind).observe(max(0.0, job.updated_at - job.created_at))
+        if tenant_labels:
+            self.tenant_jobs_started.labels(kind=job.kind, tenant=job.tenant).inc()
 
     def observe(self, job: "JobRow", event: "JobEvent") -> None:
         """Store listener: count every committed terminal transition, whoever made it."""

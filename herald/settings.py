@@ -58,6 +58,12 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
     return keys
 
 
+def _admin_key(name: str, raw: str) -> str:
+    if len(raw) < 32:
+        raise SettingsError(f"{name} must be at least 32 characters")
+    return raw
+
+
 def _schedule(name: str, raw: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in raw.split(",") if x.strip())
@@ -70,6 +76,17 @@ def _schedule(name: str, raw: str) -> tuple[float, ...]:
 
 def _comma_list(name: str, raw: str) -> tuple[str, ...]:
     return tuple(item for item in raw.split(",") if item)
+
+
+def _secret_keys(name: str, raw: str) -> tuple[str, ...]:
+    """``new,old``: the first seals, every one opens (rotation, SPEC §12)."""
+    keys = tuple(item.strip() for item in raw.split(",") if item.strip())
+    for n, key in enumerate(keys, start=1):
+        if len(key) < 32:  # never the key itself in the message
+            raise SettingsError(f"{name}: every key must be at least 32 characters; key {n} has {len(key)}")
+    if not keys:
+        raise SettingsError(f"{name} is set but holds no key")
+    return keys
 
 
 def _names(name: str, raw: str) -> tuple[str, ...]:
@@ -124,10 +141,9 @@ class Settings:
     # Several `herald gateway` processes on one host and port, the kernel spreading connections
     # (SO_REUSEPORT); each gateway has its own relay and hub, so any of them serves any request.
     http_reuse_port: Annotated[bool, FLAG] = False
-    api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(
-        default_factory=lambda: {DEV_KEY: DEV_TENANT}, repr=False
-    )
-    admin_key: Annotated[str | None, TEXT] = field(default=None, repr=False)  # the bearer key of /admin (SPEC §12)
+    # No default tenant: `herald gateway` without HERALD_API_KEYS knows only the store's
+    # tenants. `herald up` sets the dev tenant for its children (herald.supervisor).
+    api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(default_factory=dict, repr=False)
     # What the client commands (`herald submit|status|…`, `herald tenants|keys`) talk to, and with which key.
     url: Annotated[str, TEXT] = "http://127.0.0.1:8000"
     api_key: Annotated[str, TEXT] = field(default=DEV_KEY, repr=False)
@@ -144,6 +160,7 @@ class Settings:
         5.0, 300.0, 1800.0, 7200.0, 18000.0, 36000.0, 36000.0
     )
     webhook_min_backoff_s: Annotated[float, NUMBER] = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
+    webhook_pause_s: Annotated[float, NUMBER] = 5.0  # a paced target's first pause before its probe (SPEC §13)
     report_page_ms: Annotated[float, NUMBER] = 200.0
     metrics_port: Annotated[int | None, PORT] = None
     workers: Annotated[int, AT_LEAST_ONE] = 2
@@ -153,12 +170,19 @@ class Settings:
     max_held_per_tenant: Annotated[int, COUNT] = 10_000  # a tenant's max_streams default (SPEC §13)
     tenant_max_running: Annotated[int, COUNT] = 0  # running jobs per tenant, deployment-wide; 0: no cap (SPEC §13)
     tenant_max_endpoints: Annotated[int, COUNT] = 100  # webhook endpoints per tenant (SPEC §13)
+    # Every process re-reads the tenant directory's version at least this often, so a change
+    # whose broadcast was lost still holds within it (SPEC §12: within 2 s).
+    directory_refresh_s: Annotated[float, _number(float, floor=0.05)] = 1.0
+    admin_key: Annotated[str | None, Env(_admin_key)] = field(default=None, repr=False)  # /admin (SPEC §12)
+    metrics_tenant_labels: Annotated[bool, FLAG] = False  # a per-tenant series of started runs (cardinality: opt in)
     output_max_bytes: Annotated[int, AT_LEAST_ONE] = 16 * 1024 * 1024  # streamed output per job (SPEC §8)
     log_format: Annotated[str, LOWER] = "json"
     log_level: Annotated[str, LOWER] = "info"
     signing_secrets: Annotated[tuple[str, ...], Env(_comma_list, ("SIGNING_KEY", "SIGNING_SECRETS"))] = field(
         default=(), repr=False
     )
+    # Seal every secret the store keeps (SPEC §12); empty: a generated key file (SQLite only).
+    secret_keys: Annotated[tuple[str, ...], Env(_secret_keys, ("SECRET_KEY",))] = field(default=(), repr=False)
     database_url: Annotated[str | None, Env(_database_url)] = field(default=None, repr=False)  # the PostgreSQL store
     result_store: Annotated[str, Env(_result_store)] = ""  # "file" or "nats"; empty: file with SQLite, nats with PostgreSQL
     nats_replicas: Annotated[int, AT_LEAST_ONE] = 1
@@ -197,8 +221,8 @@ class Settings:
         return self.result_store or ("nats" if self.uses_postgres else "file")
 
     @property
-    def first_api_key(self) -> str:
-        return next(iter(self.api_keys))
+    def first_api_key(self) -> str | None:
+        return next(iter(self.api_keys), None)
 
     @property
     def heartbeat_interval_s(self) -> float:

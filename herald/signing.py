@@ -52,7 +52,10 @@ class UrlSigner:
 
     def verify(self, path: str, purpose: str, exp: str | None, sig: str | None, *, extra: str = "") -> bool:
         """True when ``sig`` is valid for this path and purpose under any current key and not expired."""
-        if not exp or not sig or len(sig) > 100 or not exp.isdigit() or len(exp) > 12:
+        # isascii first: str.isdigit() accepts '²', which int() refuses, and compare_digest
+        # raises on non-ASCII strings; either would be a 500 for a client's bad input.
+        if not exp or not sig or len(sig) > 100 or not (exp.isascii() and sig.isascii()) or not exp.isdigit() \
+                or len(exp) > 12:
             return False
         if int(exp) < time.time():
             return False

@@ -24,9 +24,12 @@ from pathlib import Path
 
 from herald import jetstream
 from herald.metrics import MULTIPROC_ENV, mark_process_dead
-from herald.settings import Settings
+from herald.keyfiles import load_or_create
+from herald.settings import DEV_KEY, DEV_TENANT, Settings
 
 STOP_TIMEOUT_S = 15.0
+ADMIN_KEY_FILE = "admin.key"
+DEV_KEY_FILE = "dev.key"
 
 
 class SupervisorError(RuntimeError):
@@ -95,6 +98,24 @@ class Supervisor:
         self.nats: Child | None = None
         self.children: list[Child] = []
         self.env = dict(os.environ)  # noqa: the supervisor builds its children's environment
+        self.dev_key: str | None = None
+        self.admin_key = settings.admin_key
+
+    def provision_keys(self) -> None:
+        """`herald up` alone invents a dev tenant (`herald gateway` never does), and an admin
+        key kept under HERALD_DATA_DIR (0600) when HERALD_ADMIN_KEY is not set (SPEC §2, §12).
+
+        On loopback the dev key is the well-known `dev-key` of the README's walk-through;
+        bound to any other address it is a generated one, kept beside the admin key."""
+        if not self.settings.api_keys:
+            loopback = self.settings.http_host in ("127.0.0.1", "localhost", "::1")
+            self.dev_key = DEV_KEY if loopback else load_or_create(self.settings.data_dir / DEV_KEY_FILE)
+            self.env["HERALD_API_KEYS"] = f"{DEV_TENANT}:{self.dev_key}"
+        else:
+            self.dev_key = self.settings.first_api_key
+        if self.admin_key is None:
+            self.admin_key = load_or_create(self.settings.data_dir / ADMIN_KEY_FILE)
+            self.env["HERALD_ADMIN_KEY"] = self.admin_key
 
     # ----- start ------------------------------------------------------------------------
 
@@ -190,9 +211,10 @@ class Supervisor:
     def banner(self) -> str:
         host = self.settings.http_host
         base = f"http://{host}:{self.settings.http_port}"
-        key = self.settings.first_api_key
+        key = self.dev_key
         return (
             f"\nHerald is up at {base}  (browser page: {base}/  API reference: {base}/schema)\n"
+            f"API key: {key}   admin key (HERALD_ADMIN_KEY, for /admin and herald tenants|keys): {self.admin_key}\n"
             f"Start a report:\n"
             f"  curl -si -X POST {base}/reports -H 'Authorization: Bearer {key}' "
             f"-H 'Content-Type: application/json' -d '{{\"title\": \"Q3\", \"pages\": 5}}'\n"
@@ -243,6 +265,7 @@ def run_up(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     try:
         settings.data_dir.mkdir(parents=True, exist_ok=True)
+        supervisor.provision_keys()
         if settings.http_host in ("127.0.0.1", "localhost"):
             _require_free_port(settings.http_port, "HERALD_HTTP_PORT or --port")
         url = supervisor.start_nats()

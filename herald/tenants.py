@@ -8,7 +8,10 @@ change made through ``/admin`` reaches it within seconds and without a restart.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import secrets
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Protocol
 
 from herald.settings import Settings
@@ -53,3 +56,123 @@ class DefaultLimits:
 
     def limits(self, tenant: str) -> Limits:
         return self._limits
+
+
+# ----- tenants and keys as the store keeps them (SPEC §12) ------------------------------------
+
+TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
+KEY_PREFIX = "hk_"
+SOURCE_API = "api"
+SOURCE_ENV = "env"
+LIMIT_NAMES: tuple[str, ...] = ("rate_limit", "max_running", "max_endpoints", "max_streams")
+
+# The audit log's actions (SPEC §12).
+TENANT_CREATED = "tenant.created"
+TENANT_UPDATED = "tenant.updated"
+TENANT_DISABLED = "tenant.disabled"
+KEY_CREATED = "key.created"
+KEY_REVOKED = "key.revoked"
+
+
+@dataclass(frozen=True, slots=True)
+class TenantRow:
+    """A tenant as stored: ``limits`` holds only the limits set for it (the rest are defaults)."""
+
+    id: str
+    created_at: float
+    disabled: bool
+    limits: Mapping[str, float]
+    source: str = SOURCE_API
+
+    def effective_limits(self, defaults: Limits) -> Limits:
+        return Limits(
+            rate_limit=float(self.limits.get("rate_limit", defaults.rate_limit)),
+            max_running=int(self.limits.get("max_running", defaults.max_running)),
+            max_endpoints=int(self.limits.get("max_endpoints", defaults.max_endpoints)),
+            max_streams=int(self.limits.get("max_streams", defaults.max_streams)),
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class KeyRow:
+    """An API key as stored: its hash only, never the key."""
+
+    id: str
+    tenant: str
+    name: str
+    scopes: tuple[str, ...]
+    digest: bytes = field(repr=False)
+    created_at: float
+    expires_at: float | None = None
+    last_used_at: float | None = None
+    source: str = SOURCE_API
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and now >= self.expires_at
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRow:
+    id: str
+    at: float
+    action: str
+    tenant: str | None
+    key_id: str | None
+    detail: Mapping[str, object]
+
+
+@dataclass(frozen=True, slots=True)
+class DirectorySnapshot:
+    """Every tenant row and live (unrevoked) key, at one ``version`` of the directory."""
+
+    version: int
+    tenants: Sequence[TenantRow]
+    keys: Sequence[KeyRow]
+
+
+@dataclass(frozen=True, slots=True)
+class IssuedKey:
+    """A key just made: ``plaintext`` is shown once, the store keeps ``digest``."""
+
+    id: str
+    plaintext: str = field(repr=False)
+    digest: bytes = field(repr=False)
+
+
+def key_digest(secret: str) -> bytes:
+    """What the store keeps of a key's secret part. A key carries 256 random bits, so a
+    plain SHA-256 is enough: there is nothing to guess that a slow hash would protect."""
+    return hashlib.sha256(secret.encode()).digest()
+
+
+def issue_key() -> IssuedKey:
+    """``hk_<id>_<secret>``: the id (64 bits, hex) finds the row, the secret (256 bits) is
+    compared by hash in constant time, so the check costs the same for every key."""
+    key_id = secrets.token_hex(8)
+    secret = secrets.token_urlsafe(32)
+    return IssuedKey(id=key_id, plaintext=f"{KEY_PREFIX}{key_id}_{secret}", digest=key_digest(secret))
+
+
+def split_key(token: str) -> tuple[str, str] | None:
+    """``(id, secret)`` of a token shaped like an issued key, else None."""
+    if not token.startswith(KEY_PREFIX):
+        return None
+    key_id, sep, secret = token[len(KEY_PREFIX):].partition("_")
+    if not sep or len(key_id) != 16 or not secret or not key_id.isascii() or not secret.isascii():
+        return None
+    return key_id, secret
+
+
+def env_key_id(tenant: str, key: str) -> str:
+    """A stable id for a key from ``HERALD_API_KEYS``: the same in every process, and
+    revealing nothing of the key (a prefix of a hash of tenant and key)."""
+    return "env-" + hashlib.sha256(f"{tenant}:{key}".encode()).hexdigest()[:12]
+
+
+def env_keys(settings: Settings) -> list[KeyRow]:
+    """``HERALD_API_KEYS`` as key rows: every scope, no expiry, ``source: env``."""
+    return [
+        KeyRow(id=env_key_id(tenant, key), tenant=tenant, name="HERALD_API_KEYS", scopes=ALL_SCOPES,
+               digest=key_digest(key), created_at=0.0, source=SOURCE_ENV)
+        for key, tenant in settings.api_keys.items()
+    ]

@@ -16,6 +16,9 @@ import msgspec
 from herald.jobs import JobRow
 from schemas import TERMINAL_STATES, JobState, Problem
 
+# The refusal of a claim whose tenant is at its ``max_running``: the job stays queued.
+TENANT_AT_CAP = "tenant-max-running"
+
 # Which state may follow which. Terminal states have no entry: they never change.
 ALLOWED_NEXT: Mapping[JobState, frozenset[JobState]] = {
     "queued": frozenset({"running", "cancelled", "failed"}),
@@ -34,6 +37,9 @@ class Change:
     cancel_requested: bool | None = None
     requeue: bool = False  # attempt + 1 and a new work message
     claim: bool = False  # a worker starts: attempt becomes at least 1
+    # With ``claim``: refused (TENANT_AT_CAP) while the job's tenant already runs this many
+    # jobs, counted in the store under a per-tenant lock (SPEC §13 max_running); 0: no cap.
+    max_running: int = 0
     error: Problem | None = None
     result_path: str | None = None
     media_type: str | None = None

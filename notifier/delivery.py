@@ -32,6 +32,9 @@ import herald
 from notifier.ssrf import UnsafeUrl, check_url_syntax, is_public_address
 
 SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
+# A receiver that does not even accept the connection is known sooner than one that does not
+# answer: connecting gets a third of the answer's time, so a dead host holds a slot 5 s, not 15.
+CONNECT_WITHIN_S = 5.0
 RESPONSE_KEEP_BYTES = 1024
 USER_AGENT = f"Herald/{herald.__version__}"
 MAX_CONNECTIONS = 256
@@ -47,6 +50,7 @@ class Outcome:
     response: bytes = b""
     retry_after_s: float | None = None
     timed_out: bool = False
+    unreachable: bool = False  # no answer at all: a timeout, a refused or failed connection (notifier.breaker)
 
     @property
     def ok(self) -> bool:
@@ -135,7 +139,8 @@ class Sender:
             auto_decompress=False,
             # identity: the answer's first KiB is kept as sent, and it is not decompressed
             headers={"user-agent": USER_AGENT, "content-type": "application/json", "accept-encoding": "identity"},
-            timeout=aiohttp.ClientTimeout(total=None),  # the whole attempt is bounded by SUCCESS_WITHIN_S below
+            # The whole attempt is bounded by SUCCESS_WITHIN_S below; connecting alone by CONNECT_WITHIN_S.
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_WITHIN_S),
         )
         return self
 
@@ -164,11 +169,23 @@ class Sender:
                     retry_after = parse_retry_after(response.headers.get("retry-after"), at=time.time())
                     return Outcome(status_code=response.status, latency_s=time.perf_counter() - started,
                                    response=head, retry_after_s=retry_after)
+        except aiohttp.ServerTimeoutError as exc:  # before TimeoutError, which it also is
+            connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
+            return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True, unreachable=True,
+                           error=f"no connection within {CONNECT_WITHIN_S:g} s" if connecting else _describe(exc))
         except TimeoutError:
-            return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True,
+            return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True, unreachable=True,
                            error=f"no answer within {SUCCESS_WITHIN_S:g} s")
-        except (aiohttp.ClientError, OSError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
+        except (aiohttp.ClientConnectionError, OSError) as exc:  # refused, reset, unreachable
+            # (unless our own SSRF guard refused the name: that says nothing about the target)
+            return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc),
+                           unreachable=not _guard_refused(exc))
+        except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc))
+
+
+def _guard_refused(exc: BaseException) -> bool:
+    return isinstance(exc, NonPublicAddress) or isinstance(getattr(exc, "os_error", None), NonPublicAddress)
 
 
 async def _read_head(response: aiohttp.ClientResponse) -> bytes:

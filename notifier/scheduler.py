@@ -1,11 +1,15 @@
 """The delivery loop of one notifier process: claim due deliveries, send them, record the outcome.
 
-Work is bounded twice: at most ``MAX_IN_FLIGHT`` attempts per process and at most
-``PER_TARGET`` per endpoint (or callback URL), so one slow or dead endpoint holds a few
-slots and never the loop: everything else keeps flowing. The loop sleeps until the next
-delivery is due, until the fan-out or a finished attempt wakes it, or at most
-``idle_poll_s`` (other processes' work: a retry requested through the API, a lease left
-behind by a killed notifier).
+Work is bounded three ways, so that one tenant's slow or dead receivers never become
+another tenant's outage (SPEC §13): at most ``MAX_IN_FLIGHT`` attempts per process, at
+most ``PER_TENANT`` of them for one tenant, and at most ``PER_TARGET`` per target (scheme,
+host and port: ``notifier.breaker.origin_of``). The claim gives free slots to the tenant
+with the fewest in flight first, and within a tenant rotates over its targets
+(``DeliveryQueue.claim``). A target that gets no answer again and again is paced by the
+circuit breaker (``notifier.breaker``): one probe in flight, the rest rescheduled without
+an attempt. The loop sleeps until the next delivery is due, until the fan-out or a
+finished attempt wakes it, or at most ``idle_poll_s`` (other processes' work: a retry
+requested through the API, a lease left behind by a killed notifier).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from herald import tracing
 from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.timefmt import now
+from notifier.breaker import Breaker, origin_of
 from notifier.delivery import SUCCESS_WITHIN_S, Outcome, Sender
 from herald.deliveries import Attempted, Claimed
 from herald.storage.ports import DeliveryQueue
@@ -38,7 +43,12 @@ from notifier.signing import signature_header
 
 log = logging.getLogger("herald.notifier")
 
-MAX_IN_FLIGHT = 64
+# Slots are cheap (a waiting coroutine and a socket); what protects tenants from each other is
+# the share: one tenant alone may use PER_TENANT (what the whole process had before fair
+# sharing, so a single tenant's rate is unchanged), and three more such tenants still find free
+# slots. The claim's water-filling hands those out to the least-served tenant first.
+MAX_IN_FLIGHT = 256
+PER_TENANT = 64
 PER_TARGET = 8
 LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
 PRUNE_EVERY_S = 60.0
@@ -59,6 +69,7 @@ class Scheduler:
         retention_s: float,
         notices: Notices | None = None,
         traces: TraceLookup | None = None,
+        pause_s: float = 5.0,
     ) -> None:
         self.queue = queue
         self.notices = notices
@@ -75,7 +86,13 @@ class Scheduler:
         self._wake = asyncio.Event()
         self._stopping = False
         self._tasks: dict[asyncio.Task[None], Claimed] = {}
-        self._in_flight: Counter[str] = Counter()
+        self._in_flight: Counter[str] = Counter()  # per delivery target (endpoint id or callback URL)
+        self._origin_in_flight: Counter[str] = Counter()  # per target as SPEC §13 means it: scheme, host, port
+        self._tenant_in_flight: Counter[str] = Counter()
+        # Which delivery targets each origin has (learnt from what was claimed), so that the claim
+        # can leave out an origin that is full or paced, and pacing can reschedule all of it.
+        self._targets_of: dict[str, set[str]] = {}
+        self.breaker = Breaker(pause_s)
         self._backlog = False  # the last claim filled every free slot
 
     def kick(self) -> None:
@@ -118,22 +135,57 @@ class Scheduler:
         if not self._backlog and not await self.queue.anything_due():
             return
         claimed = await self.queue.claim(
-            self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight)
+            self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight),
+            per_tenant=PER_TENANT, tenant_in_flight=dict(self._tenant_in_flight), held=self._held(),
         )
         self._backlog = len(claimed) >= free
         contexts = await self._trace_contexts(claimed)
+        deferred: dict[str, tuple[float, list[str]]] = {}  # origin -> (delay, delivery ids)
+        released: list[str] = []
         for item in claimed:
+            origin = origin_of(item.url)
+            self._targets_of.setdefault(origin, set()).add(item.delivery.target)
+            if self._origin_in_flight[origin] >= PER_TARGET:
+                released.append(item.delivery.id)  # full (a target first met in this claim): held from now on
+                continue
+            admission = self.breaker.admit(origin)
+            if not admission.send:
+                _delay, ids = deferred.setdefault(origin, (admission.defer_s, []))
+                ids.append(item.delivery.id)
+                continue
             context = contexts.get(item.delivery.job_id) or item.trace_context
-            task = asyncio.create_task(self._attempt(item, context), name=f"webhook-{item.delivery.id}")
+            task = asyncio.create_task(self._attempt(item, origin, admission.probe, context),
+                                       name=f"webhook-{item.delivery.id}")
             self._tasks[task] = item
             self._in_flight[item.delivery.target] += 1
+            self._origin_in_flight[origin] += 1
+            self._tenant_in_flight[item.delivery.tenant] += 1
             task.add_done_callback(self._done)
+        if released:
+            await self.queue.release(released, self.owner)
+        for delay, ids in deferred.values():
+            # Paced: rescheduled, not attempted (no attempt is counted, SPEC §13).
+            await self.queue.defer(ids, self.owner, [], delay)
+            self.metrics.webhook_deliveries.labels(outcome="paced").inc(len(ids))
+
+    def _held(self) -> list[str]:
+        """Delivery targets the claim should leave out: their origin is full here, or paced."""
+        held: list[str] = []
+        for origin, targets in self._targets_of.items():
+            if self._origin_in_flight[origin] >= PER_TARGET or self.breaker.holding(origin):
+                held.extend(targets)
+        return held
 
     def _done(self, task: asyncio.Task[None]) -> None:
         item = self._tasks.pop(task)
-        self._in_flight[item.delivery.target] -= 1
-        if self._in_flight[item.delivery.target] <= 0:
-            del self._in_flight[item.delivery.target]
+        origin = origin_of(item.url)
+        for counter, key in ((self._in_flight, item.delivery.target), (self._origin_in_flight, origin),
+                             (self._tenant_in_flight, item.delivery.tenant)):
+            counter[key] -= 1
+            if counter[key] <= 0:
+                del counter[key]
+        if origin not in self._origin_in_flight and not self.breaker.paced(origin):
+            self._targets_of.pop(origin, None)  # learnt again when next claimed
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook attempt crashed", exc_info=task.exception(),
                       extra={"job_id": item.delivery.job_id, "endpoint_id": item.delivery.endpoint_id})
@@ -156,16 +208,30 @@ class Scheduler:
             log.warning("reading trace contexts failed: %s", exc)
             return {}
 
-    async def _attempt(self, item: Claimed, trace_context: tuple[str, str | None] | None = None) -> None:
+    async def _attempt(self, item: Claimed, origin: str, probe: bool,
+                       trace_context: tuple[str, str | None] | None = None) -> None:
         """One attempt as a span of the job's trace; the request's ``traceparent`` is that span's."""
         parent = tracing.context_from(*trace_context) if trace_context is not None else None
         if parent is None:
-            await self._send(item)
+            await self._send(item, origin, probe)
             return
         with tracing.span("webhook delivery", parent, kind=tracing.SpanKind.CLIENT) as span:
-            await self._send(item, span)
+            await self._send(item, origin, probe, span)
 
-    async def _send(self, item: Claimed, span: Span | None = None) -> None:
+    async def _pace(self, origin: str, outcome: Outcome, probe: bool) -> None:
+        """Tell the breaker how the target did; if that paced it, reschedule all of it that is due,
+        so that no notifier sends it anything before the pause ends."""
+        pause = self.breaker.record(origin, answered=outcome.status_code is not None,
+                                    unreachable=outcome.unreachable, probe=probe)
+        if pause is None:
+            return
+        log.warning("webhook target paced", extra={"target": origin, "pause_s": pause, "probe_failed": probe})
+        try:
+            await self.queue.defer([], self.owner, sorted(self._targets_of.get(origin, ())), pause)
+        except Exception as exc:  # the store is busy: this notifier still holds the target back
+            log.warning("rescheduling a paced target's deliveries failed: %s", exc)
+
+    async def _send(self, item: Claimed, origin: str, probe: bool, span: Span | None = None) -> None:
         d = item.delivery
         context = {"job_id": d.job_id, "endpoint_id": d.endpoint_id, "delivery_id": d.id, "event_id": d.event_id,
                    "attempt": d.attempts + 1}
@@ -179,6 +245,7 @@ class Scheduler:
             tracing.inject(headers)
         started_at = now()
         outcome = await self.sender.send(item.url, item.body, headers)
+        await self._pace(origin, outcome, probe)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
         finished = await self.recorder.record(Attempted(claimed=item, started_at=started_at, outcome=outcome, plan=plan))
         if self.notices is not None and d.endpoint_id is not None:

@@ -28,6 +28,7 @@ from herald import jetstream
 from herald.constants import EVENTS_STREAM, NOTIFIER_CONSUMER
 from herald.metrics import metrics as process_metrics
 from herald.settings import Settings
+from herald.directory import running_directory
 from herald.storage import open_storage
 from herald.storage.ports import DeliveryQueue
 from notifier.delivery import Sender
@@ -113,6 +114,7 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             idle_poll_s=min(1.0, settings.sweep_interval_s),
             retention_s=settings.retention_s,
             notices=notices,
+            pause_s=settings.webhook_pause_s,
             # each webhook carries its job's trace (herald.tracing): the claim reads it with the
             # deliveries (Claimed.trace_context), so no separate lookup per claim
         )
@@ -133,6 +135,8 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
 
         stack.push_async_callback(drain)
         notices.attach(nc)
+        # Tenants' limits as they change at run time (SPEC §12, §13).
+        directory = await stack.enter_async_context(running_directory(settings, storage.tenants, nc))
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)

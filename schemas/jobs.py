@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Annotated, Literal, get_args
 
 import msgspec
 
@@ -30,6 +30,11 @@ TERMINAL_EVENT_TYPES: frozenset[str] = frozenset(f"job.{state}" for state in TER
 assert TERMINAL_EVENT_TYPES <= set(get_args(EventType))
 
 
+# Why a queued job waits (SPEC §13), on the status resource: its tenant runs its
+# ``max_running`` already, or every worker slot of its kind is taken (its turn comes).
+QueuedReason = Literal["tenant-max-running", "waiting-for-slot"]
+
+
 class JobLinks(msgspec.Struct, kw_only=True):
     self: str
     events: str
@@ -52,6 +57,11 @@ class JobStatus(msgspec.Struct, kw_only=True):
     links: JobLinks
     # The job's W3C trace id (32 lowercase hex digits): find its spans in your tracing backend.
     trace_id: str | None = None
+    # Queued jobs on the status resource and job lists only (null in the history: a stored
+    # snapshot cannot know why a job will wait).
+    queued_reason: Annotated[QueuedReason | None, msgspec.Meta(description=(
+        "Why a queued job waits: its tenant runs its max_running already (tenant-max-running), "
+        "or its turn for a worker slot comes (waiting-for-slot). null unless queued."))] = None
 
 
 class JobList(msgspec.Struct, kw_only=True):

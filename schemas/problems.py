@@ -62,14 +62,23 @@ INVALID_SIGNATURE = _define("/problems/invalid-signature", "Invalid or expired s
 FORBIDDEN = _define("/problems/forbidden", "Forbidden", 403)
 PORTAL_SCOPE = _define("/problems/portal-scope", "Outside the webhook portal", 403,
                        "a portal session token opens the tenant's /webhooks routes only")
+INSUFFICIENT_SCOPE = _define("/problems/insufficient-scope", "Insufficient scope", 403,
+                              "the key lacks the scope the route needs; the detail names it")
+ADMIN_ONLY = _define("/problems/admin-only", "Admin key required", 403,
+                     "an /admin route called with a tenant's key")
 NOT_FOUND = _define("/problems/not-found", "Not found", 404, "also another tenant's resource")
 RESULT_NOT_READY = _define("/problems/result-not-ready", "Result not ready", 404, "the job is queued or running; with Retry-After")
 NO_RESULT = _define("/problems/no-result", "No result", 404, "the job failed or was cancelled")
 METHOD_NOT_ALLOWED = _define("/problems/method-not-allowed", "Method not allowed", 405)
 NOT_ACCEPTABLE = _define("/problems/not-acceptable", "Not acceptable", 406)
 CONFLICT = _define("/problems/conflict", "Conflict", 409)
+TENANT_EXISTS = _define("/problems/tenant-exists", "Tenant exists", 409)
+ENV_KEY = _define("/problems/env-key", "Key from configuration", 409,
+                  "a HERALD_API_KEYS key is configuration: remove it there, not over the API")
 JOB_FINISHED = _define("/problems/job-finished", "Job already finished", 409)
 ENDPOINT_DISABLED = _define("/problems/endpoint-disabled", "Endpoint disabled", 409)
+LIMIT_REACHED = _define("/problems/limit-reached", "Limit reached", 409,
+                        "a per-tenant limit (SPEC §13) is used up, e.g. max_endpoints")
 GONE = _define("/problems/gone", "Gone", 410, "the job, or its result, passed its retention")
 PAYLOAD_TOO_LARGE = _define("/problems/payload-too-large", "Request body too large", 413, "body over 1 MiB")
 UNSUPPORTED_MEDIA_TYPE = _define("/problems/unsupported-media-type", "Unsupported media type", 415, "body is not JSON")

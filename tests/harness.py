@@ -22,6 +22,9 @@ from herald.supervisor import find_nats_server
 T = TypeVar("T")
 
 KEYS = {"acme": "key-acme", "globex": "key-globex"}
+ADMIN_KEY = "test-admin-key-0123456789abcdef-0123456789"  # HERALD_ADMIN_KEY: at least 32 characters
+# Seals the store's secrets in the tests' PostgreSQL deployments (SQLite ones generate theirs).
+SECRET_KEY = "tests-secret-key-of-at-least-32-characters"
 
 
 def free_port() -> int:
@@ -113,6 +116,7 @@ class Deployment:
             HERALD_NATS_URL=self.nats.url,
             HERALD_DATA_DIR=str(self.data_dir),
             HERALD_API_KEYS=",".join(f"{t}:{k}" for t, k in KEYS.items()),
+            HERALD_ADMIN_KEY=ADMIN_KEY,
             HERALD_REPORT_PAGE_MS="20",
             HERALD_SWEEP_INTERVAL_S="0.2",
             HERALD_HEARTBEAT_TIMEOUT_S="3",
@@ -122,6 +126,7 @@ class Deployment:
         )
         if self.database_url is not None:
             env["HERALD_DATABASE_URL"] = self.database_url
+            env["HERALD_SECRET_KEY"] = SECRET_KEY  # required with PostgreSQL (SPEC §12)
         env.update(self.env_overrides)
         env.update(extra)
         return env
@@ -404,3 +409,10 @@ class NatsCluster:
             return info.cluster.leader
 
         return self.index_of(_run_sync(read))
+
+
+def make_sealer() -> Any:
+    """The sealer of a store a test opens directly (the same key as the deployments')."""
+    from herald.sealing import Sealer
+
+    return Sealer([SECRET_KEY])

@@ -16,14 +16,14 @@ from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage import build_storage
 from herald.storage.ports import JobStore
-from tests.harness import new_database
+from tests.harness import SECRET_KEY, new_database
 
 
 @pytest.fixture
 async def jobs(tmp_path: Path, store_server: PostgresServer | None) -> AsyncIterator[JobStore]:
     """The job store of each backend (a fresh database on the session's PostgreSQL server)."""
     url = new_database(store_server) if store_server is not None else None
-    jobs = build_storage(Settings(data_dir=tmp_path, database_url=url)).jobs
+    jobs = build_storage(Settings(data_dir=tmp_path, database_url=url, secret_keys=(SECRET_KEY,))).jobs
     await jobs.open()
     try:
         yield jobs

@@ -200,6 +200,10 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     key_file = root / "var" / "cluster" / "signing.key"
     assert {env["HERALD_SIGNING_KEY"] for env in seen.values()} == {key_file.read_text().strip()}
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
+    # One secret key seals the store for all six (SPEC §12), kept owner-only like the signing key.
+    secret_file = root / "var" / "cluster" / "secret.key"
+    assert {env["HERALD_SECRET_KEY"] for env in seen.values()} == {secret_file.read_text().strip()}
+    assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     assert seen["gateway-2"]["HERALD_HTTP_PORT"] == str(ports["http"] + 1)
 
     # Three nats-servers form one JetStream cluster; PostgreSQL accepts connections.

@@ -218,10 +218,11 @@ def test_backlog_of_an_unserved_kind_does_not_hold_back_the_others(fresh: Deploy
 # ----- the topology -----------------------------------------------------------------------------
 
 
-async def test_an_older_shared_consumer_gives_way_and_its_messages_reach_the_kinds(tmp_path: Path) -> None:
+async def test_older_consumers_give_way_and_their_messages_reach_the_workers(tmp_path: Path) -> None:
     """Upgrading: the one consumer of every kind (``herald-workers`` on ``jobs.>``) of an older
     Herald is removed (on a work-queue stream consumers may not overlap); a message it had
-    not delivered goes to its kind's own consumer, filtered on ``jobs.<kind>``."""
+    not delivered, on ``jobs.<kind>`` (before work was split by tenant), is drained through
+    the kind's consumer of old, ``herald-workers-<kind>``, beside the tenants' own."""
     import nats
     from nats.js.api import AckPolicy, ConsumerConfig
 
@@ -229,7 +230,9 @@ async def test_an_older_shared_consumer_gives_way_and_its_messages_reach_the_kin
     from herald.constants import JOBS_STREAM, WORKERS_CONSUMER, job_subject, worker_consumer_name
     from herald.kinds import declared_kinds
     from herald.settings import Settings
+    from herald.tenants import DefaultLimits
     from tests.harness import NatsServer
+    from workers.dispatch import LEGACY, Dispatch
 
     server = NatsServer(tmp_path / "nats")
     server.start()
@@ -242,17 +245,23 @@ async def test_an_older_shared_consumer_gives_way_and_its_messages_reach_the_kin
         await js.add_consumer(JOBS_STREAM, ConsumerConfig(durable_name=WORKERS_CONSUMER, ack_policy=AckPolicy.EXPLICIT,
                                                           filter_subject="jobs.>"))
         await js.publish(job_subject("export"), b"waiting since before the upgrade")
+        await js.publish(job_subject("export", "acme"), b"published since")
 
         await jetstream.ensure_topology(js, settings, declared_kinds().values())
         await jetstream.ensure_topology(js, settings, declared_kinds().values())  # a second process: no change
-        names = {info.name for info in await js.consumers_info(JOBS_STREAM)}
-        assert names == {worker_consumer_name("report"), worker_consumer_name("export")}
-        report = await js.consumer_info(JOBS_STREAM, worker_consumer_name("report"))
-        assert report.config.filter_subject == "jobs.report" and report.config.max_deliver == 4
-        exports = await js.pull_subscribe_bind(worker_consumer_name("export"), JOBS_STREAM)
-        (message,) = await exports.fetch(1, timeout=5)
-        assert message.data == b"waiting since before the upgrade"
-        await message.ack()
+        assert WORKERS_CONSUMER not in {info.name for info in await js.consumers_info(JOBS_STREAM)}
+
+        dispatch = Dispatch(nc, js, settings, declared_kinds().values(), DefaultLimits(settings))
+        await dispatch.start()
+        exports = dispatch.kinds["export"]
+        assert set(exports.tenants) == {LEGACY, "acme"}
+        taken = {token: [m.data for m in await exports.take(exports.tenants[token], 5)] for token in (LEGACY, "acme")}
+        assert taken == {LEGACY: [b"waiting since before the upgrade"], "acme": [b"published since"]}
+        old = await js.consumer_info(JOBS_STREAM, worker_consumer_name("export"))
+        assert old.config.filter_subject == "jobs.export" and old.config.max_deliver == 4
+        tenant = await js.consumer_info(JOBS_STREAM, worker_consumer_name("export", "acme"))
+        assert tenant.config.filter_subject == "jobs.export.acme"
+        await dispatch.stop()
         await nc.close()
     finally:
         server.stop()

@@ -124,7 +124,7 @@ def portal_session(base: str, tenant: str = "acme") -> tuple[str, str]:
     assert link.status_code == 200, link.text
     url = link.json()["url"]
     query = {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
-    assert urlsplit(url).path == "/portal" and set(query) == {"exp", "sig", "tenant"} and query["tenant"] == tenant
+    assert urlsplit(url).path == "/portal" and set(query) == {"exp", "sig", "tenant", "key"} and query["tenant"] == tenant
     session = httpx.post(base + "/portal/session", json=query, timeout=10)
     assert session.status_code == 200, session.text
     assert session.json()["tenant"] == tenant and session.json()["expires_in"] == 8 * 3600
@@ -175,7 +175,8 @@ def test_a_portal_link_opens_the_tenants_webhooks_and_nothing_else(portal: Deplo
     assert httpx.get(base + "/webhooks", headers={"Authorization": f"Bearer {forged}"}).status_code == 401
     url, _token = portal_session(base)
     query = {k: v[0] for k, v in parse_qs(urlsplit(url).query).items()}
-    for changed in ({"tenant": "globex"}, {"exp": str(int(query["exp"]) + 1)}, {"sig": "x" + query["sig"][1:]}):
+    for changed in ({"tenant": "globex"}, {"exp": str(int(query["exp"]) + 1)}, {"sig": ("y" if query["sig"].startswith("x") else "x") + query["sig"][1:]},
+                    {"key": "env-000000000000"}):
         refused = httpx.post(base + "/portal/session", json={**query, **changed})
         assert refused.status_code == 403 and refused.json()["type"] == "/problems/invalid-signature", changed
     assert httpx.post(base + "/portal/session", json={"tenant": "acme"}).status_code == 400

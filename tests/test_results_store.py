@@ -27,6 +27,7 @@ from gateway.routes.results import result_route
 from herald import jetstream
 from herald.constants import EVENTS_STREAM, JOBS_STREAM, NOTIFIER_CONSUMER, RESULTS_BUCKET, worker_consumer_name
 from herald.jobs import JobRow
+from herald.directory import Directory
 from herald.settings import DEV_KEY, DEV_TENANT, Settings
 from herald.storage.ports import ResultBody, ResultStore
 from herald.storage.results import (
@@ -308,11 +309,14 @@ async def test_topology_has_the_replicas_and_the_result_bucket(js: JetStreamCont
     await jetstream.ensure_topology(js, settings)  # a second process starting: no error, no change
     for stream in (*(c.name or "" for c in jetstream.stream_configs(settings)), object_stream(RESULTS_BUCKET)):
         assert (await js.stream_info(stream)).config.num_replicas == 1
-    consumers = [(JOBS_STREAM, worker_consumer_name(kind)) for kind in ("report", "export")]
-    for stream, consumer in (*consumers, (EVENTS_STREAM, NOTIFIER_CONSUMER)):
-        info = await js.consumer_info(stream, consumer)
-        assert info.config.num_replicas == 1
-    assert (await js.consumer_info(JOBS_STREAM, worker_consumer_name("report"))).config.filter_subject == "jobs.report"
+    assert (await js.consumer_info(EVENTS_STREAM, NOTIFIER_CONSUMER)).config.num_replicas == 1
+    # Workers make their consumers per kind and tenant when first needed, with the same replicas.
+    from herald.kinds import declared_kinds
+
+    await jetstream.ensure_consumer(js, jetstream.worker_consumer(settings, declared_kinds()["report"], "acme", 3))
+    info = await js.consumer_info(JOBS_STREAM, worker_consumer_name("report", "acme"))
+    assert info.config.num_replicas == 1 and info.config.filter_subject == "jobs.report.acme"
+    assert info.config.max_ack_pending == 3  # the tenant's max_running
 
 
 async def test_nats_result_deleted_while_read_breaks_the_download(js: JetStreamContext, tmp_path: Path) -> None:
@@ -366,7 +370,11 @@ def _download_app(results: ResultStore, job: JobRow) -> Litestar:
         route_handlers=[result_route(kind)],  # type: ignore[arg-type]
         exception_handlers={HTTPException: handle_http_exception},
     )
-    app.state.services = SimpleNamespace(settings=Settings(), store=_Jobs(job), results=results, signer=None)
+    settings = Settings(api_keys={DEV_KEY: DEV_TENANT})
+    # The directory's HERALD_API_KEYS part needs no store: the route reads nothing else of it.
+    directory = Directory(settings, store=None)  # type: ignore[arg-type]
+    app.state.services = SimpleNamespace(settings=settings, store=_Jobs(job), results=results, signer=None,
+                                         directory=directory)
     return app
 
 

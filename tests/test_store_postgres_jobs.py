@@ -39,6 +39,7 @@ from herald.storage.postgres.jobs import MIGRATIONS, PgJobStore
 from herald.storage.ports import OutboxRow, StartBudget
 from herald.timefmt import rfc3339
 from herald.transitions import Change
+from tests.harness import make_sealer
 from schemas import JobEvent, JobMessage, Problem
 
 ENCODER = msgspec.json.Encoder()
@@ -46,7 +47,7 @@ CLAIM = Change(expect={"queued"}, to="running", claim=True)
 
 
 def new_store(url: str, *, retention_s: float = 60.0, max_size: int = 20) -> PgJobStore:
-    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s)
+    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
 
 
 @pytest.fixture()
@@ -150,7 +151,7 @@ async def test_accept_writes_job_event_and_outbox_rows(pg: PgJobStore) -> None:
     assert heard == [(job, event)]
 
     rows = await pg.outbox_batch(10)
-    assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}", f"ev.{job.id}.1"), ("jobs.report", job.id)]
+    assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}", f"ev.{job.id}.1"), ("jobs.report.t1", job.id)]
     assert rows[0].payload == ENCODER.encode(event)  # the exact bytes, seq included
     assert msgspec.msgpack.decode(rows[1].payload, type=JobMessage) == JobMessage(job_id=job.id, kind="report", attempt=0)
 
@@ -237,7 +238,7 @@ async def test_fencing_by_attempt(pg: PgJobStore) -> None:
     after = requeued.after
     assert (after.state, after.attempt, after.heartbeat_at, after.progress) == ("queued", 2, None, None)
     assert requeued.event is not None and requeued.event.type == "job.queued"
-    work = [r for r in await pg.outbox_batch(100) if r.subject == "jobs.report"]
+    work = [r for r in await pg.outbox_batch(100) if r.subject == "jobs.report.t1"]
     assert [r.msg_id for r in work] == [job.id, f"{job.id}.a2"]
     assert msgspec.msgpack.decode(work[-1].payload, type=JobMessage).attempt == 2
 
@@ -536,7 +537,7 @@ async def test_concurrent_opens_migrate_the_schema_once(fresh_database: str) -> 
         await asyncio.gather(*(db.open() for db in dbs))
         applied = await dbs[0].pool.fetch("SELECT name FROM herald_migrations")
         assert [r["name"] for r in applied] == [name for name, _ in MIGRATIONS]
-        pg = PgJobStore(dbs[3], retention_s=1.0)
+        pg = PgJobStore(dbs[3], retention_s=1.0, sealer=make_sealer())
         await pg.open()  # already open: no second pool
         assert (await pg.accept(new_job())).job.version == 1
     finally:
@@ -584,3 +585,36 @@ async def test_grouped_statements_each_get_their_own_outcome(pg: PgJobStore) -> 
     assert isinstance(outcomes[40], asyncpg.UniqueViolationError)
     assert isinstance(outcomes[41], asyncpg.DivisionByZeroError)
     assert sorted(r["n"] for r in await db.pool.fetch("SELECT n FROM grouped")) == list(range(1, 41))
+
+
+async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(gateways: tuple[PgJobStore, PgJobStore]) -> None:
+    """SPEC §13 max_running: ten claims of one tenant's jobs at once, from two processes, with
+    a cap of 2: exactly two run, the rest stay queued (TENANT_AT_CAP); another tenant's claim
+    is not held back; once one ends, the next claim succeeds."""
+    from herald.transitions import TENANT_AT_CAP
+
+    a, b = gateways
+    jobs = [(await a.accept(new_job("capped"))).job.id for _ in range(10)]
+    capped = Change(expect={"queued"}, to="running", claim=True, max_running=2)
+    outcomes = await asyncio.gather(*((a if n % 2 else b).transition(job_id, capped) for n, job_id in enumerate(jobs)),
+                                    return_exceptions=True)
+    won = [o.after.id for o in outcomes if not isinstance(o, BaseException)]
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(won) == 2 and all(isinstance(o, TransitionRejected) and o.reason == TENANT_AT_CAP for o in refused)
+    assert (await a.running_counts(["capped", "nobody"])) == {"capped": 2, "nobody": 0}
+    assert [(await a.get(job_id)).state for job_id in jobs].count("queued") == 8  # type: ignore[union-attr]
+
+    other = (await a.accept(new_job("other"))).job.id
+    assert (await b.transition(other, capped)).after.state == "running"
+
+    await a.transition(won[0], Change(expect={"running"}, to="succeeded", attempt=1))
+    waiting = next(job_id for job_id in jobs if job_id not in won)
+    assert (await b.transition(waiting, capped)).after.state == "running"
+
+
+async def test_a_tenants_own_queue_age(pg: PgJobStore) -> None:
+    """The backlog guard's read: the age of one tenant's oldest queued job of a kind."""
+    await pg.accept(new_job("slow"))
+    assert await pg.tenant_queued_age("report", "slow") >= 0.0
+    assert await pg.tenant_queued_age("report", "idle") == 0.0
+    assert await pg.tenant_queued_age("export", "slow") == 0.0

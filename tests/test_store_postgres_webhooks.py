@@ -23,6 +23,7 @@ from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from notifier.signing import ROTATION_OVERLAP_S
 from schemas import JobEvent
 from tests import delivery_batches, portal_store
+from tests.harness import make_sealer
 
 ALL_TYPES = ("job.queued", "job.running", "job.progress", "job.succeeded", "job.failed", "job.cancelled")
 OK = Outcome(status_code=200, latency_s=0.012)
@@ -66,12 +67,12 @@ async def other_db(fresh_database: str, db: PgDatabase) -> AsyncIterator[PgDatab
 
 @pytest.fixture()
 def webhooks(db: PgDatabase) -> PgWebhookStore:
-    return PgWebhookStore(db)
+    return PgWebhookStore(db, make_sealer())
 
 
 @pytest.fixture()
 def queue(db: PgDatabase) -> PgDeliveryQueue:
-    return PgDeliveryQueue(db)
+    return PgDeliveryQueue(db, make_sealer())
 
 
 def event(job_id: str, version: int, type: str = "job.succeeded", *, tenant: str = "t1", kind: str = "echo") -> JobEvent:
@@ -221,7 +222,7 @@ async def test_rotation_keeps_both_keys_signing_for_the_overlap(webhooks: PgWebh
 async def test_callback_key_is_created_once_under_concurrent_first_use(
     webhooks: PgWebhookStore, db: PgDatabase, other_db: PgDatabase
 ) -> None:
-    other = PgWebhookStore(other_db)
+    other = PgWebhookStore(other_db, make_sealer())
     keys = await asyncio.gather(*(s.callback_key("t1") for s in [webhooks, other] * 5))
     assert len(set(keys)) == 1
     assert await db.pool.fetchval("SELECT count(*) FROM webhook_keys WHERE owner = $1", callback_owner("t1")) == 1
@@ -257,7 +258,7 @@ async def test_fan_out_matches_endpoints_and_is_idempotent(webhooks: PgWebhookSt
 
     # Concurrent redeliveries of one batch to two notifiers create nothing twice either.
     twice = [event(f"k{n}", 1) for n in range(20)]
-    second = PgDeliveryQueue(db)
+    second = PgDeliveryQueue(db, make_sealer())
     counts = await asyncio.gather(queue.fan_out(twice), second.fan_out(twice), queue.fan_out(twice))
     assert sum(counts) == 40  # two endpoints want job.succeeded of kind echo
     assert len(await deliveries(db)) == 46
@@ -366,7 +367,7 @@ async def test_two_notifiers_claiming_at_once_never_share_a_delivery(
 ) -> None:
     for n in range(20):
         await endpoint(webhooks, url=f"https://{n}.example/hook")
-    notifiers = [PgDeliveryQueue(db), PgDeliveryQueue(other_db)]
+    notifiers = [PgDeliveryQueue(db, make_sealer()), PgDeliveryQueue(other_db, make_sealer())]
     assert await notifiers[0].fan_out([event(f"j{n}", 1) for n in range(10)]) == 200
 
     async def claimer(queue: PgDeliveryQueue, owner: str) -> list[str]:
@@ -391,7 +392,7 @@ async def test_order_holds_while_two_notifiers_fan_out_and_claim_concurrently(
     """v1 and v2 of each job are fanned out by different notifiers at the same moment, while
     both claim and deliver: no v2 is ever claimed while its v1 can still be sent."""
     await endpoint(webhooks)
-    a, b = PgDeliveryQueue(db), PgDeliveryQueue(other_db)
+    a, b = PgDeliveryQueue(db, make_sealer()), PgDeliveryQueue(other_db, make_sealer())
     jobs = [f"j{n}" for n in range(60)]
     log: list[tuple[str, str]] = []  # ("claim" | "finish", delivery id), in order
     fanning = True
@@ -509,7 +510,7 @@ async def test_finish_after_the_endpoint_was_deleted_is_dropped(webhooks: PgWebh
 async def test_leases_release_and_expiry(webhooks: PgWebhookStore, queue: PgDeliveryQueue, db: PgDatabase,
                                          other_db: PgDatabase) -> None:
     await endpoint(webhooks)
-    other = PgDeliveryQueue(other_db)
+    other = PgDeliveryQueue(other_db, make_sealer())
     await queue.fan_out([event("j1", 1), event("j2", 1)])
     held = await claim(queue, "n1")
     assert len(held) == 2 and await claim(other, "n2") == []
@@ -579,7 +580,7 @@ async def test_recover_and_test_events_wait_for_nothing_a_concurrent_disable_mis
         webhooks: PgWebhookStore, queue: PgDeliveryQueue, other_db: PgDatabase) -> None:
     """Recover and test events hold the endpoint as fan-out does: racing a disable from
     another pool, nothing is left pending on a disabled endpoint."""
-    other = PgWebhookStore(other_db)
+    other = PgWebhookStore(other_db, make_sealer())
     for _ in range(10):
         endpoint_id = await endpoint(webhooks)
         assert await queue.fan_out([event(f"job-{endpoint_id}", 1)]) == 1
@@ -610,7 +611,7 @@ async def test_a_batch_of_outcomes_and_a_fan_out_of_the_same_jobs_at_once_do_not
     claimed = await claim(queue, per_target=100)
     assert len(claimed) == 40
     attempts = [Attempted(claimed=c, started_at=0.0, outcome=FAILED, plan=Plan("retry", delay_s=60)) for c in claimed]
-    other = PgDeliveryQueue(other_db)
+    other = PgDeliveryQueue(other_db, make_sealer())
     finished, pending = await asyncio.gather(
         queue.finish_many(attempts, "n1"), other.fan_out([event(j, 2, "job.running") for j in reversed(jobs)]))
     assert len(finished) == 40 and pending >= 0

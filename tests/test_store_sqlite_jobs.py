@@ -15,13 +15,14 @@ import pytest
 from herald.storage.ports import OutboxRow
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore
+from tests.harness import make_sealer
 from tests.test_store_postgres_jobs import new_job
 
 
 @pytest.fixture()
 async def processes(tmp_path: Path) -> AsyncIterator[tuple[SqliteJobStore, SqliteJobStore]]:
     """Two stores on one file, each with its own connections and writer: two processes."""
-    a, b = (SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0) for _ in range(2))
+    a, b = (SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0, sealer=make_sealer()) for _ in range(2))
     await asyncio.gather(a.open(), b.open())
     try:
         yield a, b
@@ -58,7 +59,7 @@ async def test_a_data_dir_from_before_outbox_origins_is_upgraded(tmp_path: Path)
         conn.executescript(SCHEMA.replace("    tracestate TEXT,\n    origin TEXT\n", "    tracestate TEXT\n"))
         assert "origin" not in {r[1] for r in conn.execute("PRAGMA table_info(outbox)")}
         conn.execute("INSERT INTO outbox (subject, msg_id, payload, created_at) VALUES ('jobs.report', 'j1', x'00', 0)")
-    store = SqliteJobStore(Database(path, SCHEMA), retention_s=60.0)
+    store = SqliteJobStore(Database(path, SCHEMA), retention_s=60.0, sealer=make_sealer())
     await store.open()
     try:
         assert [r.msg_id for r in await store.outbox_batch(10, stale_after_s=1)] == ["j1"]  # the old row still goes out
@@ -72,3 +73,22 @@ async def test_an_accepted_job_is_the_row_a_read_returns(processes: tuple[Sqlite
     a, b = processes
     accepted = await a.accept(new_job(callback_url="https://example.com/hook"))
     assert await b.get(accepted.job.id) == accepted.job
+
+
+async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(
+    processes: tuple[SqliteJobStore, SqliteJobStore],
+) -> None:
+    """SPEC §13 max_running, two processes on one file: ten claims at once with a cap of 2,
+    exactly two run and the rest stay queued (TENANT_AT_CAP)."""
+    from herald.jobs import TransitionRejected
+    from herald.transitions import TENANT_AT_CAP, Change
+
+    a, b = processes
+    jobs = [(await a.accept(new_job("capped"))).job.id for _ in range(10)]
+    capped = Change(expect={"queued"}, to="running", claim=True, max_running=2)
+    outcomes = await asyncio.gather(*((a if n % 2 else b).transition(job_id, capped) for n, job_id in enumerate(jobs)),
+                                    return_exceptions=True)
+    refused = [o for o in outcomes if isinstance(o, BaseException)]
+    assert len(refused) == 8 and all(isinstance(o, TransitionRejected) and o.reason == TENANT_AT_CAP for o in refused)
+    assert await b.running_counts(["capped"]) == {"capped": 2}
+    assert await a.tenant_queued_age("report", "capped") >= 0.0 and await a.tenant_queued_age("report", "x") == 0.0

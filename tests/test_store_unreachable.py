@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from herald.pgserver import PostgresServer
-from tests.harness import Deployment, free_port, wait_until
+from tests.harness import SECRET_KEY, Deployment, free_port, wait_until
 
 
 def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path) -> None:
@@ -60,7 +60,7 @@ async def test_a_unix_socket_url_reaches_the_store(postgres_server: PostgresServ
 
     postgres_server.create_database("socket_test")
     url = f"postgresql://postgres@/socket_test?host={postgres_server.socket_dir}&port={postgres_server.port}"
-    storage = await open_storage(Settings(database_url=url))
+    storage = await open_storage(Settings(database_url=url, secret_keys=(SECRET_KEY,)))
     try:
         accepted = await storage.jobs.accept(NewJob(id="6f1c1a3e-1b9f-4d1e-9a59-0c4b1f1e2d3c", tenant="acme",
                                                     kind="report", collection="/reports", params=b"{}", deadline_s=60))

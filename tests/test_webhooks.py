@@ -44,7 +44,7 @@ from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
 from notifier.ssrf import is_public_address
 from schemas import JobEvent
 from tests import delivery_batches, portal_store
-from tests.harness import Deployment, client, free_port, new_database, wait_for_state, wait_until
+from tests.harness import Deployment, client, free_port, make_sealer, new_database, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
 MIN_BACKOFF_S = 1.5  # HERALD_WEBHOOK_MIN_BACKOFF_S: 60 s in production
@@ -323,11 +323,11 @@ async def _move(store: Store, job_id: str, change: Change) -> JobEvent:
 
 async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_path: Path) -> None:
     db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
-    store = Store(db, retention_s=60)
+    store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
-        webhooks = WebhookStore(db)
-        queue = DeliveryQueue(db)
+        webhooks = WebhookStore(db, make_sealer())
+        queue = DeliveryQueue(db, make_sealer())
         endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
                                                         event_types=["job.queued", "job.running"], kinds=None,
                                                         signature="hmac-sha256")
@@ -360,11 +360,11 @@ async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_pa
 
 async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> None:
     db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
-    store = Store(db, retention_s=60)
+    store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
-        webhooks = WebhookStore(db)
-        queue = DeliveryQueue(db)
+        webhooks = WebhookStore(db, make_sealer())
+        queue = DeliveryQueue(db, make_sealer())
         endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
                                                         event_types=["job.queued"], kinds=None, signature="ed25519")
         assert await queue.fan_out(await _two_jobs(store)) == 2
@@ -918,10 +918,10 @@ def test_recover_resends_the_failed_deliveries_since_a_time(http: httpx.Client, 
 
 async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> None:
     db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
-    store = Store(db, retention_s=60)
+    store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
-        await portal_store.recover_test_events_and_health(WebhookStore(db), DeliveryQueue(db))
+        await portal_store.recover_test_events_and_health(WebhookStore(db, make_sealer()), DeliveryQueue(db, make_sealer()))
     finally:
         await store.close()
 
@@ -931,10 +931,10 @@ async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> No
 
 async def test_many_attempts_recorded_in_one_batch_in_the_store(tmp_path: Path) -> None:
     db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
-    store = Store(db, retention_s=60)
+    store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
-        await delivery_batches.many_attempts_recorded_in_one_batch(WebhookStore(db), DeliveryQueue(db))
+        await delivery_batches.many_attempts_recorded_in_one_batch(WebhookStore(db, make_sealer()), DeliveryQueue(db, make_sealer()))
     finally:
         await store.close()
 
@@ -944,7 +944,7 @@ class _RefusingQueue(DeliveryQueue):
     (as a store refusing one row would): the recorder must still record the others."""
 
     def __init__(self, db: Database, refused: str) -> None:
-        super().__init__(db)
+        super().__init__(db, make_sealer())
         self.refused = refused
         self.batch_sizes: list[int] = []
         self.writing = asyncio.Event()  # a batch has reached the store
@@ -962,15 +962,15 @@ class _RefusingQueue(DeliveryQueue):
 
 async def test_the_recorder_commits_attempts_that_finish_together_in_one_transaction(tmp_path: Path) -> None:
     db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
-    store = Store(db, retention_s=60)
+    store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
-        webhooks = WebhookStore(db)
+        webhooks = WebhookStore(db, make_sealer())
         ids = [(await webhooks.create_endpoint("acme", url=f"https://hooks.example.com/{n}", event_types=["job.queued"],
                                                kinds=None, signature="hmac-sha256"))[0].id for n in range(3)]
         events = [e for _ in range(5) for e in await _two_jobs(store)]
-        assert await DeliveryQueue(db).fan_out(events) == 30
-        claimed = await DeliveryQueue(db).claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
+        assert await DeliveryQueue(db, make_sealer()).fan_out(events) == 30
+        claimed = await DeliveryQueue(db, make_sealer()).claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
         assert len(claimed) == 30
         refused = claimed[7].delivery.id
         queue = _RefusingQueue(db, refused)

@@ -13,122 +13,152 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import Mapping
+import time
+from collections.abc import Coroutine, Mapping
+from typing import Any
 
 from pathlib import Path
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 
 from herald import jetstream, tracing
-from herald.constants import JOBS_STREAM, worker_consumer_name
 from herald.kinds import JSON_MEDIA_TYPE
 from herald.logs import log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
 from herald.jobs import JobRow, TransitionRejected
 from herald.settings import Settings
+from herald.directory import running_directory
 from herald.storage import open_storage
 from herald.storage.ports import JobStore, ResultStore
 from herald.storage.results import open_result_store
-from herald.transitions import Change
+from herald.tenants import DefaultLimits, LimitsSource
+from herald.transitions import TENANT_AT_CAP, Change
 from schemas import JobMessage
 from schemas.problems import JOB_FAILED
 from workers import registry
 from workers.context import JobContext
+from workers.dispatch import Dispatch, KindQueue, TenantQueue
 from workers.errors import JobCancelled, JobFailed, JobLost
 
 log = logging.getLogger("herald.worker")
 
-FETCH_BATCH = 16  # at most this many messages per pull request (and never more than free slots)
-BATCH_LINGER_S = 0.005
+FETCH_BATCH = 16  # at most this many slots handed out at once
+PARKED_POLL_S = 0.25  # a claim refused at the tenant's max_running tries again this often
 _message_decoder = msgspec.msgpack.Decoder(JobMessage)
+
+
+class _Slot:
+    """A run's place in the process's and its kind's budgets, released once (or given back
+    while its claim waits for the tenant's max_running, then taken again)."""
+
+    def __init__(self, process: asyncio.Semaphore, kind: asyncio.Semaphore) -> None:
+        self._process, self._kind = process, kind
+        self.held = True
+
+    def release(self) -> None:
+        if self.held:
+            self.held = False
+            self._process.release()
+            self._kind.release()
+
+    async def acquire(self) -> None:
+        if not self.held:
+            await self._kind.acquire()
+            await self._process.acquire()
+            self.held = True
 
 
 class Worker:
     def __init__(
-        self, settings: Settings, store: JobStore, results: ResultStore, kinds: Mapping[str, registry.JobKind]
+        self, settings: Settings, store: JobStore, results: ResultStore, kinds: Mapping[str, registry.JobKind],
+        limits: LimitsSource | None = None,
     ) -> None:
         self.settings = settings
         self.store = store
         self.results = results
         self.kinds = dict(kinds)
+        self.limits: LimitsSource = limits if limits is not None else DefaultLimits(settings)
         # One budget for the process (HERALD_WORKER_CONCURRENCY), and one per kind within it.
         self._slots = asyncio.Semaphore(settings.worker_concurrency)
         self._kind_slots = {name: asyncio.Semaphore(kind.concurrency) for name, kind in self.kinds.items()}
-        # A fetch waits holding a slot: with more kinds than slots, shorter waits let every kind have its turn.
-        self._fetch_timeout_s = 1.0 if len(self.kinds) <= settings.worker_concurrency else 0.2
         self._tasks: set[asyncio.Task[None]] = set()
         self._stopping = asyncio.Event()
 
     # ----- the loop -----------------------------------------------------------------
 
-    async def run(self, subscriptions: Mapping[str, object], stop: asyncio.Event) -> None:
-        """One fetch loop per kind, each on its kind's durable consumer; on ``stop`` let
-        running jobs finish or hand them back."""
+    async def run(self, dispatch: Dispatch, stop: asyncio.Event) -> None:
+        """One dispatch loop per kind (workers/dispatch.py), and the reader of the tenants'
+        work counts; on ``stop`` let running jobs finish or hand them back."""
         async with asyncio.TaskGroup() as group:
-            for name, subscription in subscriptions.items():
-                group.create_task(self._fetch_loop(name, subscription, stop), name=f"fetch-{name}")
+            group.create_task(dispatch.run_refresh(stop), name="work-counts")
+            for name, queue in dispatch.kinds.items():
+                group.create_task(self._dispatch_loop(queue, stop), name=f"dispatch-{name}")
 
-    async def _fetch_loop(self, kind: str, subscription: object, stop: asyncio.Event) -> None:
-        """Fetch while this kind and the process both have a free slot.
+    async def _dispatch_loop(self, queue: KindQueue, stop: asyncio.Event) -> None:
+        """Give each free slot (of the process and of the kind) to the tenant whose turn it is.
 
-        One pull request asks for as many messages as there are free slots once the last one
-        came back full (a backlog); otherwise for one. A request for several that finds the
-        queue empty lingers on the server until its expiry and returns only then, so it is
-        kept short (``BATCH_LINGER_S``): at worst a job at the end of a burst waits that long.
+        Free slots are handed out together: one request per chosen tenant asks for as many
+        messages as it was given slots. With no tenant to ask, the slots go back (another
+        kind may use the process's) and the loop waits to hear of work.
         """
-        fetch = subscription.fetch  # type: ignore[attr-defined]
+        kind = queue.kind.name
         kind_slots = self._kind_slots[kind]
-        backlog = False
         while not stop.is_set():
             await kind_slots.acquire()
             await self._slots.acquire()
             taken = 1
             # Semaphore.acquire() on a free semaphore returns without yielding: no one else
             # can take these slots between the check and the acquire.
-            while backlog and taken < FETCH_BATCH and not kind_slots.locked() and not self._slots.locked():
+            while taken < FETCH_BATCH and not kind_slots.locked() and not self._slots.locked():
                 await kind_slots.acquire()
                 await self._slots.acquire()
                 taken += 1
-            try:
-                if taken > 1:
-                    try:
-                        messages: list[Msg] = await fetch(batch=taken, timeout=BATCH_LINGER_S)
-                    except (NatsTimeout, asyncio.TimeoutError):
-                        messages = []
-                else:
-                    messages = await fetch(batch=1, timeout=self._fetch_timeout_s)
-            except (NatsTimeout, asyncio.TimeoutError):
-                messages = []
-            except asyncio.CancelledError:
+            picks = queue.choose(taken)
+            if not picks:
                 self._release(kind, taken)
-                raise
-            except Exception as exc:  # NATS reconnecting: wait and try again
-                self._release(kind, taken)
-                backlog = False
-                log.warning("fetch failed: %s", exc, extra={"kind": kind})
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+                queue.wake.clear()
+                if not queue.ready():
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(_first(queue.wake.wait(), stop.wait()),
+                                               timeout=max(0.005, queue.next_probe_in()))
                 continue
-            backlog = len(messages) >= taken
-            if len(messages) < taken:
-                self._release(kind, taken - len(messages))
-            for message in messages:
-                task = asyncio.create_task(self._handle(message))
-                self._tasks.add(task)
-                task.add_done_callback(functools.partial(self._done, kind=kind))
+            self._release(kind, taken - len(picks))
+            batches: dict[TenantQueue, int] = {}
+            for pick in picks:
+                batches[pick] = batches.get(pick, 0) + 1
+            try:
+                results = await asyncio.gather(*(queue.take(tenant, n) for tenant, n in batches.items()),
+                                               return_exceptions=True)
+            except asyncio.CancelledError:
+                self._release(kind, len(picks))
+                raise
+            for (tenant, n), result in zip(batches.items(), results):
+                if isinstance(result, BaseException):  # NATS reconnecting: wait and try again
+                    self._release(kind, n)
+                    tenant.probe_after = time.monotonic() + 0.5
+                    log.warning("fetch failed: %s", result, extra={"kind": kind})
+                    continue
+                self._release(kind, n - len(result))
+                for message in result:
+                    slot = _Slot(self._slots, kind_slots)
+                    task = asyncio.create_task(self._handle(message, slot))
+                    self._tasks.add(task)
+                    task.add_done_callback(functools.partial(self._done, slot=slot, queue=queue, tenant=tenant,
+                                                             started=time.monotonic()))
 
     def _release(self, kind: str, slots: int = 1) -> None:
         for _ in range(slots):
             self._slots.release()
             self._kind_slots[kind].release()
 
-    def _done(self, task: asyncio.Task[None], kind: str) -> None:
+    def _done(self, task: asyncio.Task[None], slot: _Slot, queue: KindQueue, tenant: TenantQueue,
+              started: float) -> None:
         self._tasks.discard(task)
-        self._release(kind)
+        slot.release()
+        queue.finished(tenant, time.monotonic() - started)
         if not task.cancelled() and task.exception() is not None:
             log.error("worker task crashed", exc_info=task.exception())
 
@@ -145,7 +175,7 @@ class Worker:
 
     # ----- one message ----------------------------------------------------------------
 
-    async def _handle(self, message: Msg) -> None:
+    async def _handle(self, message: Msg, slot: _Slot) -> None:
         try:
             work = _message_decoder.decode(message.data)
         except msgspec.DecodeError:
@@ -167,14 +197,55 @@ class Worker:
                       "herald.job.kind": job.kind}
         with tracing.span(f"run {job.kind}", tracing.continued(message.headers, job), kind=tracing.SpanKind.CONSUMER,
                           attributes=attributes) as span:
-            try:
-                claimed = await self.store.transition(job.id, Change(expect={"queued"}, to="running", claim=True))
-            except TransitionRejected as exc:
-                log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
-                await message.ack()
+            claimed = await self._claim(job, message, slot)
+            if claimed is None:
                 return
-            span.set_attribute("herald.job.attempt", claimed.after.attempt)
-            await self._run_claimed(claimed.after, kind, message)
+            span.set_attribute("herald.job.attempt", claimed.attempt)
+            metrics().job_started(claimed, self.settings.metrics_tenant_labels)
+            await self._run_claimed(claimed, kind, message)
+
+    async def _claim(self, job: JobRow, message: Msg, slot: _Slot) -> JobRow | None:
+        """``queued -> running``, within the tenant's max_running (counted by the store).
+
+        A claim refused at the cap (another kind's run of the tenant took the last place, or
+        a cap lowered just now) keeps its message, gives its slot back, and tries again once
+        the tenant runs fewer; the message's lease is kept alive meanwhile, so it is not
+        redelivered and spends none of its deliveries. None: nothing to run (message acked,
+        or handed back on shutdown)."""
+        while True:
+            cap = self.limits.limits(job.tenant).max_running
+            try:
+                return (await self.store.transition(
+                    job.id, Change(expect={"queued"}, to="running", claim=True, max_running=cap))).after
+            except TransitionRejected as exc:
+                if exc.reason != TENANT_AT_CAP:
+                    log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
+                    await message.ack()
+                    return None
+            metrics().claims_at_cap.labels(kind=job.kind).inc()
+            slot.release()
+            try:
+                while True:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._stopping.wait(), timeout=PARKED_POLL_S)
+                    if self._stopping.is_set():
+                        await message.nak()  # another worker takes it at once
+                        return None
+                    with contextlib.suppress(Exception):
+                        await message.in_progress()
+                    current = await self.store.get(job.id)
+                    if current is None or current.state != "queued":
+                        await message.ack()
+                        return None
+                    cap = self.limits.limits(job.tenant).max_running
+                    running = (await self.store.running_counts([job.tenant])).get(job.tenant, 0)
+                    if cap <= 0 or running < cap:
+                        break
+            except asyncio.CancelledError:
+                with contextlib.suppress(Exception):
+                    await message.nak()
+                raise
+            await slot.acquire()
 
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
@@ -265,6 +336,16 @@ class Worker:
                 return
 
 
+async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
+    """Until the first of ``waits`` ends (the others are cancelled)."""
+    tasks = [asyncio.ensure_future(wait) for wait in waits]
+    try:
+        await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
 def _remove_scratch(path: Path) -> None:
     """An attempt that did not succeed leaves no partial output behind."""
     path.unlink(missing_ok=True)
@@ -281,7 +362,7 @@ async def _stop(task: asyncio.Task[None]) -> None:
             raise
 
 
-async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
+async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSource | None = None) -> None:
     """The ``herald worker`` process body.
 
     Every resource and task is entered on one exit stack, so whichever step fails (the
@@ -299,20 +380,22 @@ async def run_worker(settings: Settings, stop: asyncio.Event) -> None:
         if nc is None:
             return
         stack.push_async_callback(_drain, nc)
+        # Tenants' limits as they change at run time (SPEC §12, §13).
+        directory = await stack.enter_async_context(running_directory(settings, storage.tenants, nc))
+        limits = limits if limits is not None else directory
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
         relay_task = asyncio.create_task(relay.run(), name="relay")
         stack.push_async_callback(_stop, relay_task)
         stack.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
-        subscriptions = {}
-        for name in kinds:  # each kind has its own durable consumer: unserved kinds wait in JetStream
-            subscription = await js.pull_subscribe_bind(worker_consumer_name(name), JOBS_STREAM)
-            stack.push_async_callback(subscription.unsubscribe)
-            subscriptions[name] = subscription
-        worker = Worker(settings, store, await open_result_store(settings, js), kinds)
+        # Each kind's work is pulled per tenant (workers/dispatch.py): consumers are made as tenants need them.
+        dispatch = Dispatch(nc, js, settings, (kind.declaration for kind in kinds.values()), limits)
+        await dispatch.start()
+        stack.push_async_callback(dispatch.stop)
+        worker = Worker(settings, store, await open_result_store(settings, js), kinds, limits)
         stack.push_async_callback(worker.shutdown, settings.worker_grace_s)
-        fetching = asyncio.create_task(worker.run(subscriptions, stop), name="fetch")
+        fetching = asyncio.create_task(worker.run(dispatch, stop), name="fetch")
         stack.push_async_callback(_stop, fetching)
         log.info("worker ready", extra={
             "concurrency": settings.worker_concurrency,

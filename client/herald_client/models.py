@@ -54,6 +54,9 @@ class JobStatus(msgspec.Struct, kw_only=True):
     error: Problem | None
     links: JobLinks
     trace_id: str | None = None  # the job's W3C trace id: its spans in your tracing backend
+    # While queued: "tenant-max-running" (your tenant runs its max_running already) or
+    # "waiting-for-slot" (its turn for a worker slot comes).
+    queued_reason: str | None = None
 
     @property
     def terminal(self) -> bool:

@@ -12,6 +12,7 @@ from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
 
 from gateway.auth import require_tenant
+from herald.tenants import SCOPE_JOBS_WRITE
 from gateway.bodies import read_body, url_errors
 from gateway.openapi import problems, with_body
 from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, InvalidIdempotencyKey, InvalidRequest
@@ -61,13 +62,13 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
 async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     """Authenticate, validate, commit job + key + outbox in one transaction, answer 202."""
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_WRITE)
     key = _idempotency_key(request, svc.settings.require_idempotency_key)
     params, document = await read_body(request, kind.params)
     # The same guard as a webhook registration: https to a public address (resolved now).
     if errors := await url_errors(svc.settings, "callback_url", params.callback_url):
         raise InvalidRequest(errors)
-    await svc.backlog.check(kind.name)
+    await svc.backlog.check(kind.name, tenant)
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
@@ -86,9 +87,9 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
         # gateway; a request refused for any other reason (above, or a mismatch) spends none.
         with tracing.span("store accept", kind=tracing.SpanKind.CLIENT,
                           attributes={"db.system.name": "postgresql" if svc.settings.database_url else "sqlite"}):
-            accepted: Accepted = await svc.store.accept(new, claim, svc.limiter.start_budget)
+            accepted: Accepted = await svc.store.accept(new, claim, svc.limiter.start_budget(tenant))
     except RateLimited as exc:
-        raise svc.limiter.rate_limited(exc.wait_s) from exc
+        raise svc.limiter.rate_limited(tenant, exc.wait_s) from exc
     except IdempotencyMismatch as exc:
         raise IdempotencyKeyMismatch("this Idempotency-Key was used with a different request (path or body)") from exc
     job = accepted.job

@@ -17,6 +17,7 @@ from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
 from gateway.auth import bearer_tenant, require_tenant
+from herald.tenants import SCOPE_JOBS_READ
 from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
 from gateway.hub import RESYNC
@@ -68,7 +69,7 @@ async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str
         if job is None:
             raise NotFound("no such job")
         return job
-    tenant = bearer_tenant(request, svc.settings)
+    tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
     if tenant is None:
         raise Unauthorized("send Authorization: Bearer <key> or use the signed links.events URL")
     return await find_job(svc, tenant, job_id)
@@ -170,7 +171,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
                                                      query.get("sig"), extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /events/link for a fresh one")
         return tenant
-    return require_tenant(request, svc.settings)
+    return require_tenant(request, svc, SCOPE_JOBS_READ)
 
 
 async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: int | None) -> AsyncIterator[bytes]:
@@ -228,6 +229,8 @@ async def _feed(
     position = cursor or 0
     events = await svc.store.tenant_events(tenant, position, limit, kind)
     if not events and wait is not None:
+        # A held feed poll holds a connection like a stream: it counts against max_streams (SPEC §13).
+        svc.limiter.open_stream(tenant)
         subscriber = svc.hub.subscribe_tenant(tenant)
         svc.metrics.long_polls.inc()
         try:
@@ -244,6 +247,7 @@ async def _feed(
         finally:
             svc.metrics.long_polls.dec()
             svc.hub.unsubscribe(subscriber)
+            svc.limiter.close_stream(tenant)
     next_cursor = str(events[-1].seq) if events else str(position)
     return EventFeed(
         events=[FeedEvent(id=str(e.seq), type=e.type, data=e.data) for e in events],
@@ -289,7 +293,7 @@ async def tenant_events(
       responses=problems(401))
 async def events_link(request: Request) -> EventLink:
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     url = svc.signer.sign("/events", TENANT_EVENTS_PURPOSE, extra=tenant)
     return EventLink(url=f"{url}&tenant={tenant}", expires_in=int(svc.settings.signed_url_ttl_s))
 

@@ -11,6 +11,7 @@ from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.answers import StatusAnswer, status_answer
 from gateway.auth import require_tenant
+from herald.tenants import SCOPE_JOBS_READ, SCOPE_JOBS_WRITE
 from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
 from gateway.openapi import problems
@@ -42,8 +43,9 @@ async def _version(svc: Services, job_id: str) -> int | None:
     return job.version if job is not None else None
 
 
-def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Response[JobStatus]:
-    return answer_response(status_answer(job, svc.signer), if_none_match)
+async def status_response(job: JobRow, svc: Services, if_none_match: str | None) -> Response[JobStatus]:
+    reason = await svc.queue_reasons.reason(job)
+    return answer_response(status_answer(job, svc.signer, queued_reason=reason), if_none_match)
 
 
 def answer_response(answer: StatusAnswer, if_none_match: str | None) -> Response[JobStatus]:
@@ -68,7 +70,7 @@ async def get_job(
 ) -> Response[JobStatus]:
     """200 while queued/running (with Retry-After), 303 to the result once succeeded, 200 failed/cancelled."""
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     job = await find_job(svc, tenant, job_id)
     if_none_match = request.headers.get("if-none-match")
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
@@ -80,10 +82,14 @@ async def get_job(
         if seen is not None:
             # Every poll this change woke shares one read and one encoded answer.
             answer = await svc.answers.answer(svc.store, svc.signer, job.id, seen)
-            return answer_response(answer, if_none_match) if answer is not None else status_response(
-                job, svc, if_none_match)
-        job = await svc.store.get(job.id) or job
-    return status_response(job, svc, if_none_match)
+            if answer is None:
+                return await status_response(job, svc, if_none_match)
+            if answer.job.state != "queued":
+                return answer_response(answer, if_none_match)
+            job = answer.job  # queued again (re-queued): its reason is this poll's own
+        else:
+            job = await svc.store.get(job.id) or job
+    return await status_response(job, svc, if_none_match)
 
 
 @get("/jobs", operation_id="list_jobs", tags=["jobs"], summary="The tenant's jobs, newest first",
@@ -96,14 +102,14 @@ async def list_jobs(
     cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
 ) -> JobList:
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     if job_state is not None and job_state not in JOB_STATES:
         raise InvalidRequest(detail=f"state must be one of {', '.join(JOB_STATES)}")
     before = decode_position(cursor) if cursor else None
     rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]
     return JobList(
-        items=[public_status(job, svc.signer) for job in page],
+        items=[public_status(job, svc.signer, queued_reason=await svc.queue_reasons.reason(job)) for job in page],
         next_cursor=encode_position(page[-1].created_at, page[-1].id) if len(rows) > limit else None,
     )
 
@@ -116,7 +122,7 @@ async def list_jobs(
 async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
     """Queued: cancelled at once (200). Running: cancel requested (202), the worker stops between steps."""
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
+    tenant = require_tenant(request, svc, SCOPE_JOBS_WRITE)
     for _ in range(5):  # the job may move between our read and our write: read again
         job = await find_job(svc, tenant, job_id)
         try:

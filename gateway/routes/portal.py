@@ -18,7 +18,9 @@ from litestar import Request, get, post
 from litestar.enums import MediaType
 from litestar.response import File
 
-from gateway.auth import PORTAL_LINK_PURPOSE, PORTAL_SESSION_S, portal_token, require_tenant
+from gateway.auth import PORTAL_LINK_PURPOSE, PORTAL_SESSION_S, portal_binding, portal_token, require_principal
+from gateway.problems import InsufficientScope
+from herald.tenants import SCOPE_WEBHOOKS
 from gateway.bodies import read_body
 from gateway.openapi import problems, with_body
 from gateway.problems import InvalidSignature
@@ -43,9 +45,13 @@ async def portal_link(request: Request) -> PortalLink:
     """Valid ``HERALD_SIGNED_URL_TTL_S`` to open; once opened the page works for 8 hours.
     Only an API key can make one (a portal session cannot extend itself)."""
     svc = services(request)
-    tenant = require_tenant(request, svc.settings)
-    url = svc.signer.sign(PORTAL_PATH, PORTAL_LINK_PURPOSE, extra=tenant)
-    return PortalLink(url=f"{url}&tenant={quote(tenant, safe='')}", expires_in=int(svc.settings.signed_url_ttl_s))
+    principal = require_principal(request, svc)
+    if SCOPE_WEBHOOKS not in principal.scopes:
+        raise InsufficientScope(SCOPE_WEBHOOKS)
+    # The link, and the session it opens, are bound to this key: revoking it ends them.
+    url = svc.signer.sign(PORTAL_PATH, PORTAL_LINK_PURPOSE, extra=portal_binding(principal.tenant, principal.key_id))
+    return PortalLink(url=f"{url}&tenant={quote(principal.tenant, safe='')}&key={quote(principal.key_id, safe='')}",
+                      expires_in=int(svc.settings.signed_url_ttl_s))
 
 
 @post(f"{PORTAL_PATH}/session", operation_id="portal_session", tags=["webhooks"], status_code=200,
@@ -55,6 +61,10 @@ async def portal_link(request: Request) -> PortalLink:
 async def portal_session(request: Request) -> PortalSession:
     svc = services(request)
     body, _document = await read_body(request, PortalSessionRequest)
-    if not svc.signer.verify(PORTAL_PATH, PORTAL_LINK_PURPOSE, body.exp, body.sig, extra=body.tenant):
+    binding = portal_binding(body.tenant, body.key)
+    if not svc.signer.verify(PORTAL_PATH, PORTAL_LINK_PURPOSE, body.exp, body.sig, extra=binding):
         raise InvalidSignature("this portal link is not valid or has expired: ask for a fresh one")
-    return PortalSession(token=portal_token(svc.signer, body.tenant), tenant=body.tenant, expires_in=PORTAL_SESSION_S)
+    if not svc.directory.key_live(body.key, body.tenant):
+        raise InvalidSignature("the key that made this portal link was revoked, or its tenant disabled")
+    return PortalSession(token=portal_token(svc.signer, body.tenant, body.key), tenant=body.tenant,
+                         expires_in=PORTAL_SESSION_S)

@@ -17,6 +17,7 @@ from litestar.params import Parameter
 from litestar.response import Stream
 
 from gateway.auth import bearer_tenant
+from herald.tenants import SCOPE_JOBS_READ
 from gateway.openapi import problems
 from gateway.problems import Gone, InvalidSignature, NoResult, NotFound, ResultNotReady, Unauthorized, Unavailable
 from gateway.render import RESULT_PURPOSE, etag_matches
@@ -37,7 +38,7 @@ async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: s
         if job is None:
             raise NotFound("no such result")
         return job
-    tenant = bearer_tenant(request, svc.settings)
+    tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
     if tenant is None:
         raise Unauthorized("send Authorization: Bearer <key> or use the signed links.result URL")
     return await find_job(svc, tenant, job_id)

@@ -12,6 +12,7 @@ tells a watching page when to read them again.
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,7 +28,14 @@ from gateway.bodies import read_body, url_errors
 from gateway.cursors import decode_position, decode_seq, encode_position, encode_seq
 from gateway.ids import is_uuid
 from gateway.openapi import problems, with_body
-from gateway.problems import EndpointDisabled, InvalidRequest, InvalidSignature, NotFound
+from gateway.problems import (
+    EndpointDisabled,
+    InvalidRequest,
+    InvalidSignature,
+    LimitReached,
+    NotFound,
+    RateLimited,
+)
 from gateway.services import Services, services
 from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S, RETRY_FRAME, EventStream, frame
 from herald.timefmt import rfc3339
@@ -40,6 +48,8 @@ from herald.deliveries import (
     DeliveryRow,
     EndpointRow,
     HealthRow,
+    EndpointLimitReached,
+    TestEventsLimited,
     new_test_event,
 )
 from herald.storage.ports import WebhookStore
@@ -86,7 +96,7 @@ def _webhooks(request: Request) -> WebhookStore:
 def _tenant(request: Request) -> str:
     """The API key's tenant, or a portal session's (these routes are the portal's scope)."""
     svc = services(request)
-    return require_webhook_tenant(request, svc.settings, svc.signer)
+    return require_webhook_tenant(request, svc)
 
 
 # ----- reading requests ---------------------------------------------------------------
@@ -239,7 +249,7 @@ def _webhook_events_tenant(request: Request, svc: Services) -> str:
                                                      query.get("sig"), extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /webhooks/events/link for a fresh one")
         return tenant
-    return require_webhook_tenant(request, svc.settings, svc.signer)
+    return require_webhook_tenant(request, svc)
 
 
 def _notice_frame(endpoint_id: str | None) -> bytes:
@@ -275,7 +285,7 @@ class WebhooksController(Controller):
     tags = ["webhooks"]
 
     @post("/", operation_id="create_webhook", status_code=201, summary="Register a webhook endpoint",
-          operation_class=with_body(EndpointCreate, "The endpoint"), responses=problems(400, 401, 413, 415))
+          operation_class=with_body(EndpointCreate, "The endpoint"), responses=problems(400, 401, 409, 413, 415))
     async def create(self, request: Request) -> Response[CreatedEndpoint]:
         """201 with the endpoint and, this once, its ``secret`` (HMAC) or ``public_key`` (Ed25519)."""
         tenant = _tenant(request)
@@ -283,13 +293,17 @@ class WebhooksController(Controller):
         errors = _kind_errors(body.kinds) + await _url_errors(request, body.url)
         if errors:
             raise InvalidRequest(errors)
-        row, key = await _webhooks(request).create_endpoint(
-            tenant,
-            url=body.url,
-            event_types=_unique(list(body.event_types)) if body.event_types else list(DEFAULT_EVENT_TYPES),
-            kinds=_unique(body.kinds) if body.kinds is not None else None,
-            signature=body.signature,
-        )
+        try:
+            row, key = await _webhooks(request).create_endpoint(
+                tenant,
+                url=body.url,
+                event_types=_unique(list(body.event_types)) if body.event_types else list(DEFAULT_EVENT_TYPES),
+                kinds=_unique(body.kinds) if body.kinds is not None else None,
+                signature=body.signature,
+                max_endpoints=services(request).limits.limits(tenant).max_endpoints,
+            )
+        except EndpointLimitReached as exc:
+            raise LimitReached(f"{exc}; delete one (DELETE /webhooks/{{id}}) or ask the operator for more") from None
         created = CreatedEndpoint(**msgspec.structs.asdict(endpoint_view(row)), secret=key.shown_secret,
                                   public_key=key.shown_public_key)
         return Response(created, status_code=201, headers={"Location": f"/webhooks/{row.id}",
@@ -454,7 +468,7 @@ class WebhooksController(Controller):
 
     @post("/{endpoint_id:str}/test", operation_id="test_webhook", status_code=202,
           summary="Send the endpoint a signed webhook.test event, through the same queue as every event",
-          responses=problems(401, 404, 409))
+          responses=problems(401, 404, 409, 429))
     async def send_test(self, request: Request, endpoint_id: str) -> Response[Delivery]:
         """202 with the delivery: ``type`` ``webhook.test``, ``job_id`` and ``version`` null, payload
         ``{"type": "webhook.test", "timestamp", "data": {"endpoint_id", "message"}}``."""
@@ -467,7 +481,11 @@ class WebhooksController(Controller):
         body = _encoder.encode(WebhookPayload(type=TEST_EVENT_TYPE, timestamp=rfc3339(time.time()) or "",
                                               data=msgspec.Raw(_encoder.encode(data))))
         store = _webhooks(request)
-        row = await store.add_test_delivery(tenant, endpoint.id, event_id, job_key, body)
+        try:
+            row = await store.add_test_delivery(tenant, endpoint.id, event_id, job_key, body)
+        except TestEventsLimited as exc:
+            wait = max(1, math.ceil(exc.retry_after_s))
+            raise RateLimited(f"{exc}; retry after {wait} s", retry_after=wait) from None
         if row is None:  # disabled or deleted meanwhile
             raise EndpointDisabled("the endpoint was disabled or deleted meanwhile")
         await _changed(request, tenant, endpoint.id)

@@ -104,7 +104,7 @@ async function openPortalLink(params) {
   history.replaceState(null, "", location.pathname);
   try {
     const session = await api("POST", "/portal/session", {
-      tenant: params.get("tenant"), exp: params.get("exp"), sig: params.get("sig"),
+      tenant: params.get("tenant"), key: params.get("key"), exp: params.get("exp"), sig: params.get("sig"),
     });
     const saved = { token: session.token, tenant: session.tenant, expiresAt: Date.now() + session.expires_in * 1000 };
     sessionStorage.setItem(SESSION_STORAGE, JSON.stringify(saved));

@@ -70,11 +70,13 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
+from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
 from herald.timefmt import rfc3339
-from herald.transitions import Change, changed_row, event_type, refusal
+from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
 
 _event_encoder = msgspec.json.Encoder()
@@ -330,6 +332,45 @@ DROP FUNCTION IF EXISTS herald_append_event(TEXT, TEXT, TEXT, INTEGER, TEXT, DOU
     TEXT, TEXT, BYTEA);
 """
 
+# SPEC §13. A capped claim (``Change.max_running``) locks the job row, then the tenant's
+# counter row (the order every write takes them in), counts the tenant's running jobs and
+# only then transitions: two capped claims of one tenant are serialised, so both cannot take
+# its last slot. -1: the tenant is at its cap. Claims without a cap never come here.
+_CAPPED_CLAIM = """
+CREATE INDEX IF NOT EXISTS jobs_running_by_tenant ON jobs (tenant) WHERE state = 'running';
+CREATE INDEX IF NOT EXISTS jobs_queued_by_tenant ON jobs (kind, tenant, created_at) WHERE state = 'queued';
+
+CREATE OR REPLACE FUNCTION herald_claim_capped(
+    p_max_running INTEGER,
+    p_id TEXT, p_seen_version INTEGER, p_seen_updated_at DOUBLE PRECISION,
+    p_state TEXT, p_progress INTEGER, p_attempt INTEGER, p_cancel_requested BOOLEAN,
+    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT,
+    p_finished_at DOUBLE PRECISION, p_expires_at DOUBLE PRECISION, p_updated_at DOUBLE PRECISION,
+    p_event_type TEXT, p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
+    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
+) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
+DECLARE
+    v_tenant TEXT;
+    v_running BIGINT;
+BEGIN
+    SELECT j.tenant INTO v_tenant FROM jobs j WHERE j.id = p_id FOR UPDATE;
+    IF NOT FOUND THEN
+        RETURN NULL;
+    END IF;
+    PERFORM 1 FROM tenant_seq s WHERE s.tenant = v_tenant FOR UPDATE;
+    -- A new snapshot: every claim that held the lock before us has committed and is counted.
+    SELECT count(*) INTO v_running FROM jobs j WHERE j.tenant = v_tenant AND j.state = 'running';
+    IF v_running >= p_max_running THEN
+        RETURN -1;
+    END IF;
+    RETURN herald_transition(p_id, p_seen_version, p_seen_updated_at, p_state, p_progress, p_attempt,
+                             p_cancel_requested, p_heartbeat_at, p_error, p_result_path, p_media_type,
+                             p_finished_at, p_expires_at, p_updated_at, p_event_type, p_event_subject,
+                             p_event_data, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
+END
+$fn$;
+"""
+
 MIGRATIONS: list[tuple[str, str]] = [
     ("jobs-1", _TABLES + _FUNCTIONS),
     # The trace context kept with each job (herald.tracing): "jobs-1" above has it; a database
@@ -343,6 +384,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     # that insert outbox rows need no change.
     ("outbox-origin",
      "ALTER TABLE outbox ADD COLUMN IF NOT EXISTS origin TEXT DEFAULT current_setting('herald.origin', true);"),
+    ("jobs-tenant-fair-share", _CAPPED_CLAIM),
 ]
 
 # ----- statements ---------------------------------------------------------------------------
@@ -359,6 +401,7 @@ _ACCEPT = (
 _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
 
 _TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 22)) + ")"
+_CAPPED_TRANSITION = "SELECT herald_claim_capped(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
 
 # GREATEST: a transition that committed while this statement waited for the row keeps its
 # (possibly later) time; a job's updated_at never goes back.
@@ -380,6 +423,17 @@ _QUEUED_AGES = (
     f"SELECT k.kind, {NOW_SQL} AS now,"
     " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued' AND jobs.kind = k.kind) AS since"
     " FROM unnest($1::text[]) AS k(kind)"
+)
+
+_TENANT_QUEUED_AGE = (
+    f"SELECT {NOW_SQL} AS now,"
+    " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued' AND kind = $1 AND tenant = $2) AS since"
+)
+
+# One lookup in jobs_running_by_tenant per tenant.
+_RUNNING_COUNTS = (
+    "SELECT t.tenant, (SELECT COUNT(*) FROM jobs WHERE state = 'running' AND jobs.tenant = t.tenant) AS running"
+    " FROM unnest($1::text[]) AS t(tenant)"
 )
 
 # One statement (data-modifying CTEs all run, whether or not the final SELECT reads them)
@@ -452,7 +506,7 @@ def _work_message(job: JobRow) -> tuple[str, str, bytes]:
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
     message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
-    return job_subject(job.kind), msg_id, msgspec.msgpack.encode(message)
+    return job_subject(job.kind, job.tenant), msg_id, msgspec.msgpack.encode(message)
 
 
 def _event_from_record(record: asyncpg.Record) -> JobEvent:
@@ -475,9 +529,10 @@ def _age(now: float, since: float | None) -> float:
 class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
 
-    def __init__(self, db: PgDatabase, *, retention_s: float) -> None:
+    def __init__(self, db: PgDatabase, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db
         self.retention_s = retention_s
+        self._sealer = sealer
         super().__init__()
 
     async def open(self) -> None:
@@ -485,6 +540,13 @@ class PgJobStore(CommitListeners):
         # so that /readyz answers 503 meanwhile); a second open() would make a second pool.
         if not self._db.opened:
             await self._db.open()
+        await self._db.wait_ready()
+        # A store an older Herald wrote keeps its secrets in plaintext: sealed now, in place.
+        await resealing.reseal(self._db.pool, self._sealer, everything=False)
+        await resealing.check_keys(self._db.pool, self._sealer)
+
+    async def reseal_secrets(self) -> int:
+        return await resealing.reseal(self._db.pool, self._sealer, everything=True)
 
     async def close(self) -> None:
         await self._db.close()
@@ -589,9 +651,11 @@ class PgJobStore(CommitListeners):
                     return Transition(before=before, after=before, event=None)  # nothing visible changed
                 event, event_tail = _unnumbered_event(after, kind_of_change)
                 work_subject, work_msg_id, work_payload = _work_message(after) if change.requeue else (None, None, None)
+                capped = change.claim and change.max_running > 0
                 # Committed with the other transitions of this process queued meanwhile.
                 seq = await self._db.fetchval_grouped(
-                    _TRANSITION,
+                    _CAPPED_TRANSITION if capped else _TRANSITION,
+                    *((change.max_running,) if capped else ()),
                     job_id, before.version, before.updated_at,
                     after.state, after.progress, after.attempt, after.cancel_requested,
                     after.heartbeat_at, after.error, after.result_path, after.media_type,
@@ -599,6 +663,8 @@ class PgJobStore(CommitListeners):
                     kind_of_change, event_subject(after.tenant, after.id), bytes(event.data), event_tail,
                     work_subject, work_msg_id, work_payload,
                 )
+                if seq == -1:
+                    raise TransitionRejected(job_id, TENANT_AT_CAP, before)
                 if seq is not None:
                     return Transition(before=before, after=after, event=msgspec.structs.replace(event, seq=seq))
                 # Another writer committed between our read and our write: judge the new row.
@@ -693,6 +759,15 @@ class PgJobStore(CommitListeners):
         records = await self._fetch(_QUEUED_AGES, list(kinds))
         return {r["kind"]: _age(r["now"], r["since"]) for r in records}
 
+    async def tenant_queued_age(self, kind: str, tenant: str) -> float:
+        record = await self._fetchrow(_TENANT_QUEUED_AGE, kind, tenant)
+        assert record is not None
+        return _age(record["now"], record["since"])
+
+    async def running_counts(self, tenants: Sequence[str]) -> dict[str, int]:
+        records = await self._fetch(_RUNNING_COUNTS, list(dict.fromkeys(tenants)))
+        return {r["tenant"]: int(r["running"]) for r in records}
+
     # ----- outbox ------------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
@@ -749,13 +824,14 @@ class PgJobStore(CommitListeners):
 
     async def signing_key(self) -> bytes:
         select = "SELECT value FROM herald_secrets WHERE name = $1"
+        aad = secret_aad(SIGNING_KEY_NAME)
         value = await self._fetchval(select, SIGNING_KEY_NAME)
         if value is None:
             # The first process to get here wins; the others' inserts do nothing (each waits
             # for a racing insert to commit first), and every one reads the winner's key.
             await self._fetchval(
                 "INSERT INTO herald_secrets (name, value) VALUES ($1, $2) ON CONFLICT (name) DO NOTHING",
-                SIGNING_KEY_NAME, secrets.token_bytes(32).hex(),
+                SIGNING_KEY_NAME, self._sealer.seal(secrets.token_bytes(32), aad).hex(),
             )
             value = await self._fetchval(select, SIGNING_KEY_NAME)
-        return bytes.fromhex(value)
+        return self._sealer.open(bytes.fromhex(value), aad)

@@ -69,7 +69,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Collection, Mapping, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
@@ -80,15 +80,22 @@ from herald.deliveries import (
     Attempted,
     PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
+    TEST_EVENT_WINDOW_S,
+    TEST_EVENTS_PER_WINDOW,
+    TEST_JOB_END,
+    TEST_JOB_PREFIX,
     AttemptRow,
     Claimed,
     DeliveryRow,
+    EndpointLimitReached,
     EndpointRow,
     Finished,
     HealthRow,
+    TestEventsLimited,
     callback_owner,
     event_id,
 )
+from herald.sealing import Sealer, key_aad
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
 from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
@@ -103,6 +110,7 @@ T = TypeVar("T")
 # serialises an owner's key changes.
 ORDER_LOCK_CLASS = 0x57484F52
 KEY_LOCK_CLASS = 0x57484B59
+ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpoints)
 
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
@@ -602,6 +610,112 @@ END $$;
 """
 
 
+# The claim of migration 4: fair among tenants, and within a tenant among its targets
+# (SPEC §13). The candidates are read as in migration 3 (per target, at most the slots the
+# target has left in this notifier), minus the targets the notifier holds back (p_held: at
+# their cap per origin, or paced by its circuit breaker). Then, instead of "oldest first
+# over everything" (which let a tenant's backlog take every slot before another tenant's
+# due delivery), each tenant's candidates are ranked round robin over its targets and cut
+# at the slots the tenant has left here (p_per_tenant minus p_busy_tenants' counts), and
+# the free slots go to the tenant with the fewest in flight first (water-filling: slot k
+# of a tenant with n in flight sorts at n + k), oldest first among equals.
+_FAIR_CLAIM_FUNCTION = """
+DROP FUNCTION herald_webhook_claim(TEXT, DOUBLE PRECISION, INTEGER, INTEGER, TEXT[], INTEGER[]);
+
+CREATE FUNCTION herald_webhook_claim(
+    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_busy_targets TEXT[], p_busy_counts INTEGER[],
+    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
+) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
+                 job_traceparent TEXT, job_tracestate TEXT)
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    ts DOUBLE PRECISION := {now};
+    ids TEXT[];
+BEGIN
+    SELECT coalesce(array_agg(locked.id), '{{}}') INTO ids FROM (
+        SELECT d.id
+          FROM webhook_deliveries d
+          JOIN (
+            WITH RECURSIVE targets(target) AS (
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w WHERE w.status = 'pending')
+                UNION ALL
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.target > t.target)
+                  FROM targets t WHERE t.target IS NOT NULL
+            ), per_target AS (
+                SELECT cand.id, cand.tenant, cand.next_attempt_at, cand.seq,
+                       row_number() OVER (PARTITION BY t.target ORDER BY cand.next_attempt_at, cand.seq) AS target_rank
+                  FROM targets t
+                  LEFT JOIN unnest(p_busy_targets, p_busy_counts) AS b(target, n) ON b.target = t.target
+                 CROSS JOIN LATERAL (
+                    SELECT c.id, c.tenant, c.next_attempt_at, c.seq
+                      FROM webhook_deliveries c
+                      LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+                     WHERE c.target = t.target AND c.status = 'pending' AND c.next_attempt_at <= ts
+                       AND (c.lease_until IS NULL OR c.lease_until <= ts)
+                       AND (c.endpoint_id IS NULL OR e.status = 'enabled')
+                       AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
+                       -- one probe of (target, job_id) per candidate (see migration 3)
+                       AND (SELECT min(older.version) FROM webhook_deliveries older
+                             WHERE older.target = c.target AND older.job_id = c.job_id
+                               AND older.status = 'pending') = c.version
+                     ORDER BY c.next_attempt_at, c.seq
+                     LIMIT greatest(p_per_target - coalesce(b.n, 0), 0)
+                 ) cand
+                 WHERE t.target IS NOT NULL AND NOT (t.target = ANY(p_held))
+            ), per_tenant AS (
+                SELECT pt.id, pt.next_attempt_at, pt.seq, coalesce(bt.n, 0) AS busy,
+                       row_number() OVER (PARTITION BY pt.tenant
+                                          ORDER BY pt.target_rank, pt.next_attempt_at, pt.seq) AS tenant_rank
+                  FROM per_target pt
+                  LEFT JOIN unnest(p_busy_tenants, p_tenant_counts) AS bt(tenant, n) ON bt.tenant = pt.tenant
+            )
+            SELECT pt.id, pt.next_attempt_at, pt.seq, pt.busy + pt.tenant_rank AS share
+              FROM per_tenant pt
+             WHERE p_per_tenant <= 0 OR pt.busy + pt.tenant_rank <= p_per_tenant
+          ) c ON c.id = d.id
+         WHERE d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
+         ORDER BY c.share, c.next_attempt_at, c.seq
+         LIMIT p_limit
+           FOR UPDATE OF d SKIP LOCKED
+    ) locked;
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- A new snapshot: an older version committed by a fan-out since the candidates were
+    -- read holds its newer one back (see migration 3).
+    RETURN QUERY
+    WITH leased AS (
+        UPDATE webhook_deliveries d SET lease_owner = p_owner, lease_until = ts + p_lease_s
+         WHERE d.id = ANY(ids)
+           AND (SELECT min(older.version) FROM webhook_deliveries older
+                 WHERE older.target = d.target AND older.job_id = d.job_id
+                   AND older.status = 'pending') = d.version
+        RETURNING d
+    )
+    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys,
+           j.traceparent, j.tracestate
+      FROM leased l
+      JOIN webhook_messages m ON m.event_id = (l.d).event_id
+      LEFT JOIN webhook_endpoints e ON e.id = (l.d).endpoint_id
+      LEFT JOIN jobs j ON j.id = (l.d).job_id
+     CROSS JOIN LATERAL (
+        SELECT array_agg(wk.algorithm ORDER BY wk.created_at DESC) AS algorithms,
+               array_agg(wk.secret ORDER BY wk.created_at DESC) AS secrets,
+               array_agg(wk.public_key ORDER BY wk.created_at DESC) AS public_keys
+          FROM webhook_keys wk
+         WHERE wk.owner = coalesce((l.d).endpoint_id, '{callback_prefix}' || (l.d).tenant)
+           AND (wk.retire_at IS NULL OR wk.retire_at > ts)
+     ) k
+     ORDER BY array_position(ids, (l.d).id);
+END $$;
+"""
+
+
 # Several attempts recorded in one transaction, one round trip: herald_webhook_finish for
 # each, in the caller's order. The order locks of the whole batch are taken first and
 # sorted, as fan-out takes its own, so a batch and a fan-out cannot deadlock on them.
@@ -692,6 +806,7 @@ MIGRATIONS: list[tuple[str, str]] = [
      _ddl(_KEY_FUNCTIONS) + _ddl(_FAN_OUT_FUNCTION) + _ddl(_CLAIM_FUNCTION) + _ddl(_FINISH_FUNCTION)),
     ("webhooks-2-finish-many", _ddl(_FINISH_MANY_FUNCTION)),
     ("webhooks-3-claim-by-target", _ddl(_CLAIM_BY_TARGET_FUNCTION)),
+    ("webhooks-4-fair-claim", _ddl(_FAIR_CLAIM_FUNCTION)),
 ]
 
 _FAIL_PENDING_SQL = f"""
@@ -723,43 +838,50 @@ async def _retrying(attempt: Callable[[], Awaitable[T]]) -> T:
     raise AssertionError("unreachable")
 
 
-def _key(algorithm: str, secret: bytes, public_key: bytes | None) -> SigningKey:
-    return SigningKey(algorithm=algorithm, secret=bytes(secret),
-                      public_key=bytes(public_key) if public_key is not None else None)
+def _key(sealer: Sealer, owner: str, algorithm: str, secret: bytes, public_key: bytes | None) -> SigningKey:
+    """A stored key, its secret opened (the SQL moves sealed bytes only)."""
+    public = bytes(public_key) if public_key is not None else None
+    return SigningKey(algorithm=algorithm, secret=sealer.open(secret, key_aad(owner, algorithm, public)),
+                      public_key=public)
 
 
-async def _ensure_current_key(db: PgDatabase, owner: str, algorithm: str) -> SigningKey:
+def _sealed(sealer: Sealer, owner: str, key: SigningKey) -> bytes:
+    return sealer.seal(key.secret, key_aad(owner, key.algorithm, key.public_key))
+
+
+async def _ensure_current_key(db: PgDatabase, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
     """The owner's current key, made now if it has none; concurrent first calls agree on one."""
     candidate = new_key(algorithm)
     row = await db.pool.fetchrow("SELECT * FROM herald_webhook_ensure_key($1, $2, $3, $4)",
-                                 owner, candidate.algorithm, candidate.secret, candidate.public_key)
+                                 owner, candidate.algorithm, _sealed(sealer, owner, candidate), candidate.public_key)
     assert row is not None
-    return _key(row["algorithm"], row["secret"], row["public_key"])
+    return _key(sealer, owner, row["algorithm"], row["secret"], row["public_key"])
 
 
-async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, owner: str, algorithm: str) -> SigningKey:
+async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
     key = new_key(algorithm)
     await conn.execute("SELECT herald_webhook_add_key($1, $2, $3, $4, $5)",
-                       owner, key.algorithm, key.secret, key.public_key, ROTATION_OVERLAP_S)
+                       owner, key.algorithm, _sealed(sealer, owner, key), key.public_key, ROTATION_OVERLAP_S)
     return key
 
 
 class PgWebhookStore:
     """Endpoints, keys and the delivery log as the API sees them."""
 
-    def __init__(self, db: PgDatabase) -> None:
+    def __init__(self, db: PgDatabase, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     # ----- endpoints ----------------------------------------------------------------
 
     async def create_endpoint(
-        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
+        max_endpoints: int = 0,
     ) -> tuple[EndpointRow, SigningKey]:
         endpoint_id = str(uuid.uuid4())
         key = new_key(signature)  # an unknown scheme fails before anything is written
         # One statement: the endpoint and its first key (nobody can have rotated it yet).
-        row = await self.db.pool.fetchrow(
-            f"""
+        insert = f"""
             WITH clock AS (SELECT {NOW_SQL} AS ts),
             endpoint AS (
                 INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,
@@ -769,10 +891,21 @@ class PgWebhookStore:
                 INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key)
                 SELECT id, created_at, $7, $8, $9 FROM endpoint)
             SELECT * FROM endpoint
-            """,
-            endpoint_id, tenant, url, list(event_types), None if kinds is None else list(kinds), signature,
-            key.algorithm, key.secret, key.public_key,
-        )
+            """
+        args = (endpoint_id, tenant, url, list(event_types), None if kinds is None else list(kinds), signature,
+                key.algorithm, _sealed(self.sealer, endpoint_id, key), key.public_key)
+        if max_endpoints <= 0:
+            row = await self.db.pool.fetchrow(insert, *args)
+        else:
+            # The count and the insert under one lock per tenant, so that creations at several
+            # gateways at once cannot pass the cap together; the insert, a later statement, sees
+            # every endpoint committed before the lock was granted.
+            async with self.db.pool.acquire() as conn, conn.transaction():
+                await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", ENDPOINT_LOCK_CLASS, tenant)
+                count = await conn.fetchval("SELECT count(*) FROM webhook_endpoints WHERE tenant = $1", tenant)
+                if count >= max_endpoints:
+                    raise EndpointLimitReached(max_endpoints)
+                row = await conn.fetchrow(insert, *args)
         assert row is not None
         return EndpointRow.from_mapping(row), key
 
@@ -847,21 +980,21 @@ class PgWebhookStore:
             signature = await conn.fetchval(
                 "SELECT signature FROM webhook_endpoints WHERE id = $1 AND tenant = $2 FOR KEY SHARE",
                 endpoint_id, tenant)
-            return await _add_key(conn, endpoint_id, signature) if signature is not None else None
+            return await _add_key(conn, self.sealer, endpoint_id, signature) if signature is not None else None
 
     # ----- the tenant's callback secret ------------------------------------------------
 
     async def callback_key(self, tenant: str) -> SigningKey:
         """The current callback secret, created on first use."""
+        owner = callback_owner(tenant)
         row = await self.db.pool.fetchrow(
-            "SELECT algorithm, secret, public_key FROM webhook_keys WHERE owner = $1 AND retire_at IS NULL",
-            callback_owner(tenant))
+            "SELECT algorithm, secret, public_key FROM webhook_keys WHERE owner = $1 AND retire_at IS NULL", owner)
         if row is not None:
-            return _key(row["algorithm"], row["secret"], row["public_key"])
-        return await _ensure_current_key(self.db, callback_owner(tenant), HMAC)
+            return _key(self.sealer, owner, row["algorithm"], row["secret"], row["public_key"])
+        return await _ensure_current_key(self.db, self.sealer, owner, HMAC)
 
     async def rotate_callback_key(self, tenant: str) -> SigningKey:
-        return await _add_key(self.db.pool, callback_owner(tenant), HMAC)
+        return await _add_key(self.db.pool, self.sealer, callback_owner(tenant), HMAC)
 
     # ----- the delivery log ----------------------------------------------------------------
 
@@ -929,23 +1062,36 @@ class PgWebhookStore:
 
     async def add_test_delivery(self, tenant: str, endpoint_id: str, event_id: str, job_key: str,
                                 body: bytes) -> DeliveryRow | None:
-        """One webhook.test delivery, due now, in one statement; the endpoint held as in ``recover``."""
-        row = await self.db.pool.fetchrow(
-            f"""
-            WITH endpoint AS (
-                SELECT id FROM webhook_endpoints WHERE id = $1 AND tenant = $2 AND status = 'enabled' FOR KEY SHARE),
-            clock AS (SELECT {NOW_SQL} AS ts),
-            message AS (
-                INSERT INTO webhook_messages (event_id, body, created_at)
-                SELECT $3, $5, clock.ts FROM endpoint, clock)
-            INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
-                                            status, scheduled_at, next_attempt_at, created_at, updated_at)
-            SELECT gen_random_uuid()::TEXT, $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
-                   'pending', clock.ts, clock.ts, clock.ts, clock.ts
-              FROM endpoint, clock
-            RETURNING *
-            """,
-            endpoint_id, tenant, event_id, job_key, body, TEST_EVENT_TYPE)
+        """One webhook.test delivery, due now, the endpoint held as in ``recover``; at most
+        ``TEST_EVENTS_PER_WINDOW`` per endpoint in ``TEST_EVENT_WINDOW_S`` (a lock per endpoint
+        makes the count and the insert one step)."""
+        async with self.db.pool.acquire() as conn, conn.transaction():
+            await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", ENDPOINT_LOCK_CLASS, endpoint_id)
+            recent = [r[0] for r in await conn.fetch(
+                f"""
+                SELECT created_at FROM webhook_deliveries
+                 WHERE target = $1 AND job_id >= $2 AND job_id < $3 AND created_at > {NOW_SQL} - $4
+                 ORDER BY created_at
+                """, endpoint_id, TEST_JOB_PREFIX, TEST_JOB_END, TEST_EVENT_WINDOW_S)]
+            if len(recent) >= TEST_EVENTS_PER_WINDOW:
+                ts = await conn.fetchval(f"SELECT {NOW_SQL}")
+                raise TestEventsLimited(recent[-TEST_EVENTS_PER_WINDOW] + TEST_EVENT_WINDOW_S - ts)
+            row = await conn.fetchrow(
+                f"""
+                WITH endpoint AS (
+                    SELECT id FROM webhook_endpoints WHERE id = $1 AND tenant = $2 AND status = 'enabled' FOR KEY SHARE),
+                clock AS (SELECT {NOW_SQL} AS ts),
+                message AS (
+                    INSERT INTO webhook_messages (event_id, body, created_at)
+                    SELECT $3, $5, clock.ts FROM endpoint, clock)
+                INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
+                                                status, scheduled_at, next_attempt_at, created_at, updated_at)
+                SELECT gen_random_uuid()::TEXT, $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
+                       'pending', clock.ts, clock.ts, clock.ts, clock.ts
+                  FROM endpoint, clock
+                RETURNING *
+                """,
+                endpoint_id, tenant, event_id, job_key, body, TEST_EVENT_TYPE)
         return DeliveryRow.from_mapping(row) if row is not None else None
 
     async def messages(self, event_ids: Sequence[str]) -> dict[str, bytes]:
@@ -983,8 +1129,9 @@ class PgWebhookStore:
 class PgDeliveryQueue:
     """The durable schedule of webhook deliveries, shared by any number of notifiers."""
 
-    def __init__(self, db: PgDatabase) -> None:
+    def __init__(self, db: PgDatabase, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` in one statement (one transaction); returns how many are pending."""
@@ -1016,26 +1163,49 @@ class PgDeliveryQueue:
         return float(value) if value is not None else None
 
     async def claim(
-        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
+        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int],
+        per_tenant: int = 0, tenant_in_flight: Mapping[str, int] | None = None, held: Collection[str] = (),
     ) -> list[Claimed]:
-        """Lease up to ``limit`` due deliveries nobody holds, at most ``per_target`` in flight per target."""
+        """Lease up to ``limit`` due deliveries nobody holds, fairly among tenants (see ``DeliveryQueue.claim``)."""
         if limit <= 0:
             return []
         busy = {target: n for target, n in in_flight.items() if n > 0}
+        tenants = {tenant: n for tenant, n in (tenant_in_flight or {}).items() if n > 0}
         rows = await self.db.pool.fetch(
-            "SELECT * FROM herald_webhook_claim($1, $2, $3, $4, $5, $6)",
-            owner, lease_s, per_target, limit, list(busy), list(busy.values()))
+            "SELECT * FROM herald_webhook_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
+            owner, lease_s, per_target, limit, list(busy), list(busy.values()),
+            per_tenant, list(tenants), list(tenants.values()), list(held))
         return [await self._claimed(row) for row in rows]
+
+    async def defer(self, delivery_ids: Sequence[str], owner: str, targets: Sequence[str], delay_s: float) -> None:
+        """Reschedule without an attempt: hand back ``delivery_ids`` (leased by ``owner``) due in
+        ``delay_s``, and move every due, unleased pending delivery of ``targets`` to then too."""
+        if not delivery_ids and not targets:
+            return
+        await self.db.pool.execute(
+            f"""
+            WITH clock AS (SELECT {NOW_SQL} AS ts)
+            UPDATE webhook_deliveries d
+               SET next_attempt_at = greatest(d.next_attempt_at, clock.ts + $4),
+                   lease_owner = NULL, lease_until = NULL
+              FROM clock
+             WHERE d.status = 'pending'
+               AND ((d.id = ANY($1::TEXT[]) AND d.lease_owner = $2)
+                    OR (d.target = ANY($3::TEXT[]) AND d.next_attempt_at < clock.ts + $4
+                        AND (d.lease_until IS NULL OR d.lease_until <= clock.ts)))
+            """,
+            list(delivery_ids), owner, list(targets), delay_s)
 
     async def _claimed(self, row: Mapping[str, Any]) -> Claimed:
         delivery = DeliveryRow.from_mapping(row["delivery"])
-        keys = tuple(_key(a, s, p) for a, s, p in zip(row["key_algorithms"] or (), row["key_secrets"] or (),
-                                                        row["key_public_keys"] or (), strict=True))
+        owner = delivery.endpoint_id or callback_owner(delivery.tenant)  # the claim's key owner
+        keys = tuple(_key(self.sealer, owner, a, s, p)
+                     for a, s, p in zip(row["key_algorithms"] or (), row["key_secrets"] or (),
+                                        row["key_public_keys"] or (), strict=True))
         if not keys and delivery.endpoint_id is None:
             # The tenant's first callback delivery: its secret is created on first use.
-            owner = callback_owner(delivery.tenant)
-            await _ensure_current_key(self.db, owner, HMAC)
-            keys = tuple(_key(r["algorithm"], r["secret"], r["public_key"])
+            await _ensure_current_key(self.db, self.sealer, owner, HMAC)
+            keys = tuple(_key(self.sealer, owner, r["algorithm"], r["secret"], r["public_key"])
                          for r in await self.db.pool.fetch(_LIVE_KEYS_SQL, owner))
         trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
         return Claimed(delivery=delivery, url=row["send_url"], body=bytes(row["body"]), keys=keys, trace_context=trace)

@@ -32,11 +32,13 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
+from herald.storage.sqlite import resealing
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now, rfc3339
-from herald.transitions import Change, changed_row, event_type, refusal
+from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
 
 # State names in the SQL below are the values of ``schemas.jobs.JobState`` (the one list),
@@ -72,6 +74,9 @@ CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state I
 CREATE INDEX IF NOT EXISTS jobs_queued_since ON jobs (created_at) WHERE state = 'queued';
 CREATE INDEX IF NOT EXISTS jobs_queued_by_kind ON jobs (kind, created_at) WHERE state = 'queued';
 CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (expires_at) WHERE expires_at IS NOT NULL;
+-- SPEC §13: a capped tenant's running jobs (the claim), a tenant's own queue age (back-pressure).
+CREATE INDEX IF NOT EXISTS jobs_running_by_tenant ON jobs (tenant) WHERE state = 'running';
+CREATE INDEX IF NOT EXISTS jobs_queued_by_tenant ON jobs (kind, tenant, created_at) WHERE state = 'queued';
 
 CREATE TABLE IF NOT EXISTS events (
     tenant TEXT NOT NULL,
@@ -129,6 +134,7 @@ CREATE TABLE IF NOT EXISTS herald_secrets (
 """
 
 _event_encoder = msgspec.json.Encoder()
+_SIGNING_KEY_NAME = "url-signing"
 
 
 def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
@@ -204,20 +210,27 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
     message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
-    _enqueue(conn, job_subject(job.kind), msg_id, msgspec.msgpack.encode(message), job, origin)
+    _enqueue(conn, job_subject(job.kind, job.tenant), msg_id, msgspec.msgpack.encode(message), job, origin)
 
 
 class SqliteJobStore(CommitListeners):
     """The job store on one SQLite file. One per process; processes of one machine share the file."""
 
-    def __init__(self, db: Database, *, retention_s: float) -> None:
+    def __init__(self, db: Database, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db
         self.retention_s = retention_s
+        self._sealer = sealer
         super().__init__()
 
     async def open(self) -> None:
         await self._db.open()
         await self._db.write(_add_columns)
+        # A store an older Herald wrote keeps its secrets in plaintext: sealed now, in place.
+        await resealing.reseal(self._db, self._sealer, everything=False)
+        resealing.check_keys(self._db, self._sealer)
+
+    async def reseal_secrets(self) -> int:
+        return await resealing.reseal(self._db, self._sealer, everything=True)
 
     async def close(self) -> None:
         await self._db.close()
@@ -299,6 +312,13 @@ class SqliteJobStore(CommitListeners):
             if reason is not None:
                 raise TransitionRejected(job_id, reason, before)
             assert before is not None
+            if change.claim and change.max_running > 0:
+                # BEGIN IMMEDIATE holds the one write lock: no other claim counts meanwhile.
+                (running,) = conn.execute(
+                    "SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state = 'running'", (before.tenant,)
+                ).fetchone()
+                if running >= change.max_running:
+                    raise TransitionRejected(job_id, TENANT_AT_CAP, before)
             ts = now()
             after, values = changed_row(before, change, at=ts, retention_s=self.retention_s)
             kind_of_change = event_type(before, after)
@@ -409,6 +429,19 @@ class SqliteJobStore(CommitListeners):
             ages[kind] = max(0.0, ts - since) if since is not None else 0.0
         return ages
 
+    async def tenant_queued_age(self, kind: str, tenant: str) -> float:
+        since = self._db.read(
+            "SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued' AND kind = ? AND tenant = ?", (kind, tenant)
+        )[0]["t"]
+        return max(0.0, now() - since) if since is not None else 0.0
+
+    async def running_counts(self, tenants: Sequence[str]) -> dict[str, int]:
+        return {
+            tenant: int(self._db.read("SELECT COUNT(*) AS n FROM jobs WHERE state = 'running' AND tenant = ?",
+                                      (tenant,))[0]["n"])
+            for tenant in dict.fromkeys(tenants)
+        }
+
     # ----- outbox ---------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
@@ -490,17 +523,19 @@ class SqliteJobStore(CommitListeners):
     # ----- shared secrets ---------------------------------------------------------------
 
     async def signing_key(self) -> bytes:
-        rows = self._db.read("SELECT value FROM herald_secrets WHERE name = 'url-signing'")
+        aad = secret_aad(_SIGNING_KEY_NAME)
+        rows = self._db.read("SELECT value FROM herald_secrets WHERE name = ?", (_SIGNING_KEY_NAME,))
         if rows:
-            return bytes(rows[0]["value"])
+            return self._sealer.open(rows[0]["value"], aad)
 
         def tx(conn: sqlite3.Connection) -> bytes:
             # The first process to get here wins; the others read what it wrote.
-            conn.execute("INSERT OR IGNORE INTO herald_secrets (name, value) VALUES ('url-signing', ?)",
-                         (secrets.token_bytes(32),))
-            return bytes(conn.execute("SELECT value FROM herald_secrets WHERE name = 'url-signing'").fetchone()[0])
+            conn.execute("INSERT OR IGNORE INTO herald_secrets (name, value) VALUES (?, ?)",
+                         (_SIGNING_KEY_NAME, self._sealer.seal(secrets.token_bytes(32), aad)))
+            return bytes(conn.execute("SELECT value FROM herald_secrets WHERE name = ?",
+                                      (_SIGNING_KEY_NAME,)).fetchone()[0])
 
-        return await self._db.write(tx)
+        return self._sealer.open(await self._db.write(tx), aad)
 
 
 def _event_from_row(row: sqlite3.Row) -> JobEvent:

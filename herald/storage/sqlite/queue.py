@@ -21,7 +21,7 @@ from __future__ import annotations
 import sqlite3
 import uuid
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
@@ -36,6 +36,7 @@ from herald.deliveries import (
     callback_owner,
     event_id,
 )
+from herald.sealing import Sealer
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, live_keys
 from herald.timefmt import now
@@ -152,8 +153,9 @@ def _add_delivery(
 
 
 class SqliteDeliveryQueue:
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` in one transaction; returns how many are pending."""
@@ -196,32 +198,35 @@ class SqliteDeliveryQueue:
         return rows[0]["t"] if rows else None
 
     async def claim(
-        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int]
+        self, owner: str, *, lease_s: float, per_target: int, limit: int, in_flight: Mapping[str, int],
+        per_tenant: int = 0, tenant_in_flight: Mapping[str, int] | None = None, held: Collection[str] = (),
     ) -> list[Claimed]:
-        """Lease up to ``limit`` due deliveries, at most ``per_target`` in flight per target."""
+        """Lease up to ``limit`` due deliveries, fairly among tenants (see ``DeliveryQueue.claim``)."""
+        tenants_busy = tenant_in_flight or {}
 
         def tx(conn: sqlite3.Connection) -> list[Claimed]:
             ts = now()
             # Each target's oldest claimable deliveries, at most the slots it has left here
-            # (a target with none left is not read at all, so it cannot crowd out the rest);
-            # then the oldest of them all, as many as this notifier has slots.
-            rows: list[sqlite3.Row] = []
+            # (a target with none left, or held back by the notifier, is not read at all, so
+            # it cannot crowd out the rest).
+            by_tenant: dict[str, list[tuple[int, sqlite3.Row]]] = {}
             for (target,) in conn.execute(_PENDING_TARGETS_SQL).fetchall():
                 room = per_target - in_flight.get(target, 0)
-                if room > 0:
-                    rows.extend(conn.execute(_TARGET_CANDIDATES_SQL, {"target": target, "now": ts, "room": room}))
-            rows.sort(key=lambda r: (r["next_attempt_at"], r["seq"]))
+                if room > 0 and target not in held:
+                    for rank, row in enumerate(conn.execute(_TARGET_CANDIDATES_SQL,
+                                                            {"target": target, "now": ts, "room": room})):
+                        by_tenant.setdefault(row["tenant"], []).append((rank, row))
+            rows = _fair_order(by_tenant, tenants_busy, per_tenant)[:limit]
             keys_by_owner: dict[str, tuple[SigningKey, ...]] = {}
             claimed: list[Claimed] = []
-            rows = rows[:limit]
             conn.executemany("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
                              [(owner, ts + lease_s, row["id"]) for row in rows])
             for row in rows:
                 key_owner = row["endpoint_id"] or callback_owner(row["tenant"])
                 if key_owner not in keys_by_owner:
                     if row["endpoint_id"] is None:
-                        current_callback_key(conn, row["tenant"], ts)  # created on first use
-                    keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts))
+                        current_callback_key(conn, row["tenant"], ts, self.sealer)  # created on first use
+                    keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts, self.sealer))
                 delivery = DeliveryRow.from_mapping(row)
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
                 trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
@@ -230,6 +235,26 @@ class SqliteDeliveryQueue:
             return claimed
 
         return await self.db.write(tx)
+
+    async def defer(self, delivery_ids: Sequence[str], owner: str, targets: Sequence[str], delay_s: float) -> None:
+        """Reschedule without an attempt: hand back ``delivery_ids`` (leased by ``owner``) due in
+        ``delay_s``, and move every due, unleased pending delivery of ``targets`` to then too."""
+        if not delivery_ids and not targets:
+            return
+
+        def tx(conn: sqlite3.Connection) -> None:
+            ts = now()
+            until = ts + delay_s
+            conn.executemany(
+                "UPDATE webhook_deliveries SET next_attempt_at = MAX(next_attempt_at, ?), lease_owner = NULL,"
+                " lease_until = NULL WHERE id = ? AND lease_owner = ? AND status = 'pending'",
+                [(until, i, owner) for i in delivery_ids])
+            conn.executemany(
+                "UPDATE webhook_deliveries SET next_attempt_at = ? WHERE target = ? AND status = 'pending'"
+                " AND next_attempt_at < ? AND (lease_until IS NULL OR lease_until <= ?)",
+                [(until, t, until, ts) for t in targets])
+
+        await self.db.write(tx)
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Log the attempt and apply its plan: delivered, retry later, superseded, or failed."""
@@ -275,6 +300,25 @@ class SqliteDeliveryQueue:
             return len(ids)
 
         return await self.db.write(tx)
+
+
+def _fair_order(
+    by_tenant: Mapping[str, list[tuple[int, sqlite3.Row]]], busy: Mapping[str, int], per_tenant: int
+) -> list[sqlite3.Row]:
+    """The candidates in the order free slots should go (SPEC §13), as the PostgreSQL claim does:
+    within a tenant round robin over its targets (a candidate's rank in its target first), cut
+    at the slots the tenant has left; across tenants the fewest in flight first (slot k of a
+    tenant with n in flight sorts at n + k), then oldest first."""
+    keyed: list[tuple[int, float, int, sqlite3.Row]] = []
+    for tenant, candidates in by_tenant.items():
+        candidates.sort(key=lambda c: (c[0], c[1]["next_attempt_at"], c[1]["seq"]))
+        n = busy.get(tenant, 0)
+        for k, (_rank, row) in enumerate(candidates, start=1):
+            if per_tenant > 0 and n + k > per_tenant:
+                break
+            keyed.append((n + k, row["next_attempt_at"], row["seq"], row))
+    keyed.sort(key=lambda c: c[:3])
+    return [c[3] for c in keyed]
 
 
 _DROPPED = Finished(status="dropped", next_attempt_at=None, endpoint_disabled=False)  # its endpoint was deleted

@@ -15,7 +15,21 @@ from typing import Any
 
 import msgspec
 
-from herald.deliveries import TEST_EVENT_TYPE, AttemptRow, DeliveryRow, EndpointRow, HealthRow, callback_owner
+from herald.deliveries import (
+    TEST_EVENT_TYPE,
+    TEST_EVENT_WINDOW_S,
+    TEST_EVENTS_PER_WINDOW,
+    TEST_JOB_END,
+    TEST_JOB_PREFIX,
+    AttemptRow,
+    DeliveryRow,
+    EndpointLimitReached,
+    EndpointRow,
+    HealthRow,
+    TestEventsLimited,
+    callback_owner,
+)
+from herald.sealing import Sealer, key_aad
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now
 from notifier.signing import ROTATION_OVERLAP_S, SigningKey, new_key
@@ -98,21 +112,22 @@ def _encode_list(values: Iterable[str] | None) -> str | None:
     return None if values is None else msgspec.json.encode(list(values)).decode()
 
 
-def _key_from_row(row: sqlite3.Row) -> SigningKey:
-    return SigningKey(algorithm=row["algorithm"], secret=bytes(row["secret"]),
-                      public_key=bytes(row["public_key"]) if row["public_key"] is not None else None)
+def _key_from_row(row: sqlite3.Row, sealer: Sealer) -> SigningKey:
+    public_key = bytes(row["public_key"]) if row["public_key"] is not None else None
+    secret = sealer.open(row["secret"], key_aad(row["owner"], row["algorithm"], public_key))
+    return SigningKey(algorithm=row["algorithm"], secret=secret, public_key=public_key)
 
 
-def live_keys(conn: sqlite3.Connection, owner: str, at: float) -> list[SigningKey]:
+def live_keys(conn: sqlite3.Connection, owner: str, at: float, sealer: Sealer) -> list[SigningKey]:
     """The keys that sign now: the current one first, then any in their 24 h overlap."""
     rows = conn.execute(
         "SELECT * FROM webhook_keys WHERE owner = ? AND (retire_at IS NULL OR retire_at > ?) ORDER BY created_at DESC",
         (owner, at),
     ).fetchall()
-    return [_key_from_row(r) for r in rows]
+    return [_key_from_row(r, sealer) for r in rows]
 
 
-def add_key(conn: sqlite3.Connection, owner: str, algorithm: str, at: float) -> SigningKey:
+def add_key(conn: sqlite3.Connection, owner: str, algorithm: str, at: float, sealer: Sealer) -> SigningKey:
     """A new current key; the previous current key keeps signing for the overlap, then retires."""
     conn.execute("DELETE FROM webhook_keys WHERE owner = ? AND retire_at IS NOT NULL AND retire_at <= ?", (owner, at))
     conn.execute("UPDATE webhook_keys SET retire_at = ? WHERE owner = ? AND retire_at IS NULL",
@@ -122,7 +137,8 @@ def add_key(conn: sqlite3.Connection, owner: str, algorithm: str, at: float) -> 
     key = new_key(algorithm)
     conn.execute(
         "INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key) VALUES (?,?,?,?,?)",
-        (owner, created, key.algorithm, key.secret, key.public_key),
+        (owner, created, key.algorithm, sealer.seal(key.secret, key_aad(owner, key.algorithm, key.public_key)),
+         key.public_key),
     )
     return key
 
@@ -139,24 +155,30 @@ def fail_pending(conn: sqlite3.Connection, endpoint_id: str, at: float) -> None:
 class SqliteWebhookStore:
     """Endpoints, keys and the delivery log as the API sees them. One per process."""
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, sealer: Sealer) -> None:
         self.db = db
+        self.sealer = sealer
 
     # ----- endpoints ----------------------------------------------------------------
 
     async def create_endpoint(
-        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str
+        self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
+        max_endpoints: int = 0,
     ) -> tuple[EndpointRow, SigningKey]:
         endpoint_id = str(uuid.uuid4())
 
         def tx(conn: sqlite3.Connection) -> tuple[EndpointRow, SigningKey]:
             ts = now()
+            if max_endpoints > 0:  # counted in the writing transaction: two creations cannot both pass
+                (count,) = conn.execute("SELECT COUNT(*) FROM webhook_endpoints WHERE tenant = ?", (tenant,)).fetchone()
+                if count >= max_endpoints:
+                    raise EndpointLimitReached(max_endpoints)
             conn.execute(
                 "INSERT INTO webhook_endpoints (id, tenant, url, event_types, kinds, signature, status,"
                 " created_at, updated_at) VALUES (?,?,?,?,?,?, 'enabled', ?, ?)",
                 (endpoint_id, tenant, url, _encode_list(event_types), _encode_list(kinds), signature, ts, ts),
             )
-            key = add_key(conn, endpoint_id, signature, ts)
+            key = add_key(conn, endpoint_id, signature, ts, self.sealer)
             row = conn.execute("SELECT * FROM webhook_endpoints WHERE id = ?", (endpoint_id,)).fetchone()
             return EndpointRow.from_mapping(row), key
 
@@ -223,7 +245,7 @@ class SqliteWebhookStore:
         def tx(conn: sqlite3.Connection) -> SigningKey | None:
             row = conn.execute("SELECT signature FROM webhook_endpoints WHERE id = ? AND tenant = ?",
                                (endpoint_id, tenant)).fetchone()
-            return add_key(conn, endpoint_id, row["signature"], now()) if row else None
+            return add_key(conn, endpoint_id, row["signature"], now(), self.sealer) if row else None
 
         return await self.db.write(tx)
 
@@ -233,17 +255,17 @@ class SqliteWebhookStore:
         """The current callback secret, created on first use."""
 
         def tx(conn: sqlite3.Connection) -> SigningKey:
-            return current_callback_key(conn, tenant, now())
+            return current_callback_key(conn, tenant, now(), self.sealer)
 
         rows = self.db.read(
             "SELECT * FROM webhook_keys WHERE owner = ? AND retire_at IS NULL ORDER BY created_at DESC LIMIT 1",
             (callback_owner(tenant),),
         )
-        return _key_from_row(rows[0]) if rows else await self.db.write(tx)
+        return _key_from_row(rows[0], self.sealer) if rows else await self.db.write(tx)
 
     async def rotate_callback_key(self, tenant: str) -> SigningKey:
         def tx(conn: sqlite3.Connection) -> SigningKey:
-            return add_key(conn, callback_owner(tenant), "hmac-sha256", now())
+            return add_key(conn, callback_owner(tenant), "hmac-sha256", now(), self.sealer)
 
         return await self.db.write(tx)
 
@@ -322,6 +344,13 @@ class SqliteWebhookStore:
             if not conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = ? AND tenant = ? AND status = 'enabled'",
                                 (endpoint_id, tenant)).fetchone():
                 return None
+            # webhook.test deliveries are the endpoint's job ids "test:..." (a range of its order index)
+            recent = [r[0] for r in conn.execute(
+                "SELECT created_at FROM webhook_deliveries WHERE target = ? AND job_id >= ? AND job_id < ?"
+                " AND created_at > ? ORDER BY created_at",
+                (endpoint_id, TEST_JOB_PREFIX, TEST_JOB_END, ts - TEST_EVENT_WINDOW_S))]
+            if len(recent) >= TEST_EVENTS_PER_WINDOW:
+                raise TestEventsLimited(recent[-TEST_EVENTS_PER_WINDOW] + TEST_EVENT_WINDOW_S - ts)
             conn.execute("INSERT INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
                          (event_id, body, ts))
             delivery_id = str(uuid.uuid4())
@@ -356,9 +385,9 @@ class SqliteWebhookStore:
         return found
 
 
-def current_callback_key(conn: sqlite3.Connection, tenant: str, at: float) -> SigningKey:
+def current_callback_key(conn: sqlite3.Connection, tenant: str, at: float, sealer: Sealer) -> SigningKey:
     owner = callback_owner(tenant)
     row = conn.execute(
         "SELECT * FROM webhook_keys WHERE owner = ? AND retire_at IS NULL ORDER BY created_at DESC LIMIT 1", (owner,)
     ).fetchone()
-    return _key_from_row(row) if row else add_key(conn, owner, "hmac-sha256", at)
+    return _key_from_row(row, sealer) if row else add_key(conn, owner, "hmac-sha256", at, sealer)
