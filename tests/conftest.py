@@ -86,6 +86,18 @@ def postgres_server() -> Iterator[PostgresServer]:
 
 
 @pytest.fixture()
+def server_dir() -> Iterator[Path]:
+    """A directory for a PostgreSQL server of the test's own, outside pytest's basetemp (which
+    every pytest session that starts resets to 0700, locking out a server run as another
+    user; see ``postgres_server``)."""
+    root = Path(tempfile.mkdtemp(prefix="herald-test-pgdir-"))
+    try:
+        yield root
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture()
 def fresh_database(postgres_server: PostgresServer) -> str:
     """The URL of a new, empty, uniquely named database on the session's server."""
     return new_database(postgres_server)

@@ -71,7 +71,8 @@ def test_create_database_is_idempotent(postgres_server: PostgresServer) -> None:
     assert query(first, "SELECT 1") == 1
 
 
-def test_stop_leaves_no_process_and_restart_keeps_data(tmp_path: Path) -> None:
+def test_stop_leaves_no_process_and_restart_keeps_data(server_dir: Path) -> None:
+    tmp_path = server_dir
     data_dir = tmp_path / "pg"
     server = PostgresServer(data_dir, port=free_port())
     server.start()
@@ -92,7 +93,8 @@ def test_stop_leaves_no_process_and_restart_keeps_data(tmp_path: Path) -> None:
     assert postgres_processes(data_dir) == []
 
 
-def test_kill_then_start_recovers(tmp_path: Path) -> None:
+def test_kill_then_start_recovers(server_dir: Path) -> None:
+    tmp_path = server_dir
     """A postmaster killed with -9 leaves its backends to notice and exit; start() runs recovery."""
     data_dir = tmp_path / "pg"
     server = PostgresServer(data_dir, port=free_port())
@@ -107,14 +109,16 @@ def test_kill_then_start_recovers(tmp_path: Path) -> None:
         server.stop()
 
 
-def test_long_data_dir_uses_a_short_socket_dir(tmp_path: Path) -> None:
+def test_long_data_dir_uses_a_short_socket_dir(server_dir: Path) -> None:
+    tmp_path = server_dir
     data_dir = tmp_path / ("d" * 60) / ("e" * 40) / "pg"
     with PostgresServer(data_dir, port=free_port()) as server:
         assert query(server.url("postgres"), "SELECT 1") == 1
     assert postgres_processes(data_dir) == []
 
 
-def test_failure_to_start_says_why(tmp_path: Path) -> None:
+def test_failure_to_start_says_why(server_dir: Path) -> None:
+    tmp_path = server_dir
     with PostgresServer(tmp_path / "a", port=free_port()) as first:
         clash = PostgresServer(tmp_path / "b", port=first.port)  # the port is taken
         with pytest.raises(PostgresError, match="last lines of"):

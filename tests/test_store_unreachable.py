@@ -15,11 +15,11 @@ from herald.pgserver import PostgresServer
 from tests.harness import SECRET_KEY, Deployment, free_port, wait_until
 
 
-def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path) -> None:
+def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, server_dir: Path) -> None:
     pg_port = free_port()  # nothing listens here yet
     deployment = Deployment(tmp_path / "herald", database_url=f"postgresql://postgres@127.0.0.1:{pg_port}/herald")
     deployment.nats.start()
-    server = PostgresServer(tmp_path / "pg", port=pg_port)
+    server = PostgresServer(server_dir / "pg", port=pg_port)
     try:
         port = free_port()
         deployment.ports["gateway"] = port

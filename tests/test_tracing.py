@@ -332,7 +332,9 @@ def test_a_job_re_queued_after_its_worker_died_stays_in_its_trace(
     """The context lives in the store and the messages: a worker killed mid-job takes no
     part of the trace with it; the sweeper's re-queue and the second attempt join it."""
     otel = {"OTEL_EXPORTER_OTLP_ENDPOINT": otlp.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
-    fresh.env_overrides.update(otel)
+    # A heartbeat timeout with room for a loaded machine: the second worker must not lose the
+    # job to a second re-queue while it starts up (the test follows exactly one re-queue).
+    fresh.env_overrides.update(otel, HERALD_HEARTBEAT_TIMEOUT_S="6")
     base = fresh.start_gateway()
     fresh.start_notifier()
     fresh.start_worker("worker-1", HERALD_REPORT_PAGE_MS="100")
