@@ -239,6 +239,9 @@ def build_parser() -> argparse.ArgumentParser:
         from herald.client_cli import add_client_commands
 
         add_client_commands(sub)
+    from herald.admin_cli import add_admin_commands
+
+    add_admin_commands(sub)
     return parser
 
 

@@ -1,22 +1,22 @@
 """``herald submit | status | watch | cancel | download``: the command line on top of herald_client.
 
-The server and key come from ``--url`` / ``--key``, else ``HERALD_URL`` / ``HERALD_API_KEY``,
-else the local dev defaults. Results go to stdout (status objects as JSON, so the
+The server and key come from ``--url`` / ``--key``, else ``HERALD_URL`` / ``HERALD_API_KEY``
+(read into the one ``Settings``), else the local dev defaults. Results go to stdout (status objects as JSON, so the
 commands compose with ``jq``); progress and errors go to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Callable
 from typing import Any
 
 import msgspec
 
-DEFAULT_URL = "http://127.0.0.1:8000"
-DEFAULT_KEY = "dev-key"
+from herald.settings import DEV_KEY as DEFAULT_KEY, Settings, SettingsError
+
+DEFAULT_URL = Settings().url
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -63,9 +63,8 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
 def _client(args: argparse.Namespace) -> Any:
     from herald_client import HeraldClient
 
-    url = args.url or os.environ.get("HERALD_URL") or DEFAULT_URL
-    key = args.key or os.environ.get("HERALD_API_KEY") or DEFAULT_KEY
-    return HeraldClient(url, key)
+    settings = Settings.from_env()
+    return HeraldClient(args.url or settings.url, args.key or settings.api_key)
 
 
 def _guarded(handler: Handler) -> Handler:
@@ -82,6 +81,9 @@ def _guarded(handler: Handler) -> Handler:
         except HeraldError as exc:
             print(f"herald: {exc}", file=sys.stderr)
             return 1
+        except SettingsError as exc:
+            print(f"herald: {exc}", file=sys.stderr)
+            return 2
         except KeyboardInterrupt:
             return 130
 

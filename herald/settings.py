@@ -144,6 +144,9 @@ class Settings:
     # No default tenant: `herald gateway` without HERALD_API_KEYS knows only the store's
     # tenants. `herald up` sets the dev tenant for its children (herald.supervisor).
     api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(default_factory=dict, repr=False)
+    # What the client commands (`herald submit|status|…`, `herald tenants|keys`) talk to, and with which key.
+    url: Annotated[str, TEXT] = "http://127.0.0.1:8000"
+    api_key: Annotated[str, TEXT] = field(default=DEV_KEY, repr=False)
     retention_s: Annotated[float, NUMBER] = 86400.0
     heartbeat_timeout_s: Annotated[float, NUMBER] = 30.0
     max_attempts: Annotated[int, AT_LEAST_ONE] = 3

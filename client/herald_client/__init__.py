@@ -1,6 +1,7 @@
 """Herald client library: start jobs, wait for them, stream their events, download
 results, cancel; manage webhook endpoints and their deliveries (resend, recover, test
-events, portal links), and verify webhook deliveries.
+events, portal links), and verify webhook deliveries. ``HeraldAdmin`` (and
+``AsyncHeraldAdmin``) is the operator's: tenants, their keys and the audit log.
 
     from herald_client import HeraldClient
 
@@ -13,10 +14,10 @@ events, portal links), and verify webhook deliveries.
 iterator). Both drive one implementation of the retry, polling and resume logic.
 """
 
-from herald_client._async import AsyncHeraldClient
+from herald_client._async import AsyncHeraldAdmin, AsyncHeraldClient
 from herald_client._endpoints import KEEP
 from herald_client._shared import AUTO
-from herald_client._sync import HeraldClient
+from herald_client._sync import HeraldAdmin, HeraldClient
 from herald_client.errors import (
     Conflict,
     Forbidden,
@@ -37,8 +38,11 @@ from herald_client.errors import (
 )
 from herald_client.models import (
     TERMINAL_STATES,
+    ApiKey,
     Attempt,
+    AuditEntry,
     CreatedEndpoint,
+    CreatedKey,
     Delivery,
     DeliveryList,
     Download,
@@ -56,6 +60,8 @@ from herald_client.models import (
     Problem,
     Result,
     SigningSecret,
+    Tenant,
+    TenantLimits,
     WebhookEvent,
 )
 from herald_client.policy import Backoff, Policy
@@ -65,11 +71,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AUTO",
+    "ApiKey",
+    "AsyncHeraldAdmin",
     "AsyncHeraldClient",
     "Attempt",
+    "AuditEntry",
     "Backoff",
     "Conflict",
     "CreatedEndpoint",
+    "CreatedKey",
     "Delivery",
     "DeliveryList",
     "Download",
@@ -79,6 +89,7 @@ __all__ = [
     "FieldError",
     "Forbidden",
     "Gone",
+    "HeraldAdmin",
     "HeraldClient",
     "HeraldConnectionError",
     "HeraldError",
@@ -103,6 +114,8 @@ __all__ = [
     "ServerError",
     "SigningSecret",
     "TERMINAL_STATES",
+    "Tenant",
+    "TenantLimits",
     "Unauthorized",
     "WaitTimeout",
     "WebhookEvent",

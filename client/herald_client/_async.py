@@ -9,21 +9,30 @@ import asyncio
 import os
 import random
 import tempfile
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Collection, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Generic, Literal, TypeVar, overload
+from typing import Any, Generic, Literal, Self, TypeVar, overload
 
 import httpx
 import msgspec
 
+from herald_client import _admin
 from herald_client import _core
 from herald_client import _endpoints
+from herald_client._admin import LimitsArg
 from herald_client._endpoints import KEEP, _Keep
 from herald_client.models import (
+    ApiKey,
+    AuditEntry,
+    AuditList,
     CreatedEndpoint,
+    CreatedKey,
+    KeyList,
+    Tenant,
+    TenantList,
     Delivery,
     DeliveryList,
     Endpoint,
@@ -54,7 +63,145 @@ class _Done(Generic[T]):
     value: T
 
 
-class AsyncHeraldClient:
+class _Driver:
+    """The asyncio transport both clients share: one ``httpx.AsyncClient``, a bearer key,
+    and the loop that performs a flow's actions."""
+
+    def __init__(self, url: str, key: str, *, timeout: float, policy: Policy, http: httpx.AsyncClient | None,
+                 rng: random.Random | None) -> None:
+        self._base = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {key}"}
+        self._timeout = httpx.Timeout(timeout)
+        self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
+        self._ctx = Context(policy=policy, rng=rng or random.Random())
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.AsyncClient()
+
+    async def close(self) -> None:
+        if self._owns_http:
+            await self._http.aclose()
+
+    async def __aenter__(self) -> Self:
+        return self
+
+    async def __aexit__(self, *_exc: object) -> None:
+        await self.close()
+
+    # ----- the driver -------------------------------------------------------------------
+
+    async def _run(self, flow: Flow[T], on_emit: Callable[[Any], None] | None = None) -> T:
+        async with aclosing(self._drive(flow)) as driver:
+            async for item in driver:
+                if isinstance(item, _Done):
+                    return item.value  # type: ignore[no-any-return]
+                if on_emit is not None:
+                    on_emit(item)
+        raise AssertionError("the driver ended without a result")
+
+    async def _emitted(self, flow: Flow[Any]) -> AsyncGenerator[Any, None]:
+        """What the flow emits, as an async iterator (a listing's items, page after page)."""
+        async with aclosing(self._drive(flow)) as driver:
+            async for item in driver:
+                if not isinstance(item, _Done):
+                    yield item
+
+    async def _drive(self, flow: Flow[T]) -> AsyncGenerator[Any, None]:
+        """Perform the flow's actions; yield what it emits, then ``_Done(result)``."""
+        opened: httpx.Response | None = None
+        chunks: AsyncIterator[bytes] | None = None
+        outcome: Any = None
+        try:
+            while True:
+                try:
+                    action = flow.send(outcome)
+                except StopIteration as stop:
+                    yield _Done(stop.value)
+                    return
+                outcome = None
+                match action:
+                    case Call(request=request):
+                        outcome = await self._call(request)
+                    case Sleep(seconds=seconds):
+                        await asyncio.sleep(seconds)
+                    case Open(request=request):
+                        if opened is not None:
+                            await opened.aclose()
+                        outcome, opened = await self._open(request)
+                        chunks = opened.aiter_bytes() if opened is not None else None
+                    case Read():
+                        outcome = await self._read(chunks)
+                    case Save(request=request, directory=directory):
+                        outcome = await self._save(request, directory)
+                    case Emit(value=value):
+                        yield value
+        finally:
+            if opened is not None:
+                await opened.aclose()
+            flow.close()
+
+    def _build(self, request: Request, timeout: httpx.Timeout) -> httpx.Request:
+        return self._http.build_request(request.method, url_for(self._base, request.path),
+                                        headers={**self._headers, **request.headers}, content=request.body,
+                                        timeout=timeout)
+
+    async def _call(self, request: Request) -> Reply | Failure:
+        try:
+            response = await self._http.send(self._build(request, self._timeout), follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))
+        return Reply(response.status_code, reply_headers(response.headers), response.content)
+
+    async def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
+        try:
+            response = await self._http.send(self._build(request, self._stream_timeout), stream=True,
+                                             follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None
+        headers = reply_headers(response.headers)
+        if response.status_code == 200:
+            return Reply(200, headers), response
+        try:
+            body = await response.aread()
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None
+        finally:
+            await response.aclose()
+        return Reply(response.status_code, headers, body), None
+
+    @staticmethod
+    async def _read(chunks: AsyncIterator[bytes] | None) -> bytes | Failure:
+        if chunks is None:
+            return b""
+        try:
+            return await anext(chunks, b"")
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))
+
+    async def _save(self, request: Request, directory: Path) -> Saved | Failure:
+        # File writes are small and local; they run on the loop (as aiofiles would, per chunk).
+        try:
+            async with self._http.stream(request.method, url_for(self._base, request.path),
+                                         headers={**self._headers, **request.headers},
+                                         timeout=self._stream_timeout, follow_redirects=False) as response:
+                reply = Reply(response.status_code, reply_headers(response.headers))
+                if response.status_code != 200:
+                    return Saved(Reply(reply.status, reply.headers, await response.aread()), None)
+                fd, name = tempfile.mkstemp(dir=directory, prefix=".herald-", suffix=".part")
+                size = 0
+                try:
+                    with os.fdopen(fd, "wb") as file:
+                        async for chunk in response.aiter_bytes():
+                            file.write(chunk)
+                            size += len(chunk)
+                except BaseException:
+                    os.unlink(name)
+                    raise
+                return Saved(reply, Path(name), size)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))
+
+
+class AsyncHeraldClient(_Driver):
     """An asyncio Herald client. Use it as an async context manager, or ``await close()``.
 
     ``http``: an ``httpx.AsyncClient`` of your own; you then close it yourself.
@@ -71,14 +218,8 @@ class AsyncHeraldClient:
         http: httpx.AsyncClient | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self._base = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {api_key}"}
-        self._timeout = httpx.Timeout(timeout)
-        self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
+        super().__init__(url, api_key, timeout=timeout, policy=policy, http=http, rng=rng)
         self._collections = dict(collections or {})
-        self._ctx = Context(policy=policy, rng=rng or random.Random())
-        self._owns_http = http is None
-        self._http = http if http is not None else httpx.AsyncClient()
 
     # ----- the API (same promises as HeraldClient) ------------------------------------
 
@@ -182,118 +323,37 @@ class AsyncHeraldClient:
     async def rotate_callback_secret(self) -> SigningSecret:
         return await self._run(_endpoints.rotate_callback_secret(self._ctx))
 
-    async def close(self) -> None:
-        if self._owns_http:
-            await self._http.aclose()
 
-    async def __aenter__(self) -> AsyncHeraldClient:
-        return self
+class AsyncHeraldAdmin(_Driver):
+    """The operator's asyncio client for the admin API (SPEC §12): the promises of
+    ``HeraldAdmin``, as coroutines; listings are async iterators."""
 
-    async def __aexit__(self, *_exc: object) -> None:
-        await self.close()
+    def __init__(self, url: str, admin_key: str, *, timeout: float = 10.0, policy: Policy = Policy(),
+                 http: httpx.AsyncClient | None = None, rng: random.Random | None = None) -> None:
+        super().__init__(url, admin_key, timeout=timeout, policy=policy, http=http, rng=rng)
 
-    # ----- the driver -------------------------------------------------------------------
+    async def create_tenant(self, tenant: str, limits: LimitsArg | None = None) -> Tenant:
+        return await self._run(_admin.create_tenant(tenant, limits, self._ctx))
 
-    async def _run(self, flow: Flow[T], on_emit: Callable[[Any], None] | None = None) -> T:
-        async with aclosing(self._drive(flow)) as driver:
-            async for item in driver:
-                if isinstance(item, _Done):
-                    return item.value  # type: ignore[no-any-return]
-                if on_emit is not None:
-                    on_emit(item)
-        raise AssertionError("the driver ended without a result")
+    def list_tenants(self, *, page_size: int | None = None) -> AsyncIterator[Tenant]:
+        return self._emitted(_admin.each(_admin.TENANTS, TenantList, page_size, self._ctx))
 
-    async def _drive(self, flow: Flow[T]) -> AsyncGenerator[Any, None]:
-        """Perform the flow's actions; yield what it emits, then ``_Done(result)``."""
-        opened: httpx.Response | None = None
-        chunks: AsyncIterator[bytes] | None = None
-        outcome: Any = None
-        try:
-            while True:
-                try:
-                    action = flow.send(outcome)
-                except StopIteration as stop:
-                    yield _Done(stop.value)
-                    return
-                outcome = None
-                match action:
-                    case Call(request=request):
-                        outcome = await self._call(request)
-                    case Sleep(seconds=seconds):
-                        await asyncio.sleep(seconds)
-                    case Open(request=request):
-                        if opened is not None:
-                            await opened.aclose()
-                        outcome, opened = await self._open(request)
-                        chunks = opened.aiter_bytes() if opened is not None else None
-                    case Read():
-                        outcome = await self._read(chunks)
-                    case Save(request=request, directory=directory):
-                        outcome = await self._save(request, directory)
-                    case Emit(value=value):
-                        yield value
-        finally:
-            if opened is not None:
-                await opened.aclose()
-            flow.close()
+    async def get_tenant(self, tenant: Tenant | str) -> Tenant:
+        return await self._run(_admin.get_tenant(tenant, self._ctx))
 
-    def _build(self, request: Request, timeout: httpx.Timeout) -> httpx.Request:
-        return self._http.build_request(request.method, url_for(self._base, request.path),
-                                        headers={**self._headers, **request.headers}, content=request.body,
-                                        timeout=timeout)
+    async def update_tenant(self, tenant: Tenant | str, *, limits: LimitsArg | None = None,
+                            disabled: bool | None = None) -> Tenant:
+        return await self._run(_admin.update_tenant(tenant, limits, disabled, self._ctx))
 
-    async def _call(self, request: Request) -> Reply | Failure:
-        try:
-            response = await self._http.send(self._build(request, self._timeout), follow_redirects=False)
-        except httpx.RequestError as exc:
-            return Failure(describe(exc))
-        return Reply(response.status_code, reply_headers(response.headers), response.content)
+    async def create_key(self, tenant: Tenant | str, name: str, *, scopes: Collection[str] | None = None,
+                         expires_at: datetime | str | None = None) -> CreatedKey:
+        return await self._run(_admin.create_key(tenant, name, scopes, expires_at, self._ctx))
 
-    async def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
-        try:
-            response = await self._http.send(self._build(request, self._stream_timeout), stream=True,
-                                             follow_redirects=False)
-        except httpx.RequestError as exc:
-            return Failure(describe(exc)), None
-        headers = reply_headers(response.headers)
-        if response.status_code == 200:
-            return Reply(200, headers), response
-        try:
-            body = await response.aread()
-        except httpx.RequestError as exc:
-            return Failure(describe(exc)), None
-        finally:
-            await response.aclose()
-        return Reply(response.status_code, headers, body), None
+    def list_keys(self, tenant: Tenant | str, *, page_size: int | None = None) -> AsyncIterator[ApiKey]:
+        return self._emitted(_admin.each(_admin.keys_path(tenant), KeyList, page_size, self._ctx))
 
-    @staticmethod
-    async def _read(chunks: AsyncIterator[bytes] | None) -> bytes | Failure:
-        if chunks is None:
-            return b""
-        try:
-            return await anext(chunks, b"")
-        except httpx.RequestError as exc:
-            return Failure(describe(exc))
+    async def revoke_key(self, key: ApiKey | str) -> None:
+        await self._run(_admin.revoke_key(key, self._ctx))
 
-    async def _save(self, request: Request, directory: Path) -> Saved | Failure:
-        # File writes are small and local; they run on the loop (as aiofiles would, per chunk).
-        try:
-            async with self._http.stream(request.method, url_for(self._base, request.path),
-                                         headers={**self._headers, **request.headers},
-                                         timeout=self._stream_timeout, follow_redirects=False) as response:
-                reply = Reply(response.status_code, reply_headers(response.headers))
-                if response.status_code != 200:
-                    return Saved(Reply(reply.status, reply.headers, await response.aread()), None)
-                fd, name = tempfile.mkstemp(dir=directory, prefix=".herald-", suffix=".part")
-                size = 0
-                try:
-                    with os.fdopen(fd, "wb") as file:
-                        async for chunk in response.aiter_bytes():
-                            file.write(chunk)
-                            size += len(chunk)
-                except BaseException:
-                    os.unlink(name)
-                    raise
-                return Saved(reply, Path(name), size)
-        except httpx.RequestError as exc:
-            return Failure(describe(exc))
+    def audit(self, *, page_size: int | None = None) -> AsyncIterator[AuditEntry]:
+        return self._emitted(_admin.each(_admin.AUDIT, AuditList, page_size, self._ctx))

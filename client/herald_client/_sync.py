@@ -6,19 +6,28 @@ import os
 import random
 import tempfile
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Generator, Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Literal, TypeVar, overload
+from typing import Any, Literal, Self, TypeVar, overload
 
 import httpx
 import msgspec
 
+from herald_client import _admin
 from herald_client import _core
 from herald_client import _endpoints
+from herald_client._admin import LimitsArg
 from herald_client._endpoints import KEEP, _Keep
 from herald_client.models import (
+    ApiKey,
+    AuditEntry,
+    AuditList,
     CreatedEndpoint,
+    CreatedKey,
+    KeyList,
+    Tenant,
+    TenantList,
     Delivery,
     DeliveryList,
     Endpoint,
@@ -44,7 +53,137 @@ from herald_client.policy import Policy
 T = TypeVar("T")
 
 
-class HeraldClient:
+class _Driver:
+    """The blocking transport both clients share: one ``httpx.Client``, a bearer key, and
+    the loop that performs a flow's actions."""
+
+    def __init__(self, url: str, key: str, *, timeout: float, policy: Policy, http: httpx.Client | None,
+                 rng: random.Random | None) -> None:
+        self._base = url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {key}"}
+        self._timeout = httpx.Timeout(timeout)
+        self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
+        self._ctx = Context(policy=policy, rng=rng or random.Random())
+        self._owns_http = http is None
+        self._http = http if http is not None else httpx.Client()
+
+    def close(self) -> None:
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    # ----- the driver -------------------------------------------------------------------
+
+    def _run(self, flow: Flow[T], on_emit: Callable[[Any], None] | None = None) -> T:
+        driver = self._drive(flow)
+        while True:
+            try:
+                value = next(driver)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+            if on_emit is not None:
+                on_emit(value)
+
+    def _drive(self, flow: Flow[T]) -> Generator[Any, None, T]:
+        """Perform the flow's actions; yield what it emits; return what it returns."""
+        opened: httpx.Response | None = None
+        chunks: Iterator[bytes] | None = None
+        outcome: Any = None
+        try:
+            while True:
+                try:
+                    action = flow.send(outcome)
+                except StopIteration as stop:
+                    return stop.value  # type: ignore[no-any-return]
+                outcome = None
+                match action:
+                    case Call(request=request):
+                        outcome = self._call(request)
+                    case Sleep(seconds=seconds):
+                        time.sleep(seconds)
+                    case Open(request=request):
+                        if opened is not None:
+                            opened.close()
+                        outcome, opened = self._open(request)
+                        chunks = opened.iter_bytes() if opened is not None else None
+                    case Read():
+                        outcome = self._read(chunks)
+                    case Save(request=request, directory=directory):
+                        outcome = self._save(request, directory)
+                    case Emit(value=value):
+                        yield value
+        finally:
+            if opened is not None:
+                opened.close()
+            flow.close()
+
+    def _build(self, request: Request, timeout: httpx.Timeout) -> httpx.Request:
+        return self._http.build_request(request.method, url_for(self._base, request.path),
+                                        headers={**self._headers, **request.headers}, content=request.body,
+                                        timeout=timeout)
+
+    def _call(self, request: Request) -> Reply | Failure:
+        try:
+            response = self._http.send(self._build(request, self._timeout), follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))
+        return Reply(response.status_code, reply_headers(response.headers), response.content)
+
+    def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
+        try:
+            response = self._http.send(self._build(request, self._stream_timeout), stream=True,
+                                       follow_redirects=False)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None
+        headers = reply_headers(response.headers)
+        if response.status_code == 200:
+            return Reply(200, headers), response
+        try:
+            body = response.read()
+        except httpx.RequestError as exc:
+            return Failure(describe(exc)), None
+        finally:
+            response.close()
+        return Reply(response.status_code, headers, body), None
+
+    @staticmethod
+    def _read(chunks: Iterator[bytes] | None) -> bytes | Failure:
+        if chunks is None:
+            return b""
+        try:
+            return next(chunks, b"")
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))
+
+    def _save(self, request: Request, directory: Path) -> Saved | Failure:
+        try:
+            with self._http.stream(request.method, url_for(self._base, request.path),
+                                   headers={**self._headers, **request.headers}, timeout=self._stream_timeout,
+                                   follow_redirects=False) as response:
+                reply = Reply(response.status_code, reply_headers(response.headers))
+                if response.status_code != 200:
+                    return Saved(Reply(reply.status, reply.headers, response.read()), None)
+                fd, name = tempfile.mkstemp(dir=directory, prefix=".herald-", suffix=".part")
+                size = 0
+                try:
+                    with os.fdopen(fd, "wb") as file:
+                        for chunk in response.iter_bytes():
+                            file.write(chunk)
+                            size += len(chunk)
+                except BaseException:
+                    os.unlink(name)
+                    raise
+                return Saved(reply, Path(name), size)
+        except httpx.RequestError as exc:
+            return Failure(describe(exc))
+
+
+class HeraldClient(_Driver):
     """A blocking Herald client. Use it as a context manager, or call ``close()``.
 
     ``http``: an ``httpx.Client`` of your own (proxies, TLS, event hooks); you then close
@@ -62,14 +201,8 @@ class HeraldClient:
         http: httpx.Client | None = None,
         rng: random.Random | None = None,
     ) -> None:
-        self._base = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {api_key}"}
-        self._timeout = httpx.Timeout(timeout)
-        self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
+        super().__init__(url, api_key, timeout=timeout, policy=policy, http=http, rng=rng)
         self._collections = dict(collections or {})
-        self._ctx = Context(policy=policy, rng=rng or random.Random())
-        self._owns_http = http is None
-        self._http = http if http is not None else httpx.Client()
 
     # ----- the API ----------------------------------------------------------------------
 
@@ -184,117 +317,52 @@ class HeraldClient:
     def rotate_callback_secret(self) -> SigningSecret:
         return self._run(_endpoints.rotate_callback_secret(self._ctx))
 
-    def close(self) -> None:
-        if self._owns_http:
-            self._http.close()
 
-    def __enter__(self) -> HeraldClient:
-        return self
+class HeraldAdmin(_Driver):
+    """The operator's blocking client for the admin API (SPEC §12), with ``HERALD_ADMIN_KEY``:
+    tenants, their keys, the audit log. A tenant key gets ``Forbidden`` here.
 
-    def __exit__(self, *_exc: object) -> None:
-        self.close()
+    Listings are iterators that fetch the next page when the previous one is used up.
+    """
 
-    # ----- the driver -------------------------------------------------------------------
+    def __init__(self, url: str, admin_key: str, *, timeout: float = 10.0, policy: Policy = Policy(),
+                 http: httpx.Client | None = None, rng: random.Random | None = None) -> None:
+        super().__init__(url, admin_key, timeout=timeout, policy=policy, http=http, rng=rng)
 
-    def _run(self, flow: Flow[T], on_emit: Callable[[Any], None] | None = None) -> T:
-        driver = self._drive(flow)
-        while True:
-            try:
-                value = next(driver)
-            except StopIteration as stop:
-                return stop.value  # type: ignore[no-any-return]
-            if on_emit is not None:
-                on_emit(value)
+    def create_tenant(self, tenant: str, limits: LimitsArg | None = None) -> Tenant:
+        """A new tenant (``id`` matching ``^[a-z0-9][a-z0-9_-]{0,62}$``); limits not given are
+        the deployment's defaults. ``Conflict`` if the id is taken."""
+        return self._run(_admin.create_tenant(tenant, limits, self._ctx))
 
-    def _drive(self, flow: Flow[T]) -> Generator[Any, None, T]:
-        """Perform the flow's actions; yield what it emits; return what it returns."""
-        opened: httpx.Response | None = None
-        chunks: Iterator[bytes] | None = None
-        outcome: Any = None
-        try:
-            while True:
-                try:
-                    action = flow.send(outcome)
-                except StopIteration as stop:
-                    return stop.value  # type: ignore[no-any-return]
-                outcome = None
-                match action:
-                    case Call(request=request):
-                        outcome = self._call(request)
-                    case Sleep(seconds=seconds):
-                        time.sleep(seconds)
-                    case Open(request=request):
-                        if opened is not None:
-                            opened.close()
-                        outcome, opened = self._open(request)
-                        chunks = opened.iter_bytes() if opened is not None else None
-                    case Read():
-                        outcome = self._read(chunks)
-                    case Save(request=request, directory=directory):
-                        outcome = self._save(request, directory)
-                    case Emit(value=value):
-                        yield value
-        finally:
-            if opened is not None:
-                opened.close()
-            flow.close()
+    def list_tenants(self, *, page_size: int | None = None) -> Iterator[Tenant]:
+        """Every tenant, those of ``HERALD_API_KEYS`` too (``source == "env"``)."""
+        return self._drive(_admin.each(_admin.TENANTS, TenantList, page_size, self._ctx))
 
-    def _build(self, request: Request, timeout: httpx.Timeout) -> httpx.Request:
-        return self._http.build_request(request.method, url_for(self._base, request.path),
-                                        headers={**self._headers, **request.headers}, content=request.body,
-                                        timeout=timeout)
+    def get_tenant(self, tenant: Tenant | str) -> Tenant:
+        return self._run(_admin.get_tenant(tenant, self._ctx))
 
-    def _call(self, request: Request) -> Reply | Failure:
-        try:
-            response = self._http.send(self._build(request, self._timeout), follow_redirects=False)
-        except httpx.RequestError as exc:
-            return Failure(describe(exc))
-        return Reply(response.status_code, reply_headers(response.headers), response.content)
+    def update_tenant(self, tenant: Tenant | str, *, limits: LimitsArg | None = None,
+                      disabled: bool | None = None) -> Tenant:
+        """Change only what is given. ``disabled=True``: its keys and portal sessions get 401
+        (its running jobs finish and their webhooks go out); ``False`` enables it again."""
+        return self._run(_admin.update_tenant(tenant, limits, disabled, self._ctx))
 
-    def _open(self, request: Request) -> tuple[Reply | Failure, httpx.Response | None]:
-        try:
-            response = self._http.send(self._build(request, self._stream_timeout), stream=True,
-                                       follow_redirects=False)
-        except httpx.RequestError as exc:
-            return Failure(describe(exc)), None
-        headers = reply_headers(response.headers)
-        if response.status_code == 200:
-            return Reply(200, headers), response
-        try:
-            body = response.read()
-        except httpx.RequestError as exc:
-            return Failure(describe(exc)), None
-        finally:
-            response.close()
-        return Reply(response.status_code, headers, body), None
+    def create_key(self, tenant: Tenant | str, name: str, *, scopes: Collection[str] | None = None,
+                   expires_at: datetime | str | None = None) -> CreatedKey:
+        """A new key for the tenant (``scopes`` default: all of ``jobs:read``, ``jobs:write``,
+        ``webhooks``). The answer's ``key`` (``hk_…``) is shown this once. Sent once: a lost
+        answer is not retried, since a retry would make a second key."""
+        return self._run(_admin.create_key(tenant, name, scopes, expires_at, self._ctx))
 
-    @staticmethod
-    def _read(chunks: Iterator[bytes] | None) -> bytes | Failure:
-        if chunks is None:
-            return b""
-        try:
-            return next(chunks, b"")
-        except httpx.RequestError as exc:
-            return Failure(describe(exc))
+    def list_keys(self, tenant: Tenant | str, *, page_size: int | None = None) -> Iterator[ApiKey]:
+        """The tenant's keys, without the keys themselves, each with ``last_used_at`` (to the minute)."""
+        return self._drive(_admin.each(_admin.keys_path(tenant), KeyList, page_size, self._ctx))
 
-    def _save(self, request: Request, directory: Path) -> Saved | Failure:
-        try:
-            with self._http.stream(request.method, url_for(self._base, request.path),
-                                   headers={**self._headers, **request.headers}, timeout=self._stream_timeout,
-                                   follow_redirects=False) as response:
-                reply = Reply(response.status_code, reply_headers(response.headers))
-                if response.status_code != 200:
-                    return Saved(Reply(reply.status, reply.headers, response.read()), None)
-                fd, name = tempfile.mkstemp(dir=directory, prefix=".herald-", suffix=".part")
-                size = 0
-                try:
-                    with os.fdopen(fd, "wb") as file:
-                        for chunk in response.iter_bytes():
-                            file.write(chunk)
-                            size += len(chunk)
-                except BaseException:
-                    os.unlink(name)
-                    raise
-                return Saved(reply, Path(name), size)
-        except httpx.RequestError as exc:
-            return Failure(describe(exc))
+    def revoke_key(self, key: ApiKey | str) -> None:
+        """Revoke a key: within 2 s it gets 401 on every gateway, and so do the portal sessions
+        opened with it. ``Conflict`` for a key of ``HERALD_API_KEYS`` (configuration)."""
+        self._run(_admin.revoke_key(key, self._ctx))
+
+    def audit(self, *, page_size: int | None = None) -> Iterator[AuditEntry]:
+        """The audit log, newest first: who was created, changed, disabled, revoked, when."""
+        return self._drive(_admin.each(_admin.AUDIT, AuditList, page_size, self._ctx))

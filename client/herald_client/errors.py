@@ -56,11 +56,12 @@ class InvalidRequest(ProblemError):
 
 
 class Unauthorized(ProblemError):
-    """401: no key or an unknown key."""
+    """401: no key, or an unknown, revoked or expired one, or a disabled tenant's."""
 
 
 class Forbidden(ProblemError):
-    """403: a tampered or expired signed URL."""
+    """403: a tampered or expired signed URL; a key without the scope the route needs
+    (``/problems/insufficient-scope``); a tenant key on ``/admin``."""
 
 
 class NotFound(ProblemError):
@@ -68,7 +69,8 @@ class NotFound(ProblemError):
 
 
 class Conflict(ProblemError):
-    """409: e.g. cancelling a job that already finished."""
+    """409: e.g. cancelling a job that already finished; a tenant id already taken;
+    revoking a key of ``HERALD_API_KEYS`` (configuration)."""
 
 
 class Gone(ProblemError):

@@ -1,4 +1,4 @@
-"""The wire shapes a client reads, as msgspec Structs (SPEC §4, §7, §8).
+"""The wire shapes a client reads, as msgspec Structs (SPEC §4, §7, §8, §12).
 
 These mirror the server's ``schemas`` package field for field but are the client's own
 (see client/README.md for why): they accept unknown fields, since the contract allows
@@ -8,7 +8,7 @@ the server to add fields, and they carry nothing the client does not read.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -195,6 +195,78 @@ class PortalLink(msgspec.Struct, kw_only=True):
 
 class Recovered(msgspec.Struct, kw_only=True):
     count: int
+
+
+# ----- tenants and keys: the admin API (SPEC §12) --------------------------------------------
+
+
+class TenantLimits(msgspec.Struct, kw_only=True):
+    """A tenant's limits (SPEC §13): job starts per second, running jobs (0: no cap),
+    webhook endpoints and held connections. A limit never set shows the deployment's default."""
+
+    rate_limit: float
+    max_running: int
+    max_endpoints: int
+    max_streams: int
+
+
+class Tenant(msgspec.Struct, kw_only=True):
+    """A tenant. ``source`` is ``"api"`` (made through ``/admin``) or ``"env"`` (from
+    ``HERALD_API_KEYS``: configuration, whose keys the API cannot revoke)."""
+
+    id: str
+    created_at: str | None  # None for a tenant of HERALD_API_KEYS never changed over the API
+    disabled: bool
+    limits: TenantLimits
+    source: str = "api"
+
+
+class TenantList(msgspec.Struct, kw_only=True):
+    items: list[Tenant]
+    next_cursor: str | None = None
+
+
+class ApiKey(msgspec.Struct, kw_only=True):
+    """A tenant's key as listed: never the key itself. ``last_used_at`` is to the minute;
+    ``source`` is ``"env"`` for a key of ``HERALD_API_KEYS``."""
+
+    id: str
+    tenant: str
+    name: str
+    scopes: list[str]
+    created_at: str | None
+    expires_at: str | None
+    last_used_at: str | None
+    source: str = "api"
+
+
+class CreatedKey(ApiKey, kw_only=True):
+    """The answer to creating a key: the only time the key (``hk_…``) is shown."""
+
+    key: str
+
+
+class KeyList(msgspec.Struct, kw_only=True):
+    """A tenant's keys: one page, all of them (SPEC §12)."""
+
+    items: list[ApiKey]
+
+
+class AuditEntry(msgspec.Struct, kw_only=True):
+    """One change made through the admin API: ``tenant.created``, ``tenant.updated``,
+    ``tenant.disabled``, ``key.created``, ``key.revoked``. Never a key or a secret."""
+
+    id: str
+    at: str
+    action: str
+    tenant: str | None
+    key_id: str | None
+    detail: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class AuditList(msgspec.Struct, kw_only=True):
+    items: list[AuditEntry]
+    next_cursor: str | None = None
 
 
 status_decoder = msgspec.json.Decoder(JobStatus)
