@@ -22,6 +22,13 @@ class Sizes:
     e2e_rates: tuple[float, ...]  # fixed-load phases (jobs/s); one above 80 % of the saturated rate is skipped
     e2e_fixed_s: float
     nats_msgs: int
+    noisy_backlog: int  # noisy neighbour: tenant A's queued jobs (each with a callback_url that hangs)
+    noisy_hanging: int  # A's receivers that accept and never answer
+    noisy_rate: float  # tenant B's starts/s, alone and while A floods
+    noisy_s: float  # how long B starts jobs in each phase
+    noisy_page_ms: int  # every job's run (1 page): A's and B's jobs are alike
+    fair_jobs: int  # fair share's cost: this many trivial jobs from 1 tenant, then spread over fair_tenants
+    fair_tenants: int
     wait_s: float  # how long a scenario waits for deliveries before calling them lost
 
 
@@ -41,6 +48,13 @@ FULL = Sizes(
     e2e_rates=(100, 500),
     e2e_fixed_s=5,
     nats_msgs=20_000,
+    noisy_backlog=1200,
+    noisy_hanging=40,
+    noisy_rate=10,
+    noisy_s=15,
+    noisy_page_ms=200,
+    fair_jobs=600,
+    fair_tenants=10,
     wait_s=60,
 )
 
@@ -60,5 +74,12 @@ SMOKE = Sizes(
     e2e_rates=(20,),
     e2e_fixed_s=1,
     nats_msgs=500,
+    noisy_backlog=40,
+    noisy_hanging=4,
+    noisy_rate=5,
+    noisy_s=1,
+    noisy_page_ms=200,
+    fair_jobs=20,
+    fair_tenants=10,
     wait_s=30,
 )

@@ -30,13 +30,16 @@ _CTX = multiprocessing.get_context("spawn")
 
 @dataclass(frozen=True)
 class Target:
-    """What to send: a method, and a path or a list of paths to pick from at random."""
+    """What to send: a method, and a path or a list of paths to pick from at random; or
+    ``choices``, whole requests (``Target.request``'s bytes) to pick from at random, for
+    loads that vary a header or the body (several tenants' keys, several callback URLs)."""
 
     port: int
     method: str = "GET"
     paths: tuple[str, ...] = ("/",)
     body: bytes = b""
     headers: tuple[tuple[str, str], ...] = ()
+    choices: tuple[bytes, ...] = ()
 
     def request(self, path: str) -> bytes:
         lines = [f"{self.method} {path} HTTP/1.1", f"Host: 127.0.0.1:{self.port}"]
@@ -44,6 +47,10 @@ class Target:
         if self.body or self.method in ("POST", "PUT", "PATCH"):
             lines.append(f"Content-Length: {len(self.body)}")
         return ("\r\n".join(lines) + "\r\n\r\n").encode() + self.body
+
+    def pick(self) -> bytes:
+        """The next request to send."""
+        return random.choice(self.choices) if self.choices else self.request(random.choice(self.paths))
 
 
 class HttpConnection(asyncio.Protocol):
@@ -133,10 +140,9 @@ async def _closed(spec: dict[str, Any], conns: list[HttpConnection], tally: _Tal
         while time.time() < deadline and (not counted or left[0] > 0):
             if counted:
                 left[0] -= 1
-            path = random.choice(target.paths)
             sent, t0 = time.time(), time.perf_counter()
             try:
-                status, head, _body = await conn.request(target.request(path))
+                status, head, _body = await conn.request(target.pick())
             except ConnectionError:
                 tally.errors += 1
                 return
@@ -164,7 +170,7 @@ async def _open_loop(spec: dict[str, Any], conns: list[HttpConnection], tally: _
     async def one(due_perf: float, due_wall: float) -> None:
         conn = await idle.get()
         try:
-            status, head, _body = await conn.request(target.request(random.choice(target.paths)))
+            status, head, _body = await conn.request(target.pick())
         except ConnectionError:
             tally.errors += 1
             return

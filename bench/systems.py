@@ -152,6 +152,14 @@ class Herald:
         wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)
         return proc
 
+    def start_workers(self, names: list[str], **extra: str) -> list[Proc]:
+        """Several workers started at once (then each waited for)."""
+        procs = [self._spawn(name, "worker", self.env(**extra)) for name in names]
+        for name, proc in zip(names, procs):
+            wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready",  # noqa: B023
+                       proc=proc)
+        return procs
+
     def start_notifier(self, name: str = "notifier") -> Proc:
         proc = self._spawn(name, "notifier", self.env())
         wait_until(lambda: "notifier ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e")
+SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e", "noisy")
 
 
 @pytest.mark.timeout(240)
