@@ -29,6 +29,7 @@ class Sizes:
     noisy_page_ms: int  # every job's run (1 page): A's and B's jobs are alike
     fair_jobs: int  # fair share's cost: this many trivial jobs from 1 tenant, then spread over fair_tenants
     fair_tenants: int
+    fair_rounds: int  # 1 tenant, then spread, this many times (each pair's ratio; their median)
     wait_s: float  # how long a scenario waits for deliveries before calling them lost
 
 
@@ -55,6 +56,7 @@ FULL = Sizes(
     noisy_page_ms=200,
     fair_jobs=600,
     fair_tenants=10,
+    fair_rounds=5,
     wait_s=60,
 )
 
@@ -81,5 +83,6 @@ SMOKE = Sizes(
     noisy_page_ms=200,
     fair_jobs=20,
     fair_tenants=10,
+    fair_rounds=1,
     wait_s=30,
 )
