@@ -51,12 +51,13 @@ async def _keep_session(_conn: asyncpg.Connection) -> None:
 class _Grouped:
     """One statement waiting for the next group commit, and the future its caller awaits."""
 
-    __slots__ = ("sql", "args", "row", "future")
+    __slots__ = ("sql", "args", "row", "order", "future")
 
-    def __init__(self, sql: str, args: tuple[Any, ...], *, row: bool) -> None:
+    def __init__(self, sql: str, args: tuple[Any, ...], *, row: bool, order: str = "") -> None:
         self.sql = sql
         self.args = args
         self.row = row
+        self.order = order
         self.future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
 
     async def run(self, conn: asyncpg.Connection) -> Any:
@@ -71,6 +72,10 @@ class _Grouped:
             self.future.set_exception(error)
         else:
             self.future.set_result(value)
+
+
+def _lock_order(statement: _Grouped) -> str:
+    return statement.order
 
 
 async def _one_by_one(conn: asyncpg.Connection, batch: list[_Grouped]) -> None:
@@ -166,7 +171,7 @@ class PgDatabase:
                 await conn.execute(f"INSERT INTO herald_migrations (name, applied_at) VALUES ($1, {NOW_SQL})", name)
                 log.info("schema migration applied", extra={"migration": name})
 
-    async def fetchval_grouped(self, sql: str, *args: Any) -> Any:
+    async def fetchval_grouped(self, sql: str, *args: Any, order: str = "") -> Any:
         """``fetchval`` of a statement that is a transaction on its own, committed together
         with the others queued meanwhile (group commit).
 
@@ -176,12 +181,19 @@ class PgDatabase:
         transaction, and everyone hears back after its commit. If one of them fails, the
         batch is rolled back and each is run again in a transaction of its own, so only
         the failing one fails.
-        """
-        return await self._grouped(_Grouped(sql, args, row=False))
 
-    async def fetchrow_grouped(self, sql: str, *args: Any) -> asyncpg.Record | None:
+        ``order`` is the tenant whose rows the statement locks. A batch holds every lock
+        until its commit, so two processes' batches taking two tenants' counter rows in
+        opposite orders would deadlock (each cycle costs ``deadlock_timeout``, 1 s, and a
+        rerun: with ten tenants the bench's end-to-end rate fell to a third). So a batch
+        runs in ``order`` order (stable: one tenant's statements keep theirs), the same
+        in every process.
+        """
+        return await self._grouped(_Grouped(sql, args, row=False, order=order))
+
+    async def fetchrow_grouped(self, sql: str, *args: Any, order: str = "") -> asyncpg.Record | None:
         """``fetchrow`` under the same group commit as ``fetchval_grouped``."""
-        return await self._grouped(_Grouped(sql, args, row=True))  # type: ignore[no-any-return]
+        return await self._grouped(_Grouped(sql, args, row=True, order=order))  # type: ignore[no-any-return]
 
     async def _grouped(self, statement: _Grouped) -> Any:
         self._batch.append(statement)
@@ -192,6 +204,7 @@ class PgDatabase:
     async def _commit_batches(self) -> None:
         while self._batch:
             batch, self._batch = self._batch[:MAX_GROUP], self._batch[MAX_GROUP:]
+            batch.sort(key=_lock_order)
             try:
                 async with self.pool.acquire() as conn:
                     try:

@@ -612,6 +612,7 @@ class PgJobStore(CommitListeners):
                 event_subject(new.tenant, new.id), bytes(event.data), event_tail,
                 work_subject, work_msg_id, work_payload,
                 new.traceparent, new.tracestate,
+                order=new.tenant,
             )
         assert record is not None
         outcome = record["outcome"]
@@ -662,6 +663,7 @@ class PgJobStore(CommitListeners):
                     after.finished_at, after.expires_at, after.updated_at,
                     kind_of_change, event_subject(after.tenant, after.id), bytes(event.data), event_tail,
                     work_subject, work_msg_id, work_payload,
+                    order=before.tenant,
                 )
                 if seq == -1:
                     raise TransitionRejected(job_id, TENANT_AT_CAP, before)
