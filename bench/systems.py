@@ -152,10 +152,10 @@ class Herald:
         wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)
         return proc
 
-    def start_workers(self, names: list[str], **extra: str) -> list[Proc]:
-        """Several workers started at once (then each waited for)."""
-        procs = [self._spawn(name, "worker", self.env(**extra)) for name in names]
-        for name, proc in zip(names, procs):
+    def start_workers(self, workers: Mapping[str, Mapping[str, str]]) -> list[Proc]:
+        """Several workers (name -> its own settings) started at once, then each waited for."""
+        procs = [self._spawn(name, "worker", self.env(**extra)) for name, extra in workers.items()]
+        for name, proc in zip(workers, procs):
             wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready",  # noqa: B023
                        proc=proc)
         return procs

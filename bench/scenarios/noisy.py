@@ -1,9 +1,11 @@
 """7. Noisy neighbour (issue 21): what one tenant sees while another floods, and what fair share costs.
 
-One deployment as ``herald up`` runs it (a gateway, two workers of default concurrency, so
-8 slots, a notifier), with its tenants from ``HERALD_API_KEYS``: ``a`` (noisy), ``b``
-(quiet) and ``fair_tenants`` more for the cost rows. Each of ``b`` and the others has one
-webhook endpoint for ``job.succeeded`` on the verifying receiver.
+One deployment: a gateway, a notifier and two pairs of workers of default concurrency (8
+slots a pair), one pair serving reports (the noisy neighbour), the other exports (fair
+share's cost), with its tenants from ``HERALD_API_KEYS``: ``a`` (noisy), ``b`` (quiet) and
+``fair_tenants`` more for the cost rows. Each of ``b`` and the others has one webhook
+endpoint for ``job.succeeded`` on the verifying receiver. Every tenant's first job (its
+work consumer made) runs before anything is measured.
 
 * **Noisy neighbour.** Workers run every job for ``noisy_page_ms`` (reports of 1 page at
   that page time: A's jobs and B's are alike, so a free slot comes up every
@@ -13,13 +15,16 @@ webhook endpoint for ``job.succeeded`` on the verifying receiver.
   accept the connection and never answer (issue 21's measurement), and once A's webhooks
   hang, B again at the same rate while A's backlog drains. Per B job, from its
   ``job.succeeded`` delivery: start → succeeded (the start's send time to the status
-  object's ``updated_at``, the commit) and commit → webhook (``updated_at`` to arrival).
-  The baseline is B alone, same deployment, same run.
-* **Fair share's cost.** Workers restarted with 0 ms pages (trivial jobs, as ``e2e``):
+  object's ``updated_at``, the commit), split at its claim (start → running, from the
+  store's ``job.running`` event: the wait for a slot and the claim; running → succeeded:
+  the run), and commit → webhook (``updated_at`` to arrival). The baseline is B alone,
+  same deployment, same run.
+* **Fair share's cost.** Trivial jobs (exports of 10 rows, on their own pair of workers):
   ``fair_jobs`` starts as fast as 16 connections go from one tenant, then the same number
   spread at random over ``fair_tenants`` tenants (each with its own work consumer and
-  endpoint), ``rounds`` times interleaved; jobs/s from the first start to the last
-  ``job.succeeded`` delivery. The baseline is one tenant. This measures what sharing among
+  endpoint), ``fair_rounds`` times back to back; jobs/s from the first start to the last
+  ``job.succeeded`` delivery. The baseline is one tenant; the figure is the median of the
+  rounds' ratios. This measures what sharing among
   tenants costs the deployment's end-to-end rate (a consumer and a pull per tenant, the
   picks, the claim's ranking); it does not measure what the fair-share code costs a lone
   tenant against a Herald without it (that needs two commits: see bench/RESULTS.md).
@@ -43,7 +48,8 @@ from bench.stats import latency_summary, median
 from bench.systems import Herald
 
 NOISY, QUIET = "a", "b"
-REPORT = {"title": "bench", "pages": 1}
+REPORT = {"title": "bench", "pages": 1}  # the noisy neighbour's jobs: HERALD_REPORT_PAGE_MS each
+EXPORT = {"format": "csv", "rows": 10}  # fair share's cost: trivial jobs of another kind
 
 
 def _keys(ctx: Context) -> dict[str, str]:
@@ -53,15 +59,15 @@ def _keys(ctx: Context) -> dict[str, str]:
     return keys
 
 
-def _starts(port: int, keys: list[str], bodies: list[dict[str, Any]]) -> httpclient.Target:
-    """``POST /reports``, each request one of every (key, body) pair, picked at random."""
+def _starts(port: int, keys: list[str], bodies: list[dict[str, Any]], path: str = "/reports") -> httpclient.Target:
+    """``POST path``, each request one of every (key, body) pair, picked at random."""
     choices = []
     for key in keys:
         for body in bodies:
             headers = (("Content-Type", "application/json"), ("Authorization", f"Bearer {key}"))
-            choices.append(httpclient.Target(port=port, method="POST", paths=("/reports",),
-                                             body=json.dumps(body).encode(), headers=headers).request("/reports"))
-    return httpclient.Target(port=port, method="POST", paths=("/reports",), choices=tuple(choices))
+            choices.append(httpclient.Target(port=port, method="POST", paths=(path,),
+                                             body=json.dumps(body).encode(), headers=headers).request(path))
+    return httpclient.Target(port=port, method="POST", paths=(path,), choices=tuple(choices))
 
 
 def _register(herald: Herald, key: str, url: str) -> str:
@@ -78,11 +84,13 @@ def _accepted(load: dict[str, Any]) -> dict[str, float]:
 
 
 def _warm_up(ctx: Context, herald: Herald, receiver: Receiver, keys: dict[str, str]) -> None:
-    """One job per tenant through the whole path: a tenant's first job of a kind makes its work
-    consumer (a tenant at work has one), which no measured phase should pay for."""
+    """One job per tenant through the whole path, of the kind it runs later: a tenant's first
+    job of a kind makes its work consumer (a tenant at work has one), which no measured phase
+    should pay for."""
     sent = set()
-    for key in keys.values():
-        status, body = http_post_json(herald.base + "/reports", REPORT, {"Authorization": f"Bearer {key}"})
+    for tenant, key in keys.items():
+        path, document = ("/reports", REPORT) if tenant in (NOISY, QUIET) else ("/exports", EXPORT)
+        status, body = http_post_json(herald.base + path, document, {"Authorization": f"Bearer {key}"})
         if status != 202:
             raise BenchError(f"a warm-up start answered {status}: {body}")
         sent.add(str(body["id"]))  # type: ignore[index]
@@ -166,24 +174,26 @@ def run(ctx: Context) -> Outcome:
     quiet = [t for t in keys if t != NOISY]
     secrets = {t: _register(herald, keys[t], f"http://127.0.0.1:{port}/hook/{t}") for t in quiet}
     spread = [keys[f"t{i}"] for i in range(sizes.fair_tenants)]
-    h: dict[str, Any] = {"deployment": "1 gateway, 2 workers (concurrency 4: 8 slots), 1 notifier",
+    h: dict[str, Any] = {"deployment": "1 gateway, 1 notifier, 2 workers for reports and 2 for exports "
+                                       "(concurrency 4: 8 slots a kind)",
                          "tenants": len(keys)}
     with Receiver(secrets, processes=1, port=port) as receiver:
-        # Fair share's cost first: trivial jobs, nothing else queued.
-        herald.start_workers(["worker1", "worker2"], HERALD_REPORT_PAGE_MS="0")
+        # Two workers for each part, all started at once: exports (trivial) for fair share's
+        # cost, reports of noisy_page_ms for the noisy neighbour. Each pair has 8 slots.
+        exports = {"HERALD_WORKER_KINDS": "export"}
+        reports = {"HERALD_WORKER_KINDS": "report", "HERALD_REPORT_PAGE_MS": str(sizes.noisy_page_ms)}
+        workers = herald.start_workers({"worker1": exports, "worker2": exports, "worker3": reports,
+                                        "worker4": reports})[2:]
         _warm_up(ctx, herald, receiver, keys)
         one, many = [], []
         for index in range(sizes.fair_rounds):
             ctx.say(f"noisy: {sizes.fair_jobs} trivial jobs from 1 tenant, round {index + 1}/{sizes.fair_rounds}")
-            one.append(_rate(ctx, receiver, _starts(herald.port, spread[:1], [REPORT])))
+            one.append(_rate(ctx, receiver, _starts(herald.port, spread[:1], [EXPORT], "/exports")))
             ctx.say(f"noisy: the same over {sizes.fair_tenants} tenants, round {index + 1}/{sizes.fair_rounds}")
-            many.append(_rate(ctx, receiver, _starts(herald.port, spread, [REPORT])))
+            many.append(_rate(ctx, receiver, _starts(herald.port, spread, [EXPORT], "/exports")))
         h["fair_cost"] = {"one_tenant": one, "spread": many, "tenants": sizes.fair_tenants}
-        for name in ("worker1", "worker2"):
-            herald.stop(name)
 
         # The noisy neighbour: every job runs noisy_page_ms.
-        workers = herald.start_workers(["worker3", "worker4"], HERALD_REPORT_PAGE_MS=str(sizes.noisy_page_ms))
         b_target = _starts(herald.port, [keys[QUIET]], [REPORT])
         ctx.say(f"noisy: tenant B alone, {sizes.noisy_rate:g} jobs/s for {sizes.noisy_s:g} s")
         h["alone"] = _quiet_phase(ctx, herald, receiver, b_target)
@@ -197,7 +207,7 @@ def run(ctx: Context) -> Outcome:
             if not a_sent:
                 raise BenchError(f"tenant A's starts were refused: {flood['statuses']}")
             last_a = max(a_sent, key=lambda j: a_sent[j])
-            held = min(60, 8 * sizes.noisy_hanging, len(a_sent))  # 8: the notifier's slots per target
+            held = min(60, 2 * sizes.noisy_hanging, len(a_sent))
             wait_until(lambda: hanging.requests >= held, timeout=sizes.wait_s, interval=0.1,
                        what=f"{held} of tenant A's webhooks hanging")
             ctx.say(f"noisy: tenant B while A floods, {sizes.noisy_rate:g} jobs/s for {sizes.noisy_s:g} s")
