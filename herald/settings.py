@@ -100,7 +100,7 @@ def _kind_counts(name: str, raw: str) -> dict[str, int]:
         if not item.strip():
             continue
         kind, sep, count = item.strip().partition(":")
-        if not sep or not kind or not count.isdigit() or int(count) < 1:
+        if not sep or not kind or not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise SettingsError(f"{name} must look like 'kind:n,kind:n' with n >= 1, got {item.strip()!r}")
         counts[kind] = int(count)
     return counts

@@ -87,7 +87,7 @@ def parse_retry_after(value: str | None, *, at: float) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # not '²' (isdigit, but no int)
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)

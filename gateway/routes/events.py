@@ -40,7 +40,7 @@ def _parse_cursor(raw: str | None, what: str) -> int | None:
     """A resume point: a non-negative integer this server gave out, else None (no replay)."""
     if raw is None or raw == "":
         return None
-    if len(raw) > MAX_CURSOR_LENGTH or not raw.isdigit() or int(raw) > MAX_SEQ:
+    if len(raw) > MAX_CURSOR_LENGTH or not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_SEQ:
         raise ValueError(f"{what} must be an event id this server gave out")
     return int(raw)
 

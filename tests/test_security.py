@@ -1,0 +1,192 @@
+"""What the security review found (issue 23 §5, SPEC §10): no 500 from non-ASCII input, the
+SSRF guard's address forms, pages without CDN scripts, download headers, tenant names."""
+
+from __future__ import annotations
+
+import base64
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import ADMIN_KEY, KEYS, Deployment, client, wait_for_state
+
+# ``²`` passes str.isdigit() but not int(); ``é`` is a letter outside ASCII; the bytes are no UTF-8.
+ODD_TEXT = ("²", "é", "1²", "٣")
+ODD_BYTES = (b"\xff\xfe", b"caf\xe9", "²".encode())
+
+
+def _b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+@dataclass
+class Target:
+    """Ids of real resources of tenant acme, so each route reaches its parsing."""
+
+    base: str
+    job_id: str
+    endpoint_id: str
+    ids: dict[str, str] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def target(herald: Deployment) -> Target:
+    with client(herald.url()) as acme:
+        job = acme.post("/reports", json={"title": "odd input", "pages": 1}).json()
+        wait_for_state(acme, job["id"], {"succeeded"})
+        hook = acme.post("/webhooks", json={"url": "http://127.0.0.1:9/hook"})
+        assert hook.status_code == 201, hook.text
+        return Target(herald.url(), job["id"], hook.json()["id"])
+
+
+def _assert_client_error(response: httpx.Response, what: str) -> None:
+    assert 400 <= response.status_code < 500, f"{what}: {response.status_code} {response.text[:300]}"
+    assert response.headers["content-type"].startswith("application/problem+json"), what
+
+
+def _cursor_values() -> list[str]:
+    # raw, base64 of a non-ASCII number, of a non-ASCII position, of bytes that are no UTF-8
+    return [*ODD_TEXT, _b64("²"), _b64(f"1²|{uuid.uuid4()}"), _b64(f"1.0|{uuid.uuid4()}é"),
+            base64.urlsafe_b64encode(b"\xff\xfe1").decode()]
+
+
+QUERY_CASES: list[tuple[str, str, str, dict[str, str]]] = [
+    # (path template, parameter, header set, extra query)
+    ("/webhooks", "limit", "acme", {}),
+    ("/webhooks", "cursor", "acme", {}),
+    ("/webhooks/{endpoint}/deliveries", "limit", "acme", {}),
+    ("/webhooks/{endpoint}/deliveries", "cursor", "acme", {}),
+    ("/webhooks/{endpoint}/deliveries", "status", "acme", {}),
+    ("/jobs", "limit", "acme", {}),
+    ("/jobs", "cursor", "acme", {}),
+    ("/jobs", "state", "acme", {}),
+    ("/jobs", "kind", "acme", {}),
+    ("/jobs/{job}", "wait", "acme", {}),
+    ("/events", "after", "json", {}),
+    ("/events", "limit", "json", {}),
+    ("/events", "wait", "json", {}),
+    ("/events", "kind", "json", {}),
+    ("/events", "exp", "none", {"sig": "x", "tenant": "acme"}),
+    ("/events", "sig", "none", {"exp": "9999999999", "tenant": "acme"}),
+    ("/events", "tenant", "none", {"exp": "9999999999", "sig": "x"}),
+    ("/reports/{job}", "exp", "none", {"sig": "x"}),
+    ("/reports/{job}", "sig", "none", {"exp": "9999999999"}),
+    ("/jobs/{job}/events", "exp", "none", {"sig": "x"}),
+    ("/jobs/{job}/events", "sig", "none", {"exp": "9999999999"}),
+    ("/webhooks/events", "exp", "none", {"sig": "x", "tenant": "acme"}),
+    ("/webhooks/events", "sig", "none", {"exp": "9999999999", "tenant": "acme"}),
+    ("/webhooks/events", "tenant", "none", {"exp": "9999999999", "sig": "x"}),
+    ("/portal", "exp", "none", {}),
+    ("/admin/tenants", "limit", "admin", {}),
+    ("/admin/tenants", "cursor", "admin", {}),
+    ("/admin/audit", "limit", "admin", {}),
+    ("/admin/audit", "cursor", "admin", {}),
+]
+
+
+def _headers(which: str) -> dict[str, str]:
+    return {"acme": {"Authorization": f"Bearer {KEYS['acme']}"},
+            "json": {"Authorization": f"Bearer {KEYS['acme']}", "Accept": "application/json"},
+            "admin": {"Authorization": f"Bearer {ADMIN_KEY}"},
+            "none": {}}[which]
+
+
+@pytest.mark.parametrize(("template", "name", "who", "extra"), QUERY_CASES,
+                         ids=[f"{c[0]}?{c[1]}" for c in QUERY_CASES])
+def test_non_ascii_query_parameters_are_client_errors(target: Target, template: str, name: str, who: str,
+                                                      extra: dict[str, str]) -> None:
+    path = template.format(job=target.job_id, endpoint=target.endpoint_id)
+    values = _cursor_values() if name == "cursor" else list(ODD_TEXT)
+    with httpx.Client(base_url=target.base, headers=_headers(who), timeout=20) as http:
+        for value in values:
+            response = http.get(path, params={**extra, name: value})
+            if path == "/portal":  # the page itself: the script reads its query
+                assert response.status_code == 200
+                continue
+            _assert_client_error(response, f"{path}?{name}={value!r}")
+
+
+def test_get_webhooks_with_a_superscript_limit_names_the_field(target: Target) -> None:
+    with client(target.base) as acme:
+        response = acme.get("/webhooks?limit=%C2%B2")
+    assert response.status_code == 400, response.text
+    assert "limit" in response.text
+
+
+def _raw_get(base: str, path: str, headers: list[tuple[bytes, bytes]]) -> httpx.Response:
+    with httpx.Client(base_url=base, timeout=20) as http:
+        request = http.build_request("GET", path)
+        request.headers = _with(request.headers, headers)
+        return http.send(request)
+
+
+def _with(defaults: httpx.Headers, headers: list[tuple[bytes, bytes]]) -> httpx.Headers:
+    """httpx's default headers, each one named in ``headers`` replaced by that raw value."""
+    names = {name for name, _ in headers}
+    return httpx.Headers([*((k, v) for k, v in defaults.raw if k.lower() not in names), *headers])
+
+
+@pytest.mark.parametrize("path", ["/jobs", "/webhooks", "/events", "/admin/tenants", "/reports/{job}", "/jobs/{job}/events"])
+def test_non_ascii_bearer_tokens_are_401(target: Target, path: str) -> None:
+    path = path.format(job=target.job_id)
+    tokens: list[bytes] = [t.encode() for t in ODD_TEXT] + list(ODD_BYTES)
+    tokens += [b"hps_" + t for t in tokens]
+    tokens += [f"hps_9999999999.{_b64('acme')}.k.{v}".encode() for v in ODD_TEXT]
+    tokens += [f"hps_{v}.{_b64('acme')}.k.sig".encode() for v in ODD_TEXT]
+    tokens += [f"hps_9999999999.{_b64(v)}.k.sig".encode() for v in ODD_TEXT]
+    tokens += [b"hps_9999999999." + base64.urlsafe_b64encode(b"\xff") + b".k.sig"]
+    tokens += [KEYS["acme"].encode() + b"\xe9", ADMIN_KEY.encode() + "é".encode(), ADMIN_KEY.encode() + b"\xff"]
+    for token in tokens:
+        response = _raw_get(target.base, path, [(b"authorization", b"Bearer " + token)])
+        assert response.status_code in (401, 403), f"{path} Bearer {token!r}: {response.status_code} {response.text[:300]}"
+        assert response.headers["content-type"].startswith("application/problem+json")
+
+
+def test_non_ascii_headers_never_500(target: Target) -> None:
+    auth = (b"authorization", f"Bearer {KEYS['acme']}".encode())
+    values = [v.encode() for v in ODD_TEXT] + list(ODD_BYTES)
+    for value in values:
+        cases = [
+            (f"/jobs/{target.job_id}", [auth, (b"if-none-match", value)]),
+            (f"/jobs/{target.job_id}?wait=1", [auth, (b"if-none-match", b'"' + value + b'"')]),
+            (f"/reports/{target.job_id}", [auth, (b"if-none-match", value)]),
+            ("/jobs", [auth, (b"x-request-id", value)]),
+            ("/jobs", [auth, (b"accept", value)]),
+            ("/events", [auth, (b"accept", b"application/json"), (b"last-event-id", value)]),
+        ]
+        for path, headers in cases:
+            response = _raw_get(target.base, path, headers)
+            assert response.status_code < 500, f"{path} {headers[-1]!r}: {response.status_code} {response.text[:300]}"
+        # A finished job's stream resumed from an odd id: answered (snapshot or 204), never a 500.
+        with httpx.Client(base_url=target.base, timeout=20) as http:
+            request = http.build_request("GET", f"/jobs/{target.job_id}/events")
+            request.headers = _with(request.headers, [auth, (b"last-event-id", value)])
+            response = http.send(request, stream=True)
+            try:
+                assert response.status_code in (200, 204), f"Last-Event-ID {value!r}: {response.status_code}"
+            finally:
+                response.close()
+
+
+def test_non_ascii_idempotency_keys_are_400(target: Target) -> None:
+    auth = (b"authorization", f"Bearer {KEYS['acme']}".encode())
+    for value in [v.encode() for v in ODD_TEXT] + list(ODD_BYTES):
+        with httpx.Client(base_url=target.base, timeout=20) as http:
+            request = http.build_request("POST", "/reports", json={"title": "odd key", "pages": 1})
+            request.headers = _with(request.headers, [auth, (b"idempotency-key", value)])
+            response = http.send(request)
+        _assert_client_error(response, f"Idempotency-Key {value!r}")
+        assert "Idempotency-Key" in response.text
+
+
+@pytest.mark.parametrize("field_name", ["tenant", "key", "exp", "sig"])
+def test_non_ascii_portal_session_fields_are_client_errors(target: Target, field_name: str) -> None:
+    good = {"tenant": "acme", "key": "k1", "exp": "9999999999", "sig": "c2ln"}
+    with httpx.Client(base_url=target.base, timeout=20) as http:
+        for value in ODD_TEXT:
+            response = http.post("/portal/session", json={**good, field_name: value})
+            _assert_client_error(response, f"{field_name}={value!r}")
