@@ -3,7 +3,10 @@ SSRF guard's address forms, pages without CDN scripts, download headers, tenant 
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import signal
+import threading
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -190,3 +193,108 @@ def test_non_ascii_portal_session_fields_are_client_errors(target: Target, field
         for value in ODD_TEXT:
             response = http.post("/portal/session", json={**good, field_name: value})
             _assert_client_error(response, f"{field_name}={value!r}")
+
+
+# ----- the SSRF guard (SPEC §7, §10) ------------------------------------------------------------
+
+REFUSED_HOSTS = [
+    "127.0.0.1", "10.0.0.1", "169.254.169.254", "[::1]", "[fe80::1]", "[fc00::1]",
+    # IPv6 forms that carry an IPv4 address (here loopback, or public 8.8.8.8: refused all the same)
+    "[::ffff:127.0.0.1]", "[::ffff:8.8.8.8]", "[::7f00:1]", "[64:ff9b::7f00:1]", "[64:ff9b::808:808]",
+    "[64:ff9b:1::7f00:1]", "[2002:7f00:1::1]", "[2002:808:808::1]", "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",
+    # hosts written as numbers: 127.0.0.1, 10.0.0.1, 169.254.169.254
+    "2130706433", "127.1", "0x7f.1", "0x7f000001", "0177.0.0.1", "017700000001", "127.0.0.1.", "10.1",
+    "0xa9.0xfe.0xa9.0xfe", "2852039166",
+    # not addresses at all, though numeric
+    "1.2.3.999", "1.2.3.4.5",
+    # names: local, and one that does not resolve (the same answer: no probing of names)
+    "localhost", "api.localhost", "no-such-host.invalid",
+]
+
+
+@pytest.fixture(scope="module")
+def strict(herald: Deployment) -> Iterator[str]:
+    """A gateway of the shared deployment with the SSRF guard on (no HERALD_WEBHOOK_ALLOW_PRIVATE)."""
+    base = herald.start_gateway("security-strict", HERALD_WEBHOOK_ALLOW_PRIVATE="0")
+    try:
+        yield base
+    finally:
+        herald.kill("security-strict", signal.SIGTERM)
+
+
+@pytest.mark.parametrize("host", REFUSED_HOSTS)
+def test_webhook_urls_to_non_public_addresses_are_refused(strict: str, host: str) -> None:
+    with client(strict) as acme:
+        response = acme.post("/webhooks", json={"url": f"https://{host}/hook"})
+        assert response.status_code == 400, f"{host}: {response.status_code} {response.text}"
+        errors = response.json()["errors"]
+        assert errors == [{"field": "url", "message": "must resolve to a public address"}] or \
+            (errors[0]["field"] == "url" and host in ("1.2.3.999", "1.2.3.4.5")), errors
+        # the same guard for a job's callback_url, and for a PATCH
+        started = acme.post("/reports", json={"title": "x", "pages": 1, "callback_url": f"https://{host}/cb"})
+        assert started.status_code == 400 and started.json()["errors"][0]["field"] == "callback_url", started.text
+
+
+def test_public_addresses_pass_however_written(strict: str) -> None:
+    """Positive control: the guard judges the address a number denotes, not its spelling."""
+    with client(strict) as acme:
+        for host in ("1.1.1.1", "16843009", "0x1.0x1.0x1.0x1", "1.65793", "[2606:4700:4700::1111]"):
+            response = acme.post("/webhooks", json={"url": f"https://{host}/hook"})
+            assert response.status_code == 201, f"{host}: {response.text}"
+            patched = acme.patch(f"/webhooks/{response.json()['id']}", json={"url": "https://0x7f.1/hook"})
+            assert patched.status_code == 400, patched.text
+            assert acme.delete(f"/webhooks/{response.json()['id']}").status_code == 204
+
+
+class _Listener:
+    """A real HTTP receiver on 127.0.0.1 that counts the requests it gets."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hits: list[str] = []
+        self.hits = hits
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                hits.append(self.path)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_delivery_dials_the_address_a_numeric_host_denotes() -> None:
+    """At delivery the guard judges a numeric host as its address, and the connection goes to
+    that address: refused with the guard on (no request arrives), delivered to 127.0.0.1 with
+    it off (the number was dialled as the address that was judged)."""
+    from notifier.delivery import Sender
+
+    listener = _Listener()
+
+    async def attempt(url: str, *, allow_private: bool) -> Any:
+        async with Sender(allow_private=allow_private) as sender:
+            return await sender.send(url, b"{}", {})
+
+    try:
+        for host in ("2130706433", "127.1", "0x7f.1", "0177.0.0.1", "[::ffff:127.0.0.1]"):
+            outcome = asyncio.run(attempt(f"https://{host}:{listener.port}/guarded", allow_private=False))
+            assert outcome.status_code is None and "refused by the SSRF guard" in (outcome.error or ""), (host, outcome)
+        assert listener.hits == []
+        for host in ("2130706433", "127.1", "0x7f.1", "0177.0.0.1"):
+            outcome = asyncio.run(attempt(f"http://{host}:{listener.port}/open", allow_private=True))
+            assert outcome.status_code == 204, (host, outcome)
+        assert listener.hits == ["/open"] * 4
+    finally:
+        listener.close()
