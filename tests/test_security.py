@@ -7,6 +7,7 @@ import asyncio
 import base64
 import signal
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -298,3 +299,45 @@ def test_delivery_dials_the_address_a_numeric_host_denotes() -> None:
         assert listener.hits == ["/open"] * 4
     finally:
         listener.close()
+
+
+# ----- downloads (SPEC §6, §10) -------------------------------------------------------------------
+
+
+def _max_age(cache_control: str) -> int | None:
+    for directive in (d.strip() for d in cache_control.split(",")):
+        if directive.startswith("max-age="):
+            return int(directive.removeprefix("max-age="))
+    return None
+
+
+def test_downloads_are_nosniff_and_cached_no_longer_than_their_signature(target: Target) -> None:
+    with client(target.base) as acme:
+        status = acme.get(f"/jobs/{target.job_id}", follow_redirects=False).json()
+        bearer = acme.get(f"/reports/{target.job_id}")
+        assert bearer.status_code == 200
+        assert bearer.headers["x-content-type-options"] == "nosniff"
+        directives = {d.strip() for d in bearer.headers["cache-control"].split(",")}
+        assert "private" in directives and ("no-cache" in directives or (_max_age(bearer.headers["cache-control"]) or 0) == 0), \
+            bearer.headers["cache-control"]
+        again = acme.get(f"/reports/{target.job_id}", headers={"If-None-Match": bearer.headers["etag"]})
+        assert again.status_code == 304 and again.headers["cache-control"] == bearer.headers["cache-control"]
+    signed_url = status["links"]["result"]
+    exp = int(httpx.URL(signed_url).params["exp"])
+    for headers in ({}, {"If-None-Match": bearer.headers["etag"]}):
+        before = time.time()
+        signed = httpx.get(target.base + signed_url, headers=headers, timeout=20)
+        assert signed.status_code in (200, 304)
+        assert signed.headers["x-content-type-options"] == "nosniff"
+        cache_control = signed.headers["cache-control"]
+        assert "public" not in cache_control and "private" in cache_control, cache_control
+        max_age = _max_age(cache_control)
+        assert max_age is not None and 0 < max_age <= exp - before + 1, (cache_control, exp - before)
+
+
+def test_every_answer_is_nosniff(target: Target) -> None:
+    with client(target.base) as acme:
+        for path in ("/schema/openapi.json", "/metrics", "/healthz", "/jobs", f"/jobs/{uuid.uuid4()}", "/static/app.js", "/"):
+            response = acme.get(path)
+            assert response.headers.get("x-content-type-options") == "nosniff", path
+        assert httpx.get(target.base + "/jobs").headers.get("x-content-type-options") == "nosniff"  # a 401
