@@ -6,10 +6,13 @@ Nothing else in Herald reads ``os.environ``.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
+
+from schemas.admin import TENANT_ID_PATTERN
 
 DEV_TENANT = "dev"
 DEV_KEY = "dev-key"
@@ -42,6 +45,9 @@ def _number(cast: Callable[[str], float], floor: float | None = None) -> Env:
     return Env(parse)
 
 
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
+
+
 def _api_keys(name: str, raw: str) -> dict[str, str]:
     """``tenant:key,tenant:key`` -> {key: tenant}."""
     keys: dict[str, str] = {}
@@ -52,6 +58,11 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
         tenant, sep, key = item.partition(":")
         if not sep or not tenant or not key:
             raise SettingsError(f"{name} must look like 'tenant:key,tenant:key'")
+        # The same ids the admin API allows (SPEC §12): a tenant becomes part of NATS
+        # subjects and consumer names, where '.', '*', '>' or a space would change their meaning.
+        if not _TENANT_ID.fullmatch(tenant):
+            raise SettingsError(f"{name}: tenant {tenant!r} is not a valid tenant id "
+                                "(lower-case letters, digits, '-' and '_', at most 63, starting with a letter or digit)")
         keys[key] = tenant
     if not keys:
         raise SettingsError(f"{name} is set but holds no key")

@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -341,3 +345,37 @@ def test_every_answer_is_nosniff(target: Target) -> None:
             response = acme.get(path)
             assert response.headers.get("x-content-type-options") == "nosniff", path
         assert httpx.get(target.base + "/jobs").headers.get("x-content-type-options") == "nosniff"  # a 401
+
+
+# ----- tenant names (SPEC §12) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tenant", ["a.b", "acme.*", "events.>", "Acme", "we are", "über", "-x", "x" * 64, "ac\tme"])
+def test_a_gateway_refuses_api_keys_for_tenant_names_that_are_no_ids(tmp_path: Path, tenant: str) -> None:
+    """A tenant becomes part of NATS subjects: HERALD_API_KEYS takes only the ids the admin API does."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS=f"good:key-1,{tenant}:key-2", HERALD_DATA_DIR=str(tmp_path),
+               HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT="9")
+    run = subprocess.run([sys.executable, "-m", "herald.cli", "gateway"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0
+    assert "HERALD_API_KEYS" in run.stderr and repr(tenant) in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_the_admin_api_refuses_a_tenant_id_with_a_trailing_newline(target: Target) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for bad in ("acme2\n", "acme2\r\n", "a.b", "A"):
+        response = httpx.post(target.base + "/admin/tenants", json={"id": bad}, headers=admin, timeout=20)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["errors"][0]["field"] == "id"
+
+
+def test_the_event_stream_link_carries_the_tenant_as_a_query_value(target: Target) -> None:
+    with client(target.base) as acme:
+        for path in ("/events/link", "/webhooks/events/link"):
+            link = acme.post(path).json()["url"]
+            url = httpx.URL(link)
+            assert url.params["tenant"] == "acme" and set(url.params) == {"exp", "sig", "tenant"}, link
+            with httpx.stream("GET", target.base + link, timeout=20) as stream:
+                assert stream.status_code == 200, link

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
@@ -295,5 +296,5 @@ async def events_link(request: Request) -> EventLink:
     svc = services(request)
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     url = svc.signer.sign("/events", TENANT_EVENTS_PURPOSE, extra=tenant)
-    return EventLink(url=f"{url}&tenant={tenant}", expires_in=int(svc.settings.signed_url_ttl_s))
+    return EventLink(url=f"{url}&tenant={quote(tenant, safe='')}", expires_in=int(svc.settings.signed_url_ttl_s))
 
