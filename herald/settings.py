@@ -117,6 +117,25 @@ def _kind_counts(name: str, raw: str) -> dict[str, int]:
     return counts
 
 
+def _creds_file(name: str, raw: str) -> Path:
+    path = Path(raw)
+    if not path.is_file():
+        raise SettingsError(f"{name}: no such file {raw!r} (a NATS credentials file: `nsc generate creds`)")
+    return path
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (or token) in its userinfo replaced by ``***``: for banners and logs."""
+    def one(part: str) -> str:
+        scheme, sep, rest = part.strip().partition("://")
+        userinfo, at, host = rest.rpartition("@")
+        if not sep or not at:
+            return part.strip()
+        user, colon, _password = userinfo.partition(":")
+        return f"{scheme}://{user + ':***' if colon else '***'}@{host}"
+    return ",".join(one(p) for p in url.split(",") if p.strip())
+
+
 def _database_url(name: str, raw: str) -> str:
     if not raw.startswith(("postgresql://", "postgres://")):
         raise SettingsError(f"{name} must be a postgresql:// URL")
@@ -145,7 +164,8 @@ class Settings:
     """Every setting with its one default and, in its ``Env``, how ``from_env`` reads it."""
 
     data_dir: Annotated[Path, PATH] = Path("./var")
-    nats_url: Annotated[str | None, TEXT] = None
+    nats_url: Annotated[str | None, TEXT] = field(default=None, repr=False)  # may carry user:password@
+    nats_creds: Annotated[Path | None, Env(_creds_file)] = None  # a NATS .creds file (JWT + NKey seed)
     nats_port: Annotated[int, COUNT] = 4222
     http_host: Annotated[str, TEXT] = "127.0.0.1"
     http_port: Annotated[int, COUNT] = 8000

@@ -379,3 +379,102 @@ def test_the_event_stream_link_carries_the_tenant_as_a_query_value(target: Targe
             assert url.params["tenant"] == "acme" and set(url.params) == {"exp", "sig", "tenant"}, link
             with httpx.stream("GET", target.base + link, timeout=20) as stream:
                 assert stream.status_code == 200, link
+
+
+# ----- internal services need credentials; files are the owner's (issue 23 §5) ------------------
+
+
+async def _nats_refuses(url: str) -> bool:
+    import nats
+
+    try:
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+    except Exception as exc:  # noqa: BLE001  (nats-py raises the server's -ERR as several types)
+        return "authorization" in repr(exc).lower()
+    await nc.close()
+    return False
+
+
+async def _nats_accepts(settings_env: dict[str, str]) -> bool:
+    """Connect the way every Herald process does (herald.jetstream.connect, from settings)."""
+    from herald import jetstream
+    from herald.settings import Settings
+
+    nc = await jetstream.connect(Settings.from_env(settings_env), name="test")
+    try:
+        await nc.jetstream().account_info()
+        return True
+    finally:
+        await nc.close()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_path: Path) -> None:
+    from tests.harness import free_port, wait_until
+
+    port, nats_port, data = free_port(), free_port(), tmp_path / "var"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS="acme:up-key", HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port),
+               HERALD_DATA_DIR=str(data), HERALD_REPORT_PAGE_MS="20", HERALD_LOG_LEVEL="warning")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below)
+    up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log,
+                          start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, timeout=60, interval=0.2, what="herald up ready")
+        # A client without credentials, or with wrong ones, is turned away ...
+        assert asyncio.run(_nats_refuses(f"nats://127.0.0.1:{nats_port}"))
+        assert asyncio.run(_nats_refuses(f"nats://herald:guess@127.0.0.1:{nats_port}"))
+        # ... while the generated ones (kept in the 0600 config only) open it, as the children do.
+        conf = data / "nats-server.conf"
+        assert _mode(conf) == 0o600
+        password = next(line.split('"')[1] for line in conf.read_text().splitlines() if "password" in line)
+        assert len(password) >= 32 and password not in (tmp_path / "up.log").read_text(errors="replace")
+        assert asyncio.run(_nats_accepts({"HERALD_NATS_URL": f"nats://herald:{password}@127.0.0.1:{nats_port}"}))
+
+        with httpx.Client(base_url=base, headers={"Authorization": "Bearer up-key"}, timeout=20) as http:
+            job = http.post("/reports", json={"title": "private", "pages": 1}).json()
+            wait_for_state(http, job["id"], {"succeeded"}, timeout=60)
+        # Everything Herald keeps is its owner's alone.
+        assert _mode(data) == 0o700
+        for name in ("herald.db", "herald.db-wal", "herald.db-shm", "admin.key", "secret.key"):
+            if (data / name).exists() or name in ("herald.db", "admin.key", "secret.key"):
+                assert _mode(data / name) == 0o600, name
+        assert _mode(data / "results") == 0o700
+        results = [p for p in (data / "results").rglob("*") if p.is_file()]
+        assert results and all(_mode(p) == 0o600 for p in results), [(p, oct(_mode(p))) for p in results]
+        assert _mode(data / "nats") == 0o700
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        log.close()
+
+
+def test_external_nats_credentials_come_from_the_url_or_a_creds_file(tmp_path: Path) -> None:
+    from herald.jetstream import auth_options
+    from herald.settings import Settings, SettingsError, redact_url
+
+    url = "nats://herald:s%40cret@10.0.0.1:4222,nats://10.0.0.2:4222"
+    settings = Settings.from_env({"HERALD_NATS_URL": url})
+    assert auth_options(settings) == {"user": "herald", "password": "s@cret"}  # for the announced servers too
+    assert auth_options(Settings.from_env({"HERALD_NATS_URL": "nats://tok@10.0.0.1:4222"})) == {"token": "tok"}
+    assert "s%40cret" not in repr(settings) and "s%40cret" not in redact_url(url)
+    assert redact_url(url) == "nats://herald:***@10.0.0.1:4222,nats://10.0.0.2:4222"
+    creds = tmp_path / "herald.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    assert auth_options(Settings.from_env({"HERALD_NATS_CREDS": str(creds)})) == {"user_credentials": str(creds)}
+    with pytest.raises(SettingsError, match="HERALD_NATS_CREDS"):
+        Settings.from_env({"HERALD_NATS_CREDS": str(tmp_path / "missing.creds")})
