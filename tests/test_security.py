@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -14,6 +15,7 @@ import time
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 
@@ -478,3 +480,97 @@ def test_external_nats_credentials_come_from_the_url_or_a_creds_file(tmp_path: P
     assert auth_options(Settings.from_env({"HERALD_NATS_CREDS": str(creds)})) == {"user_credentials": str(creds)}
     with pytest.raises(SettingsError, match="HERALD_NATS_CREDS"):
         Settings.from_env({"HERALD_NATS_CREDS": str(tmp_path / "missing.creds")})
+
+
+# ----- pages load nothing from elsewhere (SPEC §10) -------------------------------------------------
+
+HTML_PAGES = ["/", "/portal", "/schema", "/schema/", "/schema/swagger", "/schema/redoc", "/schema/rapidoc",
+              "/schema/elements", "/schema/stoplight", "/schema/scalar", "/schema/oauth2-redirect.html"]
+
+
+class _Sources(HTMLParser):
+    """Every URL a page loads: script src, link href, img/iframe src, and any inline script."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+        self.inline_scripts = 0
+        self._in_script_without_src = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag == "script":
+            if values.get("src"):
+                self.urls.append(values["src"] or "")
+            else:
+                self._in_script_without_src = True
+        elif tag == "link" and values.get("href"):
+            self.urls.append(values["href"] or "")
+        elif tag in ("img", "iframe", "embed", "source") and values.get("src"):
+            self.urls.append(values["src"] or "")
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script_without_src and data.strip():
+            self.inline_scripts += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script":
+            self._in_script_without_src = False
+
+
+def test_every_html_page_loads_only_herald_s_own_files_under_a_csp(target: Target) -> None:
+    with httpx.Client(base_url=target.base, timeout=20) as anonymous:
+        for path in HTML_PAGES:
+            page = anonymous.get(path, follow_redirects=True)
+            if not page.headers.get("content-type", "").startswith("text/html"):
+                assert page.status_code == 404, path
+                continue
+            sources = _Sources()
+            sources.feed(page.text)
+            assert sources.inline_scripts == 0, f"{path}: inline script"
+            for url in sources.urls:
+                assert url.startswith("/") and not url.startswith("//"), f"{path} loads {url}"
+                asset = anonymous.get(url)
+                assert asset.status_code == 200, f"{path}: {url} -> {asset.status_code}"
+                assert asset.headers["x-content-type-options"] == "nosniff"
+            if page.status_code == 200:
+                policy = page.headers.get("content-security-policy", "")
+                directives = {d.strip().split(" ")[0]: d.strip() for d in policy.split(";") if d.strip()}
+                assert directives.get("default-src") == "default-src 'none'", f"{path}: {policy!r}"
+                assert directives.get("script-src") == "script-src 'self'", f"{path}: {policy!r}"
+                assert "unsafe-inline" not in policy and "http" not in policy, f"{path}: {policy!r}"
+        browser_page = anonymous.get("/schema")
+        assert browser_page.status_code == 200 and "/schema/assets/swagger-ui-bundle.js" in browser_page.text
+        assert anonymous.get("/schema/assets/index.html").status_code == 404  # only the two files used
+        assert anonymous.get("/schema/openapi.json").json()["openapi"].startswith("3.")
+
+
+def test_the_api_browser_renders_every_operation_with_no_csp_violation(target: Target) -> None:
+    """/schema in real headless Chromium: Swagger UI (served by Herald) shows the document's
+    operations; the CSP blocks nothing it needs, and no request leaves the origin."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium_path = shutil.which("chromium")
+    if chromium_path is None:
+        pytest.skip("Debian chromium is not installed (make browser-deps)")
+    document = httpx.get(target.base + "/schema/openapi.json", timeout=20).json()
+    operations = {op["operationId"] for item in document["paths"].values() for op in item.values()
+                  if isinstance(op, dict) and "operationId" in op}
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page()
+            problems: list[str] = []
+            requested: list[str] = []
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("request", lambda r: requested.append(r.url))
+            page.goto(target.base + "/schema")
+            page.wait_for_selector(".opblock", timeout=30_000)
+            shown = page.locator(".opblock").count()
+            assert shown >= len(operations) - 5, (shown, len(operations))
+            assert not [p for p in problems if "Content Security Policy" in p or "Refused" in p], problems
+            assert all(u.startswith(target.base) or u.startswith("data:") for u in requested), requested
+        finally:
+            browser.close()
