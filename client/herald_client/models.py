@@ -76,6 +76,14 @@ class JobEvent(msgspec.Struct, kw_only=True, frozen=True):
     data: JobStatus
 
 
+class OutputChunk(msgspec.Struct, kw_only=True, frozen=True):
+    """One chunk of a job's streamed output (SPEC §8): ``n`` is 1, 2, 3… per job, ``data``
+    the JSON value the handler emitted."""
+
+    n: int
+    data: Any
+
+
 class WebhookEvent(msgspec.Struct, kw_only=True):
     """The payload of a verified webhook delivery (Standard Webhooks, SPEC §7)."""
 

@@ -48,6 +48,14 @@ class _Line(msgspec.Struct):
 _encoder = msgspec.json.Encoder()
 
 
+class _NdjsonStream(Stream):
+    """A stream sent as ``application/x-ndjson`` (the route's declared media type is SSE's)."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = NDJSON
+        return super().to_asgi_response(*args, **kwargs)
+
+
 def _chunk_frame(chunk: Chunk) -> bytes:
     return frame(str(chunk.n), "output", chunk.data)
 
@@ -192,7 +200,7 @@ async def job_output(
         if js is None:
             raise Unavailable("the output store (NATS) is not reachable from this gateway; retry shortly",
                               retry_after=1)
-        return Stream(_ndjson(js, job, start), media_type=NDJSON, headers={"Cache-Control": "no-store"})
+        return _NdjsonStream(_ndjson(js, job, start), headers={"Cache-Control": "no-store"})
     # The header wins: a browser keeps the query string on every reconnect.
     header = request.headers.get("last-event-id")
     resume = _position(header, "Last-Event-ID") if header is not None else _position(last_event_id, "last_event_id")
