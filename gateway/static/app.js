@@ -353,21 +353,31 @@ async function openOutput() {
   const output = state.output;
   if (!output || output.ended || !state.key) return;
   const generation = state.outputGeneration;
-  let status;
+  const path = `/jobs/${encodeURIComponent(output.jobId)}`;
+  const headers = { Authorization: `Bearer ${state.key}`, Accept: "application/json" };
+  let status = null;
   try {
-    status = await api("GET", `/jobs/${encodeURIComponent(output.jobId)}`);
-  } catch (err) {
+    // A succeeded job answers 303 to its result: not followed, it means the job has ended.
+    const response = await fetch(path, { headers, cache: "no-store", redirect: "manual" });
     if (generation !== state.outputGeneration) return;
-    if (err instanceof ApiError && (err.status === 404 || err.status === 410)) {
-      output.ended = err.status === 410 ? "gone" : "not found";
+    if (response.type === "opaqueredirect" || response.status === 303) {
+      await finishOutput(output, path, headers, "succeeded");
+      return;
+    }
+    if (response.status === 404 || response.status === 410) {
+      output.ended = response.status === 410 ? "gone" : "not found";
       saveOutput();
       renderOutput();
       return;
     }
+    if (!response.ok) throw new ApiError(response.status, null);
+    status = await response.json();
+  } catch {
+    if (generation !== state.outputGeneration) return;
     setTimeout(() => { if (generation === state.outputGeneration) openOutput(); }, 2000);
     return;
   }
-  if (generation !== state.outputGeneration || !status.links.output) return;
+  if (generation !== state.outputGeneration || !status || !status.links || !status.links.output) return;
   let url = status.links.output;
   if (output.lastN) url += `&last_event_id=${output.lastN}`;
   const source = new EventSource(url);
@@ -404,6 +414,22 @@ async function openOutput() {
       setTimeout(() => { if (generation + 1 === state.outputGeneration) openOutput(); }, 1000);
     }
   });
+}
+
+// A finished job: the rest of its output at once (NDJSON after the last chunk shown).
+async function finishOutput(output, path, headers, how) {
+  const response = await fetch(`${path}/output?after=${output.lastN}`, { headers, cache: "no-store" });
+  if (!response.ok) return;
+  for (const line of (await response.text()).split("\n")) {
+    if (!line) continue;
+    const chunk = JSON.parse(line);
+    if (!(chunk.n > output.lastN)) continue;
+    output.lastN = chunk.n;
+    output.text += typeof chunk.data === "string" ? chunk.data : `${JSON.stringify(chunk.data)}\n`;
+  }
+  output.ended = how;
+  saveOutput();
+  renderOutput();
 }
 
 // ----- live feed ----------------------------------------------------------------------
