@@ -34,6 +34,7 @@ class Problem(msgspec.Struct, kw_only=True, omit_defaults=True):
 class JobLinks(msgspec.Struct, kw_only=True):
     self: str
     events: str
+    output: str | None = None  # the signed streamed-output URL (SPEC §8); None from an older server
     result: str | None = None
 
 
