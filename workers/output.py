@@ -174,15 +174,20 @@ class OutputWriter:
             except Exception as exc:  # noqa: BLE001  (not connected: the rest is sent again below)
                 log.debug("output publish failed: %s", exc)
             stored = 0
-            try:
-                for ack in acks:
-                    await asyncio.wait_for(asyncio.shield(ack), ACK_TIMEOUT_S)
-                    stored += 1
-            except Exception as exc:  # noqa: BLE001  (a lost ack, NATS reconnecting, no stream leader)
-                log.warning("output chunk not stored yet, retrying", extra={"job_id": self._job_id, "error": repr(exc)})
-            finally:
-                for ack in acks[stored:]:
-                    ack.cancel()  # frees its slot in the client; the chunk is sent again
+            if acks:
+                await asyncio.wait(acks, timeout=ACK_TIMEOUT_S)  # one wait for the whole batch
+            for ack in acks:
+                if not ack.done() or ack.cancelled() or ack.exception() is not None:
+                    break
+                stored += 1
+            if stored < len(batch):
+                # A lost ack, NATS reconnecting, no stream leader: resent from here on.
+                failed = acks[stored] if stored < len(acks) else None
+                reason = repr(failed.exception()) if failed is not None and failed.done() and not failed.cancelled() \
+                    else "no ack in time"
+                log.warning("output chunk not stored yet, retrying", extra={"job_id": self._job_id, "error": reason})
+            for ack in acks[stored:]:
+                ack.cancel()  # frees its slot in the client; the chunk is sent again
             for pending in batch[:stored]:
                 if not pending.future.done():
                     pending.future.set_result(None)
