@@ -223,6 +223,10 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     assert {env["HERALD_SECRET_KEY"] for env in seen.values()} == {secret_file.read_text().strip()}
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     assert seen["gateway-2"]["HERALD_HTTP_PORT"] == str(ports["http"] + 1)
+    # One admin key for every process (SPEC §12), generated and kept owner-only.
+    admin_file = root / "var" / "admin.key"
+    assert {env["HERALD_ADMIN_KEY"] for env in seen.values()} == {admin_file.read_text().strip()}
+    assert stat.S_IMODE(admin_file.stat().st_mode) == 0o600
 
     # Three nats-servers form one JetStream cluster (over authenticated routes); PostgreSQL
     # accepts connections with the password. Without credentials, neither lets anyone in.
@@ -258,6 +262,19 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
                            timeout=READY_TIMEOUT_S, interval=0.2, what=f"/readyz on :{port}")
             except AssertionError:
                 not_ready.append(f"/readyz on :{port} never answered 200 within {READY_TIMEOUT_S} s")
+
+    if not not_ready:
+        # A key made at one gateway works at the other within 2 s; revoked there, it fails here.
+        gw1, gw2 = base, f"http://127.0.0.1:{ports['http'] + 1}"
+        admin = {"Authorization": f"Bearer {admin_file.read_text().strip()}"}
+        assert httpx.post(gw1 + "/admin/tenants", json={"id": "rehearsal"}, headers=admin, timeout=10).status_code == 201
+        issued = httpx.post(gw1 + "/admin/tenants/rehearsal/keys", json={"name": "k"}, headers=admin, timeout=10).json()
+        bearer = {"Authorization": f"Bearer {issued['key']}"}
+        wait_until(lambda: httpx.get(gw2 + "/jobs", headers=bearer, timeout=2).status_code == 200, timeout=2,
+                   what="the new key at the second gateway")
+        assert httpx.delete(f"{gw2}/admin/keys/{issued['id']}", headers=admin, timeout=10).status_code == 204
+        wait_until(lambda: httpx.get(gw1 + "/jobs", headers=bearer, timeout=2).status_code == 401, timeout=2,
+                   what="the revoked key refused at the first gateway")
 
     # Whatever dies is restarted: a Herald process, a NATS node, PostgreSQL (each kill -9).
     restartable = {

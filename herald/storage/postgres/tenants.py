@@ -14,7 +14,7 @@ from typing import Any
 import asyncpg
 
 from herald.jobs import StoreUnavailable
-from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
+from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.tenants import (
     KEY_CREATED, KEY_REVOKED, LIMIT_NAMES, SOURCE_API, TENANT_CREATED, TENANT_DISABLED, TENANT_UPDATED,
     AuditRow, DirectorySnapshot, KeyRow, TenantRow,
@@ -78,6 +78,7 @@ async def _changed(conn: Any, action: str, tenant: str | None, key_id: str | Non
     await conn.execute("UPDATE herald_directory SET version = version + 1 WHERE id = 1")
 
 
+@unavailable_on_connection_errors
 class PgTenantStore:
     def __init__(self, db: PgDatabase) -> None:
         self._db = db
