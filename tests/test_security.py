@@ -90,6 +90,10 @@ QUERY_CASES: list[tuple[str, str, str, dict[str, str]]] = [
     ("/webhooks/events", "exp", "none", {"sig": "x", "tenant": "acme"}),
     ("/webhooks/events", "sig", "none", {"exp": "9999999999", "tenant": "acme"}),
     ("/webhooks/events", "tenant", "none", {"exp": "9999999999", "sig": "x"}),
+    ("/jobs/{job}/output", "after", "acme", {}),
+    ("/jobs/{job}/output", "last_event_id", "sse", {}),
+    ("/jobs/{job}/output", "exp", "none", {"sig": "x"}),
+    ("/jobs/{job}/output", "sig", "none", {"exp": "9999999999"}),
     ("/portal", "exp", "none", {}),
     ("/admin/tenants", "limit", "admin", {}),
     ("/admin/tenants", "cursor", "admin", {}),
@@ -101,6 +105,7 @@ QUERY_CASES: list[tuple[str, str, str, dict[str, str]]] = [
 def _headers(which: str) -> dict[str, str]:
     return {"acme": {"Authorization": f"Bearer {KEYS['acme']}"},
             "json": {"Authorization": f"Bearer {KEYS['acme']}", "Accept": "application/json"},
+            "sse": {"Authorization": f"Bearer {KEYS['acme']}", "Accept": "text/event-stream"},
             "admin": {"Authorization": f"Bearer {ADMIN_KEY}"},
             "none": {}}[which]
 
