@@ -50,7 +50,8 @@ def swagger_asset(name: str) -> File:
 
 def schema_router() -> Router:
     """Where the OpenAPI routes live: every answer under ``/schema`` carries the pages' CSP."""
-    return Router(SCHEMA_PATH, route_handlers=[], response_headers=PAGE_HEADERS)
+    return Router(SCHEMA_PATH, route_handlers=[], response_headers=PAGE_HEADERS, include_in_schema=False,
+                  dto=None, return_dto=None)
 
 
 def render_plugins() -> list[OpenAPIRenderPlugin]:
