@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -20,7 +21,7 @@ from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
-from gateway.routes import events, health, jobs, page, portal
+from gateway.routes import apidocs, events, health, jobs, output, page, portal
 from gateway.routes.accept import accept_route
 from gateway.routes.admin import AdminController
 from gateway.routes.results import result_route
@@ -29,6 +30,7 @@ from gateway.services import Services
 from herald import jetstream
 from herald.directory import Directory
 from herald.logs import log_transition
+from herald.output import purge as purge_output
 from herald.metrics import metrics as process_metrics
 from herald.relay import Relay
 from herald.settings import Settings
@@ -74,7 +76,7 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
             log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
             await asyncio.sleep(1.0)
     # Retention deletes results, so the sweeper starts once the result store is reachable.
-    spawn(run_sweeper(svc.store, svc.results, svc.settings), "sweeper", tasks)
+    spawn(run_sweeper(svc.store, svc.results, svc.settings, functools.partial(purge_output, js)), "sweeper", tasks)
     svc.nats = nc
     await svc.directory.attach(nc)
     await svc.hub.attach(nc)
@@ -160,6 +162,7 @@ def create_app(settings: Settings) -> Litestar:
             events.job_events,
             events.tenant_events,
             events.events_link,
+            output.job_output,
             *(accept_route(kind) for kind in kinds),
             *(result_route(kind) for kind in kinds),
             WebhooksController,
@@ -179,7 +182,9 @@ def create_app(settings: Settings) -> Litestar:
             version=herald.__version__,
             description="Asynchronous request-reply gateway: start work with 202 Accepted, then poll, "
             "long-poll, stream (SSE) or receive signed webhooks.",
-            path="/schema",
+            path=apidocs.SCHEMA_PATH,
+            render_plugins=apidocs.render_plugins(),
+            openapi_router=apidocs.schema_router(),
             components=Components(
                 security_schemes={
                     "bearer": SecurityScheme(type="http", scheme="bearer", description="API key"),

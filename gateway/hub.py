@@ -12,20 +12,23 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription as NatsSubscription
 
-from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S, job_frame, tenant_frame
-from herald.constants import EVENT_SUBJECTS
+from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S, frame, job_frame, tenant_frame
+from herald.constants import CHUNK_HEADER, EVENT_SUBJECTS, OUTPUT_LIVE_SUBJECTS
 from herald.metrics import Metrics
 from schemas import JobEvent
+from schemas.jobs import TERMINAL_EVENT_TYPES
 
 log = logging.getLogger("herald.hub")
 _decoder = msgspec.json.Decoder(JobEvent)
+
+T = TypeVar("T")
 
 RESYNC = None  # queued to a subscriber when it must re-read the store (NATS reconnected)
 
@@ -41,42 +44,37 @@ class Framed(NamedTuple):
 Item = Framed | None | bytes  # an event, RESYNC, or the keep-alive frame
 
 
-class Subscriber:
-    """One SSE stream's inbox: a list, and one future while its stream waits.
+class LiveChunk(NamedTuple):
+    """A stored output chunk as JetStream republished it, with its SSE frame (built once)."""
 
-    Overflow drops the stream (it resumes with Last-Event-ID). An event is queued only if
-    it is further along than every event queued before (version for a job's stream,
-    tenant sequence for a tenant's): the same event can reach the hub more than once (a
-    relay's catch-up pass may publish a row its own process is publishing too, and a
-    publish retried after a lost ack is sent again), and a copy must not take a slot. Skipping an older one is safe: the stream already saw a newer event,
-    and a gap it saw is filled from the store.
+    n: int
+    seq: int  # its position in HERALD_OUTPUT
+    frame: bytes
 
-    A list and a bare future rather than an ``asyncio.Queue`` and an ``asyncio.Event``
-    (four deques, each preallocating a 600-byte block, even a plain deque would): thousands
-    of idle streams keep this object each. Taking from the front of a list moves the rest,
-    at most ``maxsize`` pointers; queues are short unless a reader falls behind.
+
+OutputItem = LiveChunk | Framed | None | bytes  # a chunk, the job's terminal event, RESYNC, a keep-alive
+
+
+class Inbox(Generic[T]):
+    """One stream's inbox: a list, and one future while its stream waits.
+
+    Overflow drops the stream (it resumes from its last id). A list and a bare future rather
+    than an ``asyncio.Queue`` and an ``asyncio.Event`` (four deques, each preallocating a
+    600-byte block, even a plain deque would): thousands of idle streams keep this object
+    each. Taking from the front of a list moves the rest, at most ``maxsize`` pointers;
+    queues are short unless a reader falls behind. Subclasses decide what ``offer`` takes.
     """
 
-    __slots__ = ("key", "items", "overflowed", "_maxsize", "_by_seq", "_offered", "_waiter", "_active")
+    __slots__ = ("key", "items", "overflowed", "_maxsize", "_offered", "_waiter", "_active")
 
-    def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
+    def __init__(self, key: str, maxsize: int) -> None:
         self.key = key
-        self.items: list[Item] = []
+        self.items: list[T | bytes] = []
         self.overflowed = False  # its queue was full: the stream ends at the next item it takes
         self._maxsize = maxsize
-        self._by_seq = by_seq
-        self._offered = 0
+        self._offered = 0  # the position of the newest item queued: older ones are copies
         self._waiter: asyncio.Future[None] | None = None
         self._active = False  # something was queued since the hub's last keep-alive tick
-
-    def offer(self, item: Framed | None) -> bool:
-        if item is not None:
-            event = item.event
-            position = event.seq if self._by_seq else event.version
-            if position <= self._offered:
-                return True  # a copy, or older than what it already has
-            self._offered = position
-        return self._put(item)
 
     def keep_alive(self) -> None:
         """A tick of the hub's keep-alive ticker: a keep-alive frame if nothing was queued since the last one.
@@ -88,7 +86,7 @@ class Subscriber:
         else:
             self._active = False
 
-    def _put(self, item: Item) -> bool:
+    def _put(self, item: T | bytes) -> bool:
         if len(self.items) >= self._maxsize:
             self.overflowed = True
             self._wake()
@@ -105,8 +103,8 @@ class Subscriber:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def next(self) -> Item:
-        """The next item: an event, ``RESYNC``, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
+    async def next(self) -> T | bytes:
+        """The next item, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
         while not self.items:
             await self.wait()
         return self.items.pop(0)
@@ -121,6 +119,49 @@ class Subscriber:
         return waiter
 
 
+class OutputSubscriber(Inbox["LiveChunk | Framed | None"]):
+    """One output stream's inbox (SPEC §8): chunks of one job, and its terminal event.
+
+    Ordered by chunk number: a chunk at or below the highest one queued is a copy (a
+    republish after a lost ack) and takes no slot."""
+
+    __slots__ = ()
+
+    def offer(self, item: OutputItem) -> bool:
+        if isinstance(item, LiveChunk):
+            if item.n <= self._offered:
+                return True
+            self._offered = item.n
+        return self._put(item)
+
+
+class Subscriber(Inbox["Framed | None"]):
+    """One SSE stream's inbox (a job's or a tenant's events).
+
+    An event is queued only if it is further along than every event queued before (version
+    for a job's stream, tenant sequence for a tenant's): the same event can reach the hub
+    more than once (a relay's catch-up pass may publish a row its own process is publishing
+    too, and a publish retried after a lost ack is sent again), and a copy must not take a
+    slot. Skipping an older one is safe: the stream already saw a newer event, and a gap it
+    saw is filled from the store.
+    """
+
+    __slots__ = ("_by_seq",)
+
+    def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
+        super().__init__(key, maxsize)
+        self._by_seq = by_seq
+
+    def offer(self, item: Framed | None) -> bool:
+        if item is not None:
+            event = item.event
+            position = event.seq if self._by_seq else event.version
+            if position <= self._offered:
+                return True  # a copy, or older than what it already has
+            self._offered = position
+        return self._put(item)
+
+
 class Hub:
     def __init__(self, metrics: Metrics, *, queue_size: int = 256) -> None:
         self._metrics = metrics
@@ -128,22 +169,29 @@ class Hub:
         self._polls: dict[str, set[asyncio.Future[int]]] = defaultdict(set)
         self._job_subs: dict[str, set[Subscriber]] = defaultdict(set)
         self._tenant_subs: dict[str, set[Subscriber]] = defaultdict(set)
+        self._output_subs: dict[str, set[OutputSubscriber]] = defaultdict(set)
         self._subscription: NatsSubscription | None = None
+        self._output_subscription: NatsSubscription | None = None
         self._ticker: asyncio.TimerHandle | None = None
 
     async def attach(self, nc: NATS) -> None:
         self._subscription = await nc.subscribe(EVENT_SUBJECTS, cb=self._on_message, pending_msgs_limit=1_000_000)
+        # Streamed output: one subscription for every output stream of this gateway. JetStream
+        # republishes a chunk here only once it is stored, so a reader never sees one that is not.
+        self._output_subscription = await nc.subscribe(OUTPUT_LIVE_SUBJECTS, cb=self._on_output,
+                                                       pending_msgs_limit=1_000_000)
 
     async def detach(self) -> None:
         if self._ticker is not None:
             self._ticker.cancel()
             self._ticker = None
-        if self._subscription is not None:
-            try:
-                await self._subscription.unsubscribe()
-            except Exception:  # connection already closed
-                pass
-            self._subscription = None
+        for subscription in (self._subscription, self._output_subscription):
+            if subscription is not None:
+                try:
+                    await subscription.unsubscribe()
+                except Exception:  # connection already closed
+                    pass
+        self._subscription = self._output_subscription = None
 
     async def _on_message(self, message: Msg) -> None:
         try:
@@ -157,6 +205,23 @@ class Hub:
         # while the burst lasts instead of overflowing (and being dropped as slow readers).
         await asyncio.sleep(0)
 
+    async def _on_output(self, message: Msg) -> None:
+        streams = self._output_subs.get(message.subject.rpartition(".")[2])
+        if streams:
+            headers = message.headers or {}
+            raw_n, raw_seq = headers.get(CHUNK_HEADER, ""), headers.get("Nats-Sequence", "0")
+            if raw_n.isdigit() and raw_seq.isdigit():
+                chunk = LiveChunk(int(raw_n), int(raw_seq), frame(raw_n, "output", message.data))
+                for subscriber in tuple(streams):
+                    if not subscriber.offer(chunk):
+                        self._drop_output(subscriber)
+        await asyncio.sleep(0)  # as _on_message: let streams drain during a burst
+
+    def _drop_output(self, subscriber: OutputSubscriber) -> None:
+        self.unsubscribe(subscriber)
+        self._metrics.sse_dropped.labels(reason="queue_full").inc()
+        log.warning("slow SSE client dropped", extra={"stream": subscriber.key})
+
     def publish(self, event: JobEvent) -> None:
         """Wake everything that waits on this event's job or tenant. Duplicates are fine."""
         for future in self._polls.pop(event.job_id, ()):
@@ -168,6 +233,14 @@ class Hub:
         tenant_streams = self._tenant_subs.get(event.tenant)
         if tenant_streams:
             self._offer(tenant_streams, Framed(event, tenant_frame(event)))
+        output_streams = self._output_subs.get(event.job_id)
+        if output_streams and event.type in TERMINAL_EVENT_TYPES:
+            # An output stream's last event carries no id: the browser's Last-Event-ID stays
+            # the last chunk's number, whose resume is then answered 204.
+            ended = Framed(event, frame(None, event.type, bytes(event.data)))
+            for subscriber in tuple(output_streams):
+                if not subscriber.offer(ended):
+                    self._drop_output(subscriber)
 
     def _offer(self, group: set[Subscriber], item: Framed) -> None:
         for subscriber in tuple(group):
@@ -188,6 +261,9 @@ class Hub:
         for group in (*self._job_subs.values(), *self._tenant_subs.values()):
             for subscriber in group:
                 subscriber.offer(RESYNC)
+        for outputs in self._output_subs.values():
+            for output in outputs:
+                output.offer(RESYNC)
 
     # ----- long polls -------------------------------------------------------------------
 
@@ -243,6 +319,12 @@ class Hub:
         self._start_ticker()
         return subscriber
 
+    def subscribe_output(self, job_id: str) -> OutputSubscriber:
+        subscriber = OutputSubscriber(f"output:{job_id}", self._queue_size)
+        self._output_subs[job_id].add(subscriber)
+        self._start_ticker()
+        return subscriber
+
     # One keep-alive ticker for all streams, not a timer per waiting stream (a timer armed
     # and cancelled per event and stream under fan-out). It ticks every KEEPALIVE_S / 2 and
     # gives a keep-alive to each stream that was queued nothing since the previous tick, so
@@ -254,15 +336,25 @@ class Hub:
 
     def _tick(self) -> None:
         self._ticker = None
-        if not self._job_subs and not self._tenant_subs:
+        if not self._job_subs and not self._tenant_subs and not self._output_subs:
             return
         for group in (*self._job_subs.values(), *self._tenant_subs.values()):
             for subscriber in group:
                 subscriber.keep_alive()
+        for outputs in self._output_subs.values():
+            for output in outputs:
+                output.keep_alive()
         self._start_ticker()
 
-    def unsubscribe(self, subscriber: Subscriber) -> None:
+    def unsubscribe(self, subscriber: Subscriber | OutputSubscriber) -> None:
         kind, _, key = subscriber.key.partition(":")
+        if isinstance(subscriber, OutputSubscriber):
+            outputs = self._output_subs.get(key)
+            if outputs is not None:
+                outputs.discard(subscriber)
+                if not outputs:
+                    del self._output_subs[key]
+            return
         table = self._job_subs if kind == "job" else self._tenant_subs
         group = table.get(key)
         if group is not None:

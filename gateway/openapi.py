@@ -6,7 +6,7 @@
 * A kind's start route takes its params Struct (a component, with the kind's example
   body and description), so a client or a generated form can start a kind it has never
   seen. Results have the media types their kind declares; event routes answer
-  ``text/event-stream`` (and ``/events`` also JSON, by ``Accept``).
+  ``text/event-stream`` (and ``/events`` also JSON, ``/jobs/{id}/output`` NDJSON, by ``Accept``).
 * Every operation needs the bearer key except the public ones.
 Problem responses are declared on the handlers with ``problems(...)``; each status is
 described by the problem types ``schemas.problems`` gives it.
@@ -144,6 +144,17 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     feed = tenant_stream.responses["200"]
     assert isinstance(feed, OpenAPIResponse) and feed.content is not None
     feed.content["text/event-stream"] = sse
+
+    output_stream = openapi.paths["/jobs/{job_id}/output"].get
+    assert output_stream is not None and output_stream.responses is not None
+    ndjson_line = Schema(type=OpenAPIType.OBJECT, required=["n", "data"], properties={
+        "n": Schema(type=OpenAPIType.INTEGER, minimum=1, description="the chunk's number, 1, 2, 3… per job"),
+        "data": Schema(description="the chunk, as the handler emitted it (any JSON value)"),
+    }, description="one line per chunk")
+    output_stream.responses["200"] = OpenAPIResponse(
+        description="With Accept: text/event-stream, the chunks as `id: <n>`, `event: output`, live, then the job's "
+        "terminal event (no id) once it ended; otherwise the chunks so far, one JSON object per line",
+        content={"text/event-stream": sse, "application/x-ndjson": OpenAPIMediaType(schema=ndjson_line)})
 
     webhook_stream = openapi.paths["/webhooks/events"].get
     assert webhook_stream is not None and webhook_stream.responses is not None

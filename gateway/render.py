@@ -10,6 +10,7 @@ from schemas.jobs import QueuedReason
 
 EVENTS_PURPOSE = "events"
 RESULT_PURPOSE = "result"
+OUTPUT_PURPOSE = "output"
 
 
 def public_status(
@@ -19,6 +20,7 @@ def public_status(
     status = job.status()
     status.queued_reason = queued_reason
     status.links.events = signer.sign(status.links.events, EVENTS_PURPOSE, now=now)
+    status.links.output = signer.sign(f"/jobs/{job.id}/output", OUTPUT_PURPOSE, now=now)
     if status.links.result is not None:
         status.links.result = signer.sign(status.links.result, RESULT_PURPOSE, now=now)
     return status

@@ -47,6 +47,9 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     status.set_defaults(handler=_guarded(_status))
     watch = sub.add_parser("watch", parents=[common], help="follow a job live with a progress bar")
     watch.add_argument("id")
+    watch.add_argument("--output", action="store_true",
+                       help="print the job's streamed output as it comes (strings as they are, other values "
+                            "as JSON lines), resuming after drops; the final state goes to stderr")
     watch.set_defaults(handler=_guarded(_watch))
     cancel = sub.add_parser("cancel", parents=[common], help="cancel a job")
     cancel.add_argument("id")
@@ -143,7 +146,32 @@ def _download(args: argparse.Namespace) -> int:
     return 0
 
 
+def _watch_output(args: argparse.Namespace) -> int:
+    import json
+
+    from herald_client import JobStatus
+
+    with _client(args) as herald:
+        text_open = False  # strings are text being written: printed as they are, newline at the end
+        for chunk in herald.output(args.id):
+            if isinstance(chunk.data, str):
+                sys.stdout.write(chunk.data)
+                text_open = True
+            else:
+                sys.stdout.write(("\n" if text_open else "") + json.dumps(chunk.data) + "\n")
+                text_open = False
+            sys.stdout.flush()
+        if text_open:
+            sys.stdout.write("\n")
+        final: JobStatus = herald.status(args.id)
+    detail = f" ({final.error.type}: {final.error.title})" if final.error is not None else ""
+    print(f"job {final.id} {final.state}{detail}", file=sys.stderr)
+    return _exit_code(final)
+
+
 def _watch(args: argparse.Namespace) -> int:
+    if getattr(args, "output", False):
+        return _watch_output(args)
     from rich.console import Console
     from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
 

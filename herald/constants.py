@@ -4,6 +4,17 @@ import re
 
 JOBS_STREAM = "HERALD_JOBS"
 EVENTS_STREAM = "HERALD_EVENTS"
+# Streamed output (SPEC §8): chunks on ``output.<tenant token>.<job>``; the stream republishes
+# each chunk it stored on ``herald-output-live.<tenant token>.<job>``, so that a live reader
+# only ever sees chunks that are durable.
+OUTPUT_STREAM = "HERALD_OUTPUT"
+OUTPUT_SUBJECTS = "output.>"
+OUTPUT_LIVE_PREFIX = "herald-output-live"
+OUTPUT_LIVE_SUBJECTS = OUTPUT_LIVE_PREFIX + ".>"
+# A chunk's headers: its number in the job's output and the job's output bytes up to and with it.
+CHUNK_HEADER = "Herald-Chunk"
+OUTPUT_BYTES_HEADER = "Herald-Output-Bytes"
+MAX_CHUNK_BYTES = 64 * 1024
 # Work messages are split by kind and tenant, ``jobs.<kind>.<tenant token>``, each pair with
 # its own durable consumer ``herald-workers-<kind>-<tenant token>`` (created when first
 # needed), so that workers can share their slots fairly among tenants (SPEC §13,
@@ -15,8 +26,9 @@ WORKERS_CONSUMER = "herald-workers"
 NOTIFIER_CONSUMER = "herald-notifier"
 
 # A tenant id as SPEC §12 allows it is a valid subject token and consumer-name part as it
-# is; anything else (a tenant named in HERALD_API_KEYS may hold any character but ':' and
-# ',') is hex-encoded behind a '~', which no valid id starts with, so tokens never collide.
+# is. Every tenant is such an id (the admin API and HERALD_API_KEYS refuse others); anything
+# else that reaches a subject all the same (a tenant an older Herald let in) is hex-encoded
+# behind a '~', which no valid id starts with, so tokens never collide.
 _PLAIN_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _ENCODED_PREFIX = "~"
 
@@ -46,7 +58,17 @@ def worker_consumer_name(kind: str, token: str | None = None) -> str:
 
 
 def event_subject(tenant: str, job_id: str) -> str:
-    return f"events.{tenant}.{job_id}"
+    return f"events.{tenant_token(tenant)}.{job_id}"
+
+
+def output_subject(tenant: str, job_id: str) -> str:
+    """The subject of a job's streamed output chunks (SPEC §8), in ``OUTPUT_STREAM``."""
+    return f"output.{tenant_token(tenant)}.{job_id}"
+
+
+def output_live_subject(tenant: str, job_id: str) -> str:
+    """Where JetStream republishes a chunk once it is stored (the gateways' hubs listen there)."""
+    return f"{OUTPUT_LIVE_PREFIX}.{tenant_token(tenant)}.{job_id}"
 
 
 JOB_SUBJECTS = "jobs.>"

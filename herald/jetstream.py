@@ -7,19 +7,33 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RetentionPolicy, StorageType, StreamConfig
+from nats.js.api import (
+    AckPolicy,
+    ConsumerConfig,
+    DeliverPolicy,
+    RePublish,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
 from nats.js.errors import BadRequestError, NotFoundError
 
 from herald.constants import (
     EVENT_SUBJECTS,
     EVENTS_STREAM,
     JOB_SUBJECTS,
+    MAX_CHUNK_BYTES,
     JOBS_STREAM,
     NOTIFIER_CONSUMER,
+    OUTPUT_LIVE_SUBJECTS,
+    OUTPUT_STREAM,
+    OUTPUT_SUBJECTS,
     RESULTS_BUCKET,
     WORKERS_CONSUMER,
     worker_consumer_name,
@@ -29,6 +43,22 @@ from herald.settings import Settings
 from herald.storage.results import ensure_result_buckets, retry_nats
 
 log = logging.getLogger("herald.nats")
+
+
+def auth_options(settings: Settings) -> dict[str, Any]:
+    """How every process proves itself to NATS: ``HERALD_NATS_CREDS`` (a creds file), else the
+    ``user:password@`` (or ``token@``) of the first URL of ``HERALD_NATS_URL`` that has one.
+    Given as options, not only inside the URL, so that they go to every server the cluster
+    announces too (a discovered server's URL carries none)."""
+    if settings.nats_creds is not None:
+        return {"user_credentials": str(settings.nats_creds)}
+    for url in settings.nats_servers:
+        parts = urlsplit(url)
+        if parts.username:
+            if parts.password is None:
+                return {"token": unquote(parts.username)}
+            return {"user": unquote(parts.username), "password": unquote(parts.password)}
+    return {}
 
 
 async def connect(
@@ -45,6 +75,7 @@ async def connect(
 
     return await nats.connect(
         servers=settings.nats_servers,
+        **auth_options(settings),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.25,
@@ -87,6 +118,22 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
             duplicate_window=120.0,
             max_age=max(settings.retention_s, 3600.0),
             max_bytes=2 * 1024**3,
+            num_replicas=settings.nats_replicas,
+        ),
+        # Streamed output (SPEC §8). Kept as long as the job: the sweeper purges a job's
+        # subject when it deletes the job (no max_age: a job may run for days before its
+        # retention starts). Each stored chunk is republished on herald-output-live.>, the
+        # one subscription of every gateway's hub. Duplicate publishes (a retry after a lost
+        # ack, Nats-Msg-Id <job>.<n>) are dropped.
+        StreamConfig(
+            name=OUTPUT_STREAM,
+            subjects=[OUTPUT_SUBJECTS],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            duplicate_window=120.0,
+            max_msg_size=MAX_CHUNK_BYTES + 4096,
+            allow_direct=True,
+            republish=RePublish(src=OUTPUT_SUBJECTS, dest=OUTPUT_LIVE_SUBJECTS),
             num_replicas=settings.nats_replicas,
         ),
     ]

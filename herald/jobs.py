@@ -86,7 +86,8 @@ class JobRow:
             cancel_requested=self.cancel_requested,
             result=result,
             error=_problem_decoder.decode(self.error) if self.error else None,
-            links=JobLinks(self=f"/jobs/{self.id}", events=f"/jobs/{self.id}/events", result=result),
+            links=JobLinks(self=f"/jobs/{self.id}", events=f"/jobs/{self.id}/events", output=f"/jobs/{self.id}/output",
+                           result=result),
             trace_id=self.trace_id,
         )
 

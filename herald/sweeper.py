@@ -4,13 +4,15 @@
   (attempt + 1) or, after the last attempt (HERALD_MAX_ATTEMPTS, or the kind's own
   ``max_attempts``), failed with /problems/worker-lost;
 * live jobs past their deadline fail with /problems/deadline-exceeded;
-* jobs past ``expires_at`` are deleted with their result, key and history (tombstone left).
+* jobs past ``expires_at`` are deleted with their result, streamed output, key and history
+  (tombstone left).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 from herald.jobs import JobRow, TransitionRejected
 from herald.kinds import get_kind
@@ -44,7 +46,12 @@ def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     return Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True, stale_before=stale_before)
 
 
-async def sweep_once(store: JobStore, results: ResultStore, settings: Settings) -> None:
+# Removes a job's streamed output chunks (tenant, job id); herald.output.purge on JetStream.
+OutputPurge = Callable[[str, str], Awaitable[None]]
+
+
+async def sweep_once(store: JobStore, results: ResultStore, settings: Settings,
+                     purge_output: OutputPurge | None = None) -> None:
     at = await store.clock()  # heartbeats and deadlines were written by the store's clock: judge by it
     for job in await store.live_jobs(stale_before=at - settings.heartbeat_timeout_s, deadline_before=at):
         change = _decide(job, settings, at)
@@ -58,16 +65,20 @@ async def sweep_once(store: JobStore, results: ResultStore, settings: Settings) 
         log.warning("job swept", extra={"job_id": job.id, "state": done.after.state, "attempt": done.after.attempt})
     expired = await store.expired(at)
     for job in expired:
-        # The result goes first: once the status answers 410, nothing of the job is left.
+        # The result and the output go first: once the status answers 410, nothing of the
+        # job is left. A failure stops the pass before the row goes; the next pass retries.
         await results.delete_job(job.id)
+        if purge_output is not None:
+            await purge_output(job.tenant, job.id)
         log.info("job expired", extra={"job_id": job.id})
     await store.forget(expired, at)
 
 
-async def run_sweeper(store: JobStore, results: ResultStore, settings: Settings) -> None:
+async def run_sweeper(store: JobStore, results: ResultStore, settings: Settings,
+                      purge_output: OutputPurge | None = None) -> None:
     while True:
         try:
-            await sweep_once(store, results, settings)
+            await sweep_once(store, results, settings, purge_output)
         except Exception:
             log.exception("sweep failed; next pass will retry")
         await asyncio.sleep(settings.sweep_interval_s)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from herald.settings import Settings
+from schemas.admin import TENANT_ID_PATTERN as TENANT_ID_PATTERN  # re-exported: the ids SPEC §12 allows
 
 # SPEC §12: what a key may do. A key without the scope a route needs gets 403.
 SCOPE_JOBS_READ = "jobs:read"
@@ -60,7 +61,6 @@ class DefaultLimits:
 
 # ----- tenants and keys as the store keeps them (SPEC §12) ------------------------------------
 
-TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 KEY_PREFIX = "hk_"
 SOURCE_API = "api"
 SOURCE_ENV = "env"
@@ -91,6 +91,20 @@ class TenantRow:
             max_endpoints=int(self.limits.get("max_endpoints", defaults.max_endpoints)),
             max_streams=int(self.limits.get("max_streams", defaults.max_streams)),
         )
+
+
+def merged_limits(current: Mapping[str, float], changes: Mapping[str, float | None] | None) -> dict[str, float]:
+    """A tenant's own limits after a change: a value sets one, None returns it to the default
+    (drops it); names that are not limits are ignored."""
+    merged = dict(current)
+    for name, value in (changes or {}).items():
+        if name not in LIMIT_NAMES:
+            continue
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    return merged
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,6 +38,7 @@ QueuedReason = Literal["tenant-max-running", "waiting-for-slot"]
 class JobLinks(msgspec.Struct, kw_only=True):
     self: str
     events: str
+    output: str | None = None  # the job's streamed output (SPEC §8); null only in history an older Herald kept
     result: str | None = None
 
 

@@ -101,6 +101,7 @@ WORKER_LOST = _define("/problems/worker-lost", "Worker lost")
 DEADLINE_EXCEEDED = _define("/problems/deadline-exceeded", "Deadline exceeded")
 JOB_FAILED = _define("/problems/job-failed", "The job failed")
 REPORT_RENDER_FAILED = _define("/problems/report-render-failed", "Report rendering failed")
+OUTPUT_TOO_LARGE = _define("/problems/output-too-large", "Output too large")
 
 PROBLEM_TYPES: tuple[ProblemType, ...] = tuple(_DEFINED)
 

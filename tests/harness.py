@@ -27,6 +27,11 @@ ADMIN_KEY = "test-admin-key-0123456789abcdef-0123456789"  # HERALD_ADMIN_KEY: at
 SECRET_KEY = "tests-secret-key-of-at-least-32-characters"
 
 
+# How long a process may take to come ready: seconds on a quiet machine, but the suite runs
+# four test processes at once on two cores, each starting Python processes of its own.
+READY_S = 60.0
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -144,18 +149,18 @@ class Deployment:
         self.ports[name] = port
         self._spawn(name, ["gateway"], self.env(HERALD_HTTP_PORT=str(port), **extra))
         base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=20, what=f"{name} ready")
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=READY_S, what=f"{name} ready")
         return base
 
     def start_worker(self, name: str = "worker", **extra: str) -> subprocess.Popen[bytes]:
         process = self._spawn(name, ["worker"], self.env(**extra))
         # Ready once it logged so: the durable consumer exists and it is fetching.
-        wait_until(lambda: self.logged(name, "worker ready"), what=f"{name} ready")
+        wait_until(lambda: self.logged(name, "worker ready"), timeout=READY_S, what=f"{name} ready")
         return process
 
     def start_notifier(self, name: str = "notifier", **extra: str) -> subprocess.Popen[bytes]:
         process = self._spawn(name, ["notifier"], self.env(**extra))
-        wait_until(lambda: self.logged(name, "notifier ready"), what=f"{name} ready")
+        wait_until(lambda: self.logged(name, "notifier ready"), timeout=READY_S, what=f"{name} ready")
         return process
 
     def log_events(self, *names: str) -> list[dict[str, Any]]:

@@ -40,3 +40,25 @@ NO_HANDLER = KindDeclaration(name="orphan", params=EchoParams, collection="/orph
 SYNC_HANDLER = KindDeclaration(name="blocking", params=EchoParams, collection="/blocking",
                                handler="tests.kinds_fixture_handlers:not_async")
 NOT_A_KIND = {"name": "echo"}
+
+
+class EmitParams(JobParams, kw_only=True):
+    """``count`` small chunks ``{"i", "attempt"}`` ``pause_ms`` apart, then one string chunk
+    per entry of ``sizes`` whose JSON is exactly that many bytes."""
+
+    count: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    pause_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    sizes: list[Annotated[int, msgspec.Meta(ge=2, le=1_000_000)]] = []
+    nowait: bool = False  # emit_nowait instead of awaiting each chunk
+
+
+EMIT = KindDeclaration(
+    name="emit",
+    params=EmitParams,
+    collection="/emits",
+    handler="tests.output_handlers:emit",
+    max_attempts=3,
+    concurrency=4,
+    example={"count": 3},
+    description="Streams output chunks of given sizes (a test kind).",
+)

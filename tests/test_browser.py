@@ -180,3 +180,31 @@ def test_page_follows_a_report_across_a_gateway_restart(
     ARTIFACTS.mkdir(exist_ok=True)
     page.screenshot(path=str(ARTIFACTS / screenshot), full_page=True)
     assert not page_errors, page_errors
+
+
+def test_page_shows_a_jobs_output_live_and_resumes_after_a_reload(browser: sync_api.Browser, fresh: Deployment) -> None:
+    """Streamed output (SPEC §8): the page shows the report's pages as they are rendered,
+    over the signed links.output, and after a reload shows them again and resumes."""
+    expect = sync_api.expect
+    expect.set_options(timeout=30_000)
+    base = fresh.start_gateway()
+    fresh.start_worker(HERALD_REPORT_PAGE_MS=PAGE_MS)
+    pages = 30
+    page = browser.new_page(viewport={"width": 1100, "height": 1000})
+    page_errors: list[str] = []
+    page.on("pageerror", lambda exc: page_errors.append(str(exc)))
+    page.goto(base + "/")
+    page.get_by_role("textbox", name="API key").fill(KEYS["acme"])
+    page.get_by_role("button", name="Connect").click()
+    page.get_by_label("Title").fill("streamed")
+    page.get_by_label("Pages").fill(str(pages))
+    page.get_by_role("button", name="Start report").click()
+
+    output = page.locator("#output")
+    expect(output).to_contain_text('{"page":5,"pages":30}')
+    assert '"page":30' not in output.inner_text(), "the output shows while the job runs"
+    page.reload()  # mid-job: the page shows what it had, then resumes after its last chunk
+    expect(page.locator("#output-job")).to_contain_text("(succeeded)")
+    lines = output.inner_text().strip().splitlines()
+    assert lines == [f'{{"page":{n},"pages":{pages}}}' for n in range(1, pages + 1)], lines
+    assert not page_errors, page_errors

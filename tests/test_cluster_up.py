@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -119,6 +120,16 @@ async def nats_cluster_peers(servers: list[str]) -> set[str]:
         await nc.close()
 
 
+async def nats_refuses(url: str) -> bool:
+    """True when the server turns the client away (authorization violation)."""
+    try:
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+    except Exception as exc:  # noqa: BLE001  (nats-py raises the server's -ERR as several types)
+        return "authorization" in str(exc).lower() or "authorization" in repr(exc).lower()
+    await nc.close()
+    return False
+
+
 async def postgres_answers(url: str) -> int:
     conn = await asyncpg.connect(url, timeout=10)
     try:
@@ -189,11 +200,18 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
 
     wait_until(all_six_seen, timeout=30, interval=0.05, what="six Herald processes")
     assert sorted(seen) == ["gateway-1", "gateway-2", "notifier-1", "notifier-2", "worker-1", "worker-2"]
-    nats_urls = [f"nats://127.0.0.1:{ports['nats'] + i}" for i in range(3)]
-    database_url = f"postgresql://postgres@127.0.0.1:{ports['postgres']}/herald"
+    # NATS and PostgreSQL take only the generated credentials, which every child is given.
+    nats_url = seen["gateway-1"]["HERALD_NATS_URL"]
+    nats_urls = [u for u in nats_url.split(",")]
+    assert [urlsplit(u).port for u in nats_urls] == [ports["nats"] + i for i in range(3)]
+    assert all(urlsplit(u).username == "herald" and len(urlsplit(u).password or "") >= 32 for u in nats_urls)
+    password = (root / "var" / "cluster" / "postgres.password").read_text().strip()
+    assert len(password) >= 32 and stat.S_IMODE((root / "var" / "cluster" / "postgres.password").stat().st_mode) == 0o600
+    database_url = f"postgresql://postgres:{password}@127.0.0.1:{ports['postgres']}/herald"
+    assert password not in stderr.read_text() and urlsplit(nats_urls[0]).password not in stderr.read_text()
     for name, env in seen.items():
         assert env["HERALD_DATA_DIR"] == str((root / "var" / "cluster" / name).resolve())
-        assert env["HERALD_NATS_URL"] == ",".join(nats_urls)
+        assert env["HERALD_NATS_URL"] == nats_url
         assert env["HERALD_NATS_REPLICAS"] == "3"
         assert env["HERALD_DATABASE_URL"] == database_url
         assert env["HERALD_RESULT_STORE"] == "nats"
@@ -205,10 +223,30 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     assert {env["HERALD_SECRET_KEY"] for env in seen.values()} == {secret_file.read_text().strip()}
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     assert seen["gateway-2"]["HERALD_HTTP_PORT"] == str(ports["http"] + 1)
+    # One admin key for every process (SPEC §12), generated and kept owner-only.
+    admin_file = root / "var" / "admin.key"
+    assert {env["HERALD_ADMIN_KEY"] for env in seen.values()} == {admin_file.read_text().strip()}
+    assert stat.S_IMODE(admin_file.stat().st_mode) == 0o600
 
-    # Three nats-servers form one JetStream cluster; PostgreSQL accepts connections.
+    # Three nats-servers form one JetStream cluster (over authenticated routes); PostgreSQL
+    # accepts connections with the password. Without credentials, neither lets anyone in.
     assert asyncio.run(nats_cluster_peers(nats_urls)) == {"n1", "n2", "n3"}
     assert asyncio.run(postgres_answers(database_url)) == 1
+    for port in (ports["nats"] + i for i in range(3)):
+        assert asyncio.run(nats_refuses(f"nats://127.0.0.1:{port}")), port
+        assert asyncio.run(nats_refuses(f"nats://herald:wrong-password@127.0.0.1:{port}")), port
+    for url in (f"postgresql://postgres@127.0.0.1:{ports['postgres']}/herald",
+                f"postgresql://postgres:wrong@127.0.0.1:{ports['postgres']}/herald"):
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            asyncio.run(postgres_answers(url))
+    pg_dir = root / "var" / "cluster" / "postgres"
+    assert "scram-sha-256" in (pg_dir / "pg_hba.conf").read_text() and "trust" not in \
+        [line.split()[-1] for line in (pg_dir / "pg_hba.conf").read_text().splitlines() if line and line[0] != "#"]
+    # What Herald made around the stores lists nothing to other users (search at most, for PostgreSQL's user).
+    for directory in (root / "var" / "cluster", *(root / "var" / "cluster").glob("nats-*")):
+        assert stat.S_IMODE(directory.stat().st_mode) & 0o044 == 0, directory
+    for conf in (root / "var" / "cluster").glob("nats-*/nats.conf"):
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600, conf
 
     # One URL printed (the first gateway's), and both gateways ready.
     base = f"http://127.0.0.1:{ports['http']}"
@@ -224,6 +262,19 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
                            timeout=READY_TIMEOUT_S, interval=0.2, what=f"/readyz on :{port}")
             except AssertionError:
                 not_ready.append(f"/readyz on :{port} never answered 200 within {READY_TIMEOUT_S} s")
+
+    if not not_ready:
+        # A key made at one gateway works at the other within 2 s; revoked there, it fails here.
+        gw1, gw2 = base, f"http://127.0.0.1:{ports['http'] + 1}"
+        admin = {"Authorization": f"Bearer {admin_file.read_text().strip()}"}
+        assert httpx.post(gw1 + "/admin/tenants", json={"id": "rehearsal"}, headers=admin, timeout=10).status_code == 201
+        issued = httpx.post(gw1 + "/admin/tenants/rehearsal/keys", json={"name": "k"}, headers=admin, timeout=10).json()
+        bearer = {"Authorization": f"Bearer {issued['key']}"}
+        wait_until(lambda: httpx.get(gw2 + "/jobs", headers=bearer, timeout=2).status_code == 200, timeout=2,
+                   what="the new key at the second gateway")
+        assert httpx.delete(f"{gw2}/admin/keys/{issued['id']}", headers=admin, timeout=10).status_code == 204
+        wait_until(lambda: httpx.get(gw1 + "/jobs", headers=bearer, timeout=2).status_code == 401, timeout=2,
+                   what="the revoked key refused at the first gateway")
 
     # Whatever dies is restarted: a Herald process, a NATS node, PostgreSQL (each kill -9).
     restartable = {

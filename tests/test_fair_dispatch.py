@@ -94,11 +94,12 @@ def test_a_backlog_does_not_delay_another_tenant(deployment: Deployment, workers
         wait_until(lambda: set(states(globex, mine)) == {"succeeded"}, timeout=60, interval=0.05,
                    what="tenant B's reports")
         took = time.monotonic() - started
-        backlog_states = states(acme, backlog)
+        # One read, right away (200 single reads would let the backlog run on meanwhile).
+        waiting = len(acme.get("/jobs", params={"state": "queued", "limit": 100}).json()["items"])
 
-    waiting = backlog_states.count("queued")
-    # Every B job ran beside A's backlog, not after it: most of the backlog was still waiting.
-    assert waiting >= 100, (waiting, took)
+    # Every B job ran beside A's backlog, not after it (first in, first out, none of the
+    # backlog would still wait): a good part of it was still waiting, even on a loaded machine.
+    assert waiting >= 50, (waiting, took)
     # Runs of 3 pages of 40 ms on 2 slots per worker: B's five took a few runs' time, where
     # waiting behind the backlog would take 200 runs / slots.
     assert took < 15, took

@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 
 from herald.pgserver import PostgresServer
-from tests.harness import SECRET_KEY, Deployment, free_port, wait_until
+from tests.harness import ADMIN_KEY, SECRET_KEY, Deployment, free_port, wait_until
 
 
 def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, server_dir: Path) -> None:
@@ -47,6 +47,21 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, 
         started = httpx.post(base + "/reports", json={"title": "late db", "pages": 1}, timeout=5,
                              headers={"Authorization": "Bearer key-acme"})
         assert started.status_code == 202
+
+        # The database goes away again: every store-bound route family says 503, never 500.
+        server.stop()
+        key = {"Authorization": "Bearer key-acme"}
+        admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+        for method, path, headers in (("GET", "/jobs", key), ("GET", "/webhooks", key),
+                                      ("POST", "/webhooks", key), ("GET", "/admin/tenants", admin),
+                                      ("GET", "/admin/audit", admin)):
+            body = {"url": "http://127.0.0.1:9/hook"} if method == "POST" else None
+            answer = httpx.request(method, base + path, json=body, headers=headers, timeout=10)
+            assert answer.status_code == 503, (method, path, answer.status_code, answer.text)
+            assert answer.headers.get("retry-after"), (method, path)
+        server.start()
+        wait_until(lambda: httpx.get(base + "/webhooks", headers=key, timeout=5).status_code == 200, timeout=30,
+                   what="/webhooks 200 once the database is back")
     finally:
         deployment.stop()
         server.stop()

@@ -6,5 +6,6 @@ A handler needs only these: ``from workers import JobContext, JobFailed`` (and
 
 from workers.context import JobContext
 from workers.errors import JobCancelled, JobFailed, JobLost
+from workers.output import ChunkTooLarge, OutputTooLarge
 
-__all__ = ["JobCancelled", "JobContext", "JobFailed", "JobLost"]
+__all__ = ["ChunkTooLarge", "JobCancelled", "JobContext", "JobFailed", "JobLost", "OutputTooLarge"]

@@ -9,6 +9,13 @@ A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <J
   ``await ctx.checkpoint()`` between steps without progress to report. Both raise
   ``JobCancelled`` when the client cancelled the job and ``JobLost`` when it moved on
   without this worker: let them propagate (partial output is removed for you);
+* ``await ctx.emit(value)`` streams one output chunk (SPEC §8): anything JSON can encode,
+  at most 64 KiB encoded (else ``ChunkTooLarge``, a ValueError), at most
+  HERALD_OUTPUT_MAX_BYTES per job (else ``OutputTooLarge``: the job fails
+  /problems/output-too-large, even if the handler catches it). It returns once the chunk
+  is stored. ``ctx.emit_nowait(value)`` returns a future for that instead: a handler that
+  emits faster than a NATS round trip need not wait on each chunk; every chunk is stored
+  before the job's end is recorded either way;
 * ``raise JobFailed(problem_type, detail)`` ends the job ``failed`` with that problem; any
   other exception ends it ``failed`` with ``/problems/job-failed`` (the traceback goes to
   the worker's log only). Neither is retried;
@@ -19,18 +26,22 @@ A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <J
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
+from typing import Any
 
 from herald.settings import Settings
 from herald.jobs import TransitionRejected
 from herald.storage.ports import JobStore
 from herald.transitions import Change
 from workers.errors import JobCancelled, JobLost
+from workers.output import OutputWriter
 
 
 class JobContext:
     def __init__(
-        self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path, kind: str = ""
+        self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path, kind: str = "",
+        writer: OutputWriter | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
@@ -39,6 +50,20 @@ class JobContext:
         self.kind = kind
         self.output = output  # write a file result here (a local file, only yours, removed unless you succeed)
         self._progress: int | None = None
+        self._writer = writer
+
+    def _output(self) -> OutputWriter:
+        if self._writer is None:
+            raise RuntimeError("this job context has no output stream (no JetStream connection)")
+        return self._writer
+
+    async def emit(self, value: Any) -> None:
+        """Stream one output chunk; returns once it is stored (durable). See the module's doc."""
+        await self._output().emit(value)
+
+    def emit_nowait(self, value: Any) -> asyncio.Future[None]:
+        """Stream one output chunk without waiting: the future is done once it is stored."""
+        return self._output().emit_nowait(value)
 
     async def checkpoint(self) -> None:
         """Call between steps: raises JobCancelled or JobLost when the job must stop."""

@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
+from nats.js import JetStreamContext
 
 from herald import jetstream, tracing
 from herald.kinds import JSON_MEDIA_TYPE
@@ -42,6 +43,7 @@ from workers import registry
 from workers.context import JobContext
 from workers.dispatch import Dispatch, KindQueue, TenantQueue
 from workers.errors import JobCancelled, JobFailed, JobLost
+from workers.output import OutputWriter
 
 log = logging.getLogger("herald.worker")
 
@@ -74,9 +76,10 @@ class _Slot:
 class Worker:
     def __init__(
         self, settings: Settings, store: JobStore, results: ResultStore, kinds: Mapping[str, registry.JobKind],
-        limits: LimitsSource | None = None,
+        limits: LimitsSource | None = None, js: JetStreamContext | None = None,
     ) -> None:
         self.settings = settings
+        self.js = js  # where handlers' output chunks go (SPEC §8); None: ctx.emit raises
         self.store = store
         self.results = results
         self.kinds = dict(kinds)
@@ -250,13 +253,21 @@ class Worker:
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
         output = self.results.scratch_path(job.id, job.attempt, kind.suffix(params))
+        writer = (OutputWriter(self.js, job.tenant, job.id, max_bytes=self.settings.output_max_bytes)
+                  if self.js is not None else None)
         context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt, output=output,
-                             kind=job.kind)
+                             kind=job.kind, writer=writer)
         log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         try:
             with tracing.span(f"handler {job.kind}", attributes={"herald.job.attempt": job.attempt}):
                 value = await kind.handler(context, params)
+            # Every chunk is stored before the job's end is recorded: a reader that sees the
+            # terminal event has them all. Over the job's limit, the job fails (even if the
+            # handler caught the error).
+            await _flush(writer)
+            if writer is not None and writer.too_large is not None:
+                raise writer.too_large
             if value is not None:  # a JSON result: stored like a file, served as application/json
                 _remove_scratch(output)
                 output = self.results.scratch_path(job.id, job.attempt, ".json")
@@ -284,12 +295,15 @@ class Worker:
                 log.info("job succeeded", extra={"job_id": job.id})
         except JobCancelled:
             _remove_scratch(output)
+            await _flush(writer)
             await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
             log.info("job cancelled", extra={"job_id": job.id})
         except JobFailed as exc:
             _remove_scratch(output)
-            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=exc.problem))
-            log.info("job failed", extra={"job_id": job.id, "problem_type": exc.problem.type})
+            await _flush(writer)
+            problem = writer.too_large.problem if writer is not None and writer.too_large is not None else exc.problem
+            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
+            log.info("job failed", extra={"job_id": job.id, "problem_type": problem.type})
         except JobLost as exc:
             _remove_scratch(output)
             log.info("job lost to another writer", extra={"job_id": job.id, "reason": str(exc)})
@@ -303,11 +317,16 @@ class Worker:
         except Exception:
             _remove_scratch(output)
             log.exception("job handler raised", extra={"job_id": job.id})
+            await _flush(writer)
             problem = JOB_FAILED.problem(
                 f"the {job.kind} handler stopped with an internal error; see the worker log for job {job.id}"
             )
+            if writer is not None and writer.too_large is not None:
+                problem = writer.too_large.problem
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
         finally:
+            if writer is not None:
+                await writer.close()
             await _stop(heart)
             with contextlib.suppress(Exception):
                 await message.ack()
@@ -344,6 +363,11 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
     finally:
         for task in tasks:
             task.cancel()
+
+
+async def _flush(writer: OutputWriter | None) -> None:
+    if writer is not None:
+        await writer.flush()
 
 
 def _remove_scratch(path: Path) -> None:
@@ -393,7 +417,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSour
         dispatch = Dispatch(nc, js, settings, (kind.declaration for kind in kinds.values()), limits)
         await dispatch.start()
         stack.push_async_callback(dispatch.stop)
-        worker = Worker(settings, store, await open_result_store(settings, js), kinds, limits)
+        worker = Worker(settings, store, await open_result_store(settings, js), kinds, limits, js=js)
         stack.push_async_callback(worker.shutdown, settings.worker_grace_s)
         fetching = asyncio.create_task(worker.run(dispatch, stop), name="fetch")
         stack.push_async_callback(_stop, fetching)

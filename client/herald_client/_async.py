@@ -52,7 +52,7 @@ from herald_client._shared import (
     resolve_key,
     url_for,
 )
-from herald_client.models import Download, JobEvent, JobStatus, Result
+from herald_client.models import Download, JobEvent, JobStatus, OutputChunk, Result
 from herald_client.policy import Policy
 
 T = TypeVar("T")
@@ -245,6 +245,13 @@ class AsyncHeraldClient(_Driver):
                    on_update: Callable[[JobStatus], None] | None = None) -> JobStatus | Result:
         """See ``HeraldClient.wait``."""
         return await self._run(_core.wait(job_id(job), timeout, follow, self._ctx), on_emit=on_update)
+
+    async def output(self, job: JobStatus | str, *, after: int | None = None) -> AsyncIterator[OutputChunk]:
+        """See ``HeraldClient.output``."""
+        async with aclosing(self._drive(_core.output(job_id(job), after, self._ctx))) as driver:
+            async for item in driver:
+                if not isinstance(item, _Done):
+                    yield item
 
     async def stream(self, job: JobStatus | str, *, last_event_id: str | None = None) -> AsyncIterator[JobEvent]:
         """See ``HeraldClient.stream``."""

@@ -33,6 +33,7 @@ from herald_client.models import (
     Download,
     JobEvent,
     JobStatus,
+    OutputChunk,
     Problem,
     Result,
     problem_decoder,
@@ -374,7 +375,7 @@ def stream(job_id: str, last_event_id: str | None, ctx: Context) -> Flow[None]:
     was already emitted is skipped, so nothing is seen twice. ``204`` means the stream is
     over (the resume point was already the terminal event).
     """
-    last_version = int(last_event_id) if last_event_id is not None and last_event_id.isdigit() else -1
+    last_version = int(last_event_id) if last_event_id is not None and last_event_id.isascii() and last_event_id.isdigit() else -1
     retry_s: float | None = None
     failures = 0
     while True:
@@ -421,6 +422,67 @@ def stream(job_id: str, last_event_id: str | None, ctx: Context) -> Flow[None]:
                 raise problem_from(outcome)
             reason = outcome.reason if isinstance(outcome, Failure) else "the stream kept ending early"
             raise HeraldConnectionError(f"GET /jobs/{job_id}/events: {reason}", attempts=failures)
+        yield Sleep(delay)
+
+
+def output(job_id: str, after: int | None, ctx: Context) -> Flow[JobStatus | None]:
+    """Emit the job's output chunks (``OutputChunk``) live until the job has ended, resuming
+    after drops; return the job's final status (None when the server answered 204: the
+    resume point was already its last chunk of a finished job).
+
+    A dropped connection is reopened after the server's ``retry:`` time with
+    ``Last-Event-ID`` = the last chunk's number, so nothing is missed; a chunk whose number
+    was already emitted is skipped, so nothing is seen twice.
+    """
+    last = after or 0
+    retry_s: float | None = None
+    failures = 0
+    while True:
+        headers = {"Accept": "text/event-stream", "Cache-Control": "no-store"}
+        if last:
+            headers["Last-Event-ID"] = str(last)
+        outcome = yield Open(Request("GET", f"/jobs/{job_id}/output", headers))
+        if isinstance(outcome, Reply) and outcome.status == 204:
+            return None
+        if isinstance(outcome, Reply) and outcome.status == 200:
+            decoder = SSEDecoder()
+            progressed = False
+            while True:
+                chunk = yield Read()
+                if isinstance(chunk, Failure) or not chunk:
+                    break
+                for message in decoder.feed(chunk):
+                    progressed = True
+                    if message.event != "output":
+                        return decode_status_json(message.data)  # the terminal event: the job ended
+                    n = int(message.id) if message.id is not None and message.id.isdigit() else 0
+                    if n > last:
+                        last = n
+                        try:
+                            data = msgspec.json.decode(message.data)
+                        except msgspec.DecodeError as exc:
+                            raise ProtocolError(f"an output chunk is not JSON: {exc}") from exc
+                        yield Emit(OutputChunk(n=n, data=data))
+                if decoder.retry_ms is not None:
+                    retry_s = decoder.retry_ms / 1000
+            if progressed:
+                failures = 0
+                delay = retry_s if retry_s is not None else ctx.policy.retry.initial
+            else:
+                failures += 1
+                delay = max(retry_s or 0.0, ctx.policy.retry.delay(failures - 1, ctx.rng))
+        else:
+            failures += 1
+            hinted = retry_delay(outcome, failures, ctx, replay_safe=True)
+            if hinted is None:
+                assert isinstance(outcome, Reply)
+                raise problem_from(outcome)
+            delay = max(hinted, retry_s or 0.0)
+        if failures >= ctx.policy.attempts:
+            if isinstance(outcome, Reply) and outcome.status != 200:
+                raise problem_from(outcome)
+            reason = outcome.reason if isinstance(outcome, Failure) else "the stream kept ending early"
+            raise HeraldConnectionError(f"GET /jobs/{job_id}/output: {reason}", attempts=failures)
         yield Sleep(delay)
 
 

@@ -47,7 +47,7 @@ from herald_client._shared import (
     resolve_key,
     url_for,
 )
-from herald_client.models import Download, JobEvent, JobStatus, Result
+from herald_client.models import Download, JobEvent, JobStatus, OutputChunk, Result
 from herald_client.policy import Policy
 
 T = TypeVar("T")
@@ -244,6 +244,12 @@ class HeraldClient(_Driver):
     def stream(self, job: JobStatus | str, *, last_event_id: str | None = None) -> Iterator[JobEvent]:
         """The job's server-sent events until its terminal one, resuming after dropped connections."""
         return self._drive(_core.stream(job_id(job), last_event_id, self._ctx))
+
+    def output(self, job: JobStatus | str, *, after: int | None = None) -> Iterator[OutputChunk]:
+        """The job's streamed output chunks (SPEC §8), live, until the job has ended; resumes
+        by itself after a dropped connection (nothing missed, nothing twice). ``after``: start
+        after that chunk number."""
+        return self._drive(_core.output(job_id(job), after, self._ctx))
 
     def download(self, job: JobStatus | str, path: str | os.PathLike[str] | None = None) -> Download:
         """Save a succeeded job's result to ``path`` (a file or a directory; default: the cwd)."""

@@ -34,6 +34,7 @@ class Problem(msgspec.Struct, kw_only=True, omit_defaults=True):
 class JobLinks(msgspec.Struct, kw_only=True):
     self: str
     events: str
+    output: str | None = None  # the signed streamed-output URL (SPEC §8); None from an older server
     result: str | None = None
 
 
@@ -74,6 +75,14 @@ class JobEvent(msgspec.Struct, kw_only=True, frozen=True):
     id: str | None
     type: str
     data: JobStatus
+
+
+class OutputChunk(msgspec.Struct, kw_only=True, frozen=True):
+    """One chunk of a job's streamed output (SPEC §8): ``n`` is 1, 2, 3… per job, ``data``
+    the JSON value the handler emitted."""
+
+    n: int
+    data: Any
 
 
 class WebhookEvent(msgspec.Struct, kw_only=True):

@@ -14,6 +14,9 @@ const EVENT_TYPES = [
 const LIST_LIMIT = 50;      // jobs read on each reconcile (newest first)
 const FEED_LIMIT = 50;      // entries kept in the live feed
 const TITLES_LIMIT = 100;   // titles remembered for jobs started here
+const OUTPUT_STORAGE = "herald.output";  // the watched job's output so far (sessionStorage)
+const OUTPUT_KEEP = 200000;              // characters of output kept across a reload
+const TERMINAL_TYPES = ["job.succeeded", "job.failed", "job.cancelled"];
 const REOPEN_FIRST_MS = 500;
 const REOPEN_MAX_MS = 10000;
 
@@ -29,6 +32,9 @@ const state = {
   reopenDelay: REOPEN_FIRST_MS,
   reopenTimer: 0,
   pendingStart: null,       // {body, key}: a retried start reuses its Idempotency-Key
+  output: loadOutput(),     // {jobId, lastN, text, ended}: the job whose output is shown
+  outputSource: null,       // its EventSource (one at a time, besides the tenant stream)
+  outputGeneration: 0,
 };
 
 // ----- the API ------------------------------------------------------------------------
@@ -211,7 +217,14 @@ function createRow(status) {
   const pct = document.createElement("span");
   pct.className = "pct";
   progressCell.append(bar, pct);
-  row.append(name, stateCell, progressCell, cell("result"), cell("updated"));
+  const watchCell = cell("watch");
+  const watch = document.createElement("button");
+  watch.type = "button";
+  watch.textContent = "Watch";
+  watch.setAttribute("aria-label", `Watch the output of ${jobLabel(status)}`);
+  watch.addEventListener("click", () => watchOutput(status.id));
+  watchCell.append(watch);
+  row.append(name, stateCell, progressCell, cell("result"), cell("updated"), watchCell);
   // Newest first, like GET /jobs (RFC 3339 UTC timestamps sort as strings).
   const tbody = $("jobs").tBodies[0];
   const after = Array.from(tbody.rows).find((r) => r.dataset.created < status.created_at);
@@ -286,6 +299,139 @@ function resultLink(status, url) {
   return a;
 }
 
+// ----- streamed output (GET /jobs/{id}/output) -------------------------------------------
+// One job's output at a time, from its signed links.output (EventSource cannot send a key).
+// What was shown is kept in sessionStorage with the last chunk's number, so after a reload
+// the page shows it again and resumes the stream after that chunk (last_event_id).
+
+function loadOutput() {
+  try {
+    const saved = JSON.parse(sessionStorage.getItem(OUTPUT_STORAGE) || "null");
+    if (saved && typeof saved.jobId === "string") return saved;
+  } catch {
+    // nothing usable kept
+  }
+  return null;
+}
+
+function saveOutput() {
+  const output = state.output;
+  if (!output) {
+    sessionStorage.removeItem(OUTPUT_STORAGE);
+    return;
+  }
+  if (output.text.length > OUTPUT_KEEP) output.text = output.text.slice(-OUTPUT_KEEP);
+  sessionStorage.setItem(OUTPUT_STORAGE, JSON.stringify(output));
+}
+
+function stopOutput() {
+  state.outputGeneration += 1;
+  if (state.outputSource) state.outputSource.close();
+  state.outputSource = null;
+}
+
+function watchOutput(jobId) {
+  if (!state.output || state.output.jobId !== jobId) {
+    state.output = { jobId, lastN: 0, text: "", ended: false };
+    saveOutput();
+  }
+  renderOutput();
+  openOutput();
+}
+
+function renderOutput() {
+  const output = state.output;
+  $("output").textContent = output ? output.text : "";
+  if (!output) return;
+  const label = state.jobs.has(output.jobId) ? jobLabel(state.jobs.get(output.jobId).status) : "job";
+  const tail = output.ended ? ` (${output.ended})` : "";
+  $("output-job").textContent = `${label} ${output.jobId.slice(0, 8)}${tail}`;
+}
+
+async function openOutput() {
+  stopOutput();
+  const output = state.output;
+  if (!output || output.ended || !state.key) return;
+  const generation = state.outputGeneration;
+  const path = `/jobs/${encodeURIComponent(output.jobId)}`;
+  const headers = { Authorization: `Bearer ${state.key}`, Accept: "application/json" };
+  let status = null;
+  try {
+    // A succeeded job answers 303 to its result: not followed, it means the job has ended.
+    const response = await fetch(path, { headers, cache: "no-store", redirect: "manual" });
+    if (generation !== state.outputGeneration) return;
+    if (response.type === "opaqueredirect" || response.status === 303) {
+      await finishOutput(output, path, headers, "succeeded");
+      return;
+    }
+    if (response.status === 404 || response.status === 410) {
+      output.ended = response.status === 410 ? "gone" : "not found";
+      saveOutput();
+      renderOutput();
+      return;
+    }
+    if (!response.ok) throw new ApiError(response.status, null);
+    status = await response.json();
+  } catch {
+    if (generation !== state.outputGeneration) return;
+    setTimeout(() => { if (generation === state.outputGeneration) openOutput(); }, 2000);
+    return;
+  }
+  if (generation !== state.outputGeneration || !status || !status.links || !status.links.output) return;
+  let url = status.links.output;
+  if (output.lastN) url += `&last_event_id=${output.lastN}`;
+  const source = new EventSource(url);
+  state.outputSource = source;
+  source.addEventListener("output", (event) => {
+    if (generation !== state.outputGeneration) return;
+    const n = Number(event.lastEventId);
+    if (!(n > output.lastN)) return;  // already shown
+    let value;
+    try {
+      value = JSON.parse(event.data);
+    } catch {
+      return;
+    }
+    output.lastN = n;
+    output.text += typeof value === "string" ? value : `${JSON.stringify(value)}\n`;
+    saveOutput();
+    renderOutput();
+  });
+  const ended = (event) => {
+    if (generation !== state.outputGeneration) return;
+    output.ended = event.type.replace("job.", "");
+    saveOutput();
+    renderOutput();
+    stopOutput();
+  };
+  for (const type of TERMINAL_TYPES) source.addEventListener(type, ended);
+  source.addEventListener("error", () => {
+    if (generation !== state.outputGeneration) return;
+    // EventSource retries by itself; once it gave up (a 204 at the end, an expired link's
+    // 403), read the status again: a fresh link, or the job has ended.
+    if (source.readyState === EventSource.CLOSED) {
+      stopOutput();
+      setTimeout(() => { if (generation + 1 === state.outputGeneration) openOutput(); }, 1000);
+    }
+  });
+}
+
+// A finished job: the rest of its output at once (NDJSON after the last chunk shown).
+async function finishOutput(output, path, headers, how) {
+  const response = await fetch(`${path}/output?after=${output.lastN}`, { headers, cache: "no-store" });
+  if (!response.ok) return;
+  for (const line of (await response.text()).split("\n")) {
+    if (!line) continue;
+    const chunk = JSON.parse(line);
+    if (!(chunk.n > output.lastN)) continue;
+    output.lastN = chunk.n;
+    output.text += typeof chunk.data === "string" ? chunk.data : `${JSON.stringify(chunk.data)}\n`;
+  }
+  output.ended = how;
+  saveOutput();
+  renderOutput();
+}
+
 // ----- live feed ----------------------------------------------------------------------
 
 function addFeedEntry(type, status) {
@@ -330,6 +476,11 @@ function problemText(err) {
 }
 
 function resetView() {
+  stopOutput();
+  state.output = null;
+  saveOutput();
+  renderOutput();
+  $("output-job").textContent = "Choose “Watch” on a job to see its output as it is written.";
   state.jobs.clear();
   state.lastEventId = null;
   $("jobs").tBodies[0].replaceChildren();
@@ -375,6 +526,7 @@ async function onReportSubmit(event) {
     state.pendingStart = null;
     rememberTitle(status.id, title);
     applyStatus(status, status.links.result);
+    watchOutput(status.id);  // its pages appear in the output as they are rendered
   } catch (err) {
     error.textContent = problemText(err);
   } finally {
@@ -392,6 +544,10 @@ function start() {
     if (state.key && (!state.source || state.source.readyState === EventSource.CLOSED)) connect();
   });
   if (state.key) connect();
+  if (state.key && state.output) {
+    renderOutput();
+    openOutput();  // after a reload: what was shown, then the rest after its last chunk
+  }
 }
 
 start();

@@ -29,4 +29,5 @@ async def run_report(ctx: JobContext, params: ReportParams) -> None:
         pdf.set_font("helvetica", size=12)
         pdf.cell(0, 10, f"Page {page} of {params.pages}", new_x="LMARGIN", new_y="NEXT")
         await ctx.progress(page * 100 // params.pages)
+        await ctx.emit({"page": page, "pages": params.pages})  # streamed output (SPEC §8)
     await asyncio.to_thread(pdf.output, str(ctx.output))

@@ -10,10 +10,12 @@ with a log line naming ``HERALD_DATABASE_URL`` instead of crashing the process.
 from __future__ import annotations
 
 import asyncio
+import functools
+import inspect
 import logging
 import secrets
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 import asyncpg
 
@@ -39,6 +41,31 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.ConnectionFailureError,
     TimeoutError,
 )
+
+
+T = TypeVar("T")
+
+
+def unavailable_on_connection_errors(cls: type[T]) -> type[T]:
+    """Every public coroutine method of a store answers a lost or refused connection with
+    ``StoreUnavailable`` (a 503 with Retry-After at the gateway), never a driver error that
+    would surface as a 500: the client can outwait a database that is restarting."""
+    for name, method in list(vars(cls).items()):
+        if name.startswith("_") or not inspect.iscoroutinefunction(method):
+            continue
+
+        def guarded(method: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+            @functools.wraps(method)
+            async def call(*args: Any, **kwargs: Any) -> Any:
+                try:
+                    return await method(*args, **kwargs)
+                except CONNECTION_ERRORS as exc:
+                    raise StoreUnavailable(f"the PostgreSQL store is not reachable (HERALD_DATABASE_URL): {exc}") from exc
+
+            return call
+
+        setattr(cls, name, guarded(method))
+    return cls
 
 
 async def _keep_session(_conn: asyncpg.Connection) -> None:

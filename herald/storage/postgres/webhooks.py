@@ -96,7 +96,7 @@ from herald.deliveries import (
     event_id,
 )
 from herald.sealing import Sealer, key_aad
-from herald.storage.postgres.db import NOW_SQL, PgDatabase
+from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from notifier.signing import HMAC, ROTATION_OVERLAP_S, SigningKey, new_key
@@ -865,6 +865,7 @@ async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, sealer: Sealer, owne
     return key
 
 
+@unavailable_on_connection_errors
 class PgWebhookStore:
     """Endpoints, keys and the delivery log as the API sees them."""
 
@@ -1126,6 +1127,7 @@ class PgWebhookStore:
         }
 
 
+@unavailable_on_connection_errors
 class PgDeliveryQueue:
     """The durable schedule of webhook deliveries, shared by any number of notifiers."""
 

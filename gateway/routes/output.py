@@ -1,0 +1,212 @@
+"""A job's streamed output, ``GET /jobs/{id}/output`` (SPEC §8): SSE, or NDJSON by ``Accept``.
+
+Chunks are kept in JetStream (``herald.output``); live ones reach this gateway through the
+hub's one subscription to what JetStream republishes once stored. A stream registers with
+the hub **before** it replays from JetStream, then sends each chunk once, in order of its
+number: a live chunk at ``last + 1`` is sent as it is, an older one is a copy, one further
+ahead means a gap (a lost core message) and is filled by replaying from the stream position
+of the last chunk sent. The worker stores every chunk before it records the job's end, so
+once the terminal event arrives one more replay finds every chunk, and the stream ends with
+that event (without an ``id:``, so a browser's Last-Event-ID stays the last chunk's number).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Annotated, Any
+
+import msgspec
+from litestar import Request, Response, get
+from litestar.openapi import ResponseSpec
+from litestar.params import Parameter
+from litestar.response import Stream
+from nats.js import JetStreamContext
+
+from gateway.auth import bearer_tenant
+from gateway.hub import RESYNC, Framed, LiveChunk
+from gateway.ids import is_uuid
+from gateway.openapi import problems
+from gateway.problems import Gone, InvalidRequest, InvalidSignature, NotFound, Unauthorized, Unavailable
+from gateway.render import OUTPUT_PURPOSE
+from gateway.routes.events import MAX_CURSOR_LENGTH
+from gateway.routes.jobs import find_job
+from gateway.services import Services, services
+from gateway.sse import RETRY_FRAME, EventStream, frame
+from herald.jobs import JobRow
+from herald.output import Chunk, last_mark, replay
+from herald.tenants import SCOPE_JOBS_READ
+from schemas import FieldError
+
+NDJSON = "application/x-ndjson"
+
+
+class _Line(msgspec.Struct):
+    n: int
+    data: msgspec.Raw
+
+
+_encoder = msgspec.json.Encoder()
+
+
+class _NdjsonStream(Stream):
+    """A stream sent as ``application/x-ndjson`` (the route's declared media type is SSE's)."""
+
+    def to_asgi_response(self, *args: Any, **kwargs: Any) -> Any:
+        kwargs["media_type"] = NDJSON
+        return super().to_asgi_response(*args, **kwargs)
+
+
+def _chunk_frame(chunk: Chunk) -> bytes:
+    return frame(str(chunk.n), "output", chunk.data)
+
+
+def _position(raw: str | None, field: str) -> int | None:
+    if raw is None or raw == "":
+        return None
+    if len(raw) > MAX_CURSOR_LENGTH or not raw.isascii() or not raw.isdigit():
+        raise InvalidRequest([FieldError(field=field, message="must be a chunk number (a non-negative integer)")])
+    return int(raw)
+
+
+async def _job_for_output(request: Request, svc: Services, job_id: str, exp: str | None, sig: str | None) -> JobRow:
+    if exp is not None or sig is not None:
+        if not svc.signer.verify(request.url.path, OUTPUT_PURPOSE, exp, sig):
+            raise InvalidSignature("this signed output URL is not valid; take links.output from a fresh status")
+        job = await svc.store.get(job_id) if is_uuid(job_id) else None
+        if job is not None:
+            return job
+        if is_uuid(job_id) and await svc.store.tombstone_tenant(job_id) is not None:
+            raise Gone("this job ended and its retention period has passed")
+        raise NotFound("no such job")
+    tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
+    if tenant is None:
+        raise Unauthorized("send Authorization: Bearer <key> or use the signed links.output URL")
+    return await find_job(svc, tenant, job_id)
+
+
+def _jetstream(svc: Services) -> JetStreamContext | None:
+    nc = svc.nats
+    return nc.jetstream() if nc is not None and nc.is_connected else None
+
+
+async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int) -> AsyncIterator[Chunk]:
+    """The stored chunks after number ``last``, in number order, read from stream position
+    ``seq`` on. A chunk stored out of order (a resend after a partial failure) is held until
+    the ones before it came; whatever is still held at the end is sent in number order."""
+    mark = await last_mark(js, job.tenant, job.id)
+    held: dict[int, Chunk] = {}
+    async for chunk in replay(js, job.tenant, job.id, seq, mark.seq):
+        if chunk.n <= last or chunk.n in held:
+            continue
+        held[chunk.n] = chunk
+        while last + 1 in held:
+            ready = held.pop(last + 1)
+            last = ready.n
+            yield ready
+    for n in sorted(held):
+        yield held[n]
+
+
+async def _terminal_frame(svc: Services, job_id: str) -> bytes | None:
+    current = await svc.store.get(job_id)
+    if current is None or not current.terminal:
+        return None
+    events = await svc.store.job_events(job_id, current.version - 1, limit=1)
+    if not events:
+        return None
+    return frame(None, events[0].type, bytes(events[0].data))
+
+
+async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resume: int) -> AsyncIterator[bytes]:
+    """The SSE body; it closes the tenant's held-stream slot (``open_stream``) when it ends."""
+    subscriber = svc.hub.subscribe_output(job.id)
+    svc.metrics.sse_streams.inc()
+    try:
+        yield RETRY_FRAME
+        last, seq = resume, 0
+        ended = await _terminal_frame(svc, job.id)  # read after subscribing: a later end is heard
+        async for chunk in _catch_up(js, job, last, seq):
+            yield _chunk_frame(chunk)
+            last, seq = chunk.n, max(seq, chunk.seq)
+        while ended is None:
+            while not subscriber.items:
+                await subscriber.wait()
+            item = subscriber.items.pop(0)
+            if isinstance(item, bytes):
+                yield item  # the hub's keep-alive
+                continue
+            if subscriber.overflowed:
+                return  # dropped as a slow reader; it resumes with Last-Event-ID
+            if isinstance(item, LiveChunk):
+                if item.n <= last:
+                    continue  # already sent (replay overlap, or a copy)
+                if item.n == last + 1:
+                    yield item.frame  # built once by the hub for every reader of this job
+                    last, seq = item.n, max(seq, item.seq)
+                    continue
+            elif isinstance(item, Framed):
+                ended = item.frame
+            elif item is RESYNC:
+                ended = await _terminal_frame(svc, job.id)
+            async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
+                yield _chunk_frame(chunk)
+                last, seq = chunk.n, max(seq, chunk.seq)
+        yield ended
+    finally:
+        svc.metrics.sse_streams.dec()
+        svc.hub.unsubscribe(subscriber)
+        svc.limiter.close_stream(job.tenant)
+
+
+async def _ndjson(js: JetStreamContext, job: JobRow, after: int) -> AsyncIterator[bytes]:
+    async for chunk in _catch_up(js, job, after, 0):
+        yield _encoder.encode(_Line(chunk.n, msgspec.Raw(chunk.data))) + b"\n"
+
+
+async def _retry_later() -> AsyncIterator[bytes]:
+    """NATS is not reachable from this gateway right now: the browser reconnects in 3 s
+    (an SSE request is never answered 5xx for what a client can outwait)."""
+    yield RETRY_FRAME
+
+
+def _wants_sse(request: Request) -> bool:
+    return "text/event-stream" in request.headers.get("accept", "")
+
+
+@get("/jobs/{job_id:str}/output", operation_id="job_output", tags=["events"],
+     summary="A job's streamed output: SSE (Accept: text/event-stream), else NDJSON",
+     responses={
+         200: ResponseSpec(None, description="The job's output chunks", generate_examples=False),
+         204: ResponseSpec(None, description="Finished job resumed at its last chunk: stop reconnecting"),
+         **problems(400, 401, 403, 404, 410, 429, 503),
+     })
+async def job_output(
+    request: Request,
+    job_id: str,
+    last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH,
+                                                   description="SSE: only the chunks after this number")] = None,
+    after: Annotated[str | None, Parameter(query="after", max_length=MAX_CURSOR_LENGTH,
+                                           description="NDJSON: only the chunks after this number")] = None,
+    exp: Annotated[str | None, Parameter(query="exp", max_length=12)] = None,
+    sig: Annotated[str | None, Parameter(query="sig", max_length=100)] = None,
+) -> Any:
+    """Chunks as `id: <n>`, `event: output` (SSE, live, ending with the terminal event), or
+    `{"n", "data"}` lines of the chunks so far (NDJSON)."""
+    svc = services(request)
+    job = await _job_for_output(request, svc, job_id, exp, sig)
+    js = _jetstream(svc)
+    if not _wants_sse(request):
+        start = _position(after, "after") or 0
+        if js is None:
+            raise Unavailable("the output store (NATS) is not reachable from this gateway; retry shortly",
+                              retry_after=1)
+        return _NdjsonStream(_ndjson(js, job, start), headers={"Cache-Control": "no-store"})
+    # The header wins: a browser keeps the query string on every reconnect.
+    header = request.headers.get("last-event-id")
+    resume = _position(header, "Last-Event-ID") if header is not None else _position(last_event_id, "last_event_id")
+    if js is None:
+        return EventStream(_retry_later())
+    if resume is not None and job.terminal and resume >= (await last_mark(js, job.tenant, job.id)).n:
+        return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
+    svc.limiter.open_stream(job.tenant)
+    return EventStream(_output_stream(svc, js, job, resume or 0))

@@ -1,0 +1,234 @@
+"""Streamed output (SPEC §8 "Streamed output", issue 22), on real processes and both stores:
+``ctx.emit`` into JetStream, ``GET /jobs/{id}/output`` as SSE and NDJSON, resuming, limits,
+re-run attempts, retention and the client's iterator."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import nats
+import pytest
+from httpx_sse import connect_sse
+from nats.js.errors import NotFoundError
+
+from herald.constants import OUTPUT_STREAM, output_subject
+from herald.pgserver import PostgresServer
+from tests.harness import KEYS, Deployment, client, new_database, wait_for_state, wait_until
+
+EMIT_KIND = "tests.kinds_fixture:EMIT"
+MAX_BYTES = 200_000  # HERALD_OUTPUT_MAX_BYTES of the module's deployment
+SSE = {"Accept": "text/event-stream"}
+
+
+@pytest.fixture(scope="module")
+def out(tmp_path_factory: pytest.TempPathFactory, store_server: PostgresServer | None) -> Iterator[Deployment]:
+    """A deployment (nats-server, gateway, worker) serving the test kind that emits output."""
+    deployment = Deployment(tmp_path_factory.mktemp("output"),
+                            database_url=new_database(store_server) if store_server is not None else None,
+                            env_overrides={"HERALD_KINDS": EMIT_KIND, "HERALD_OUTPUT_MAX_BYTES": str(MAX_BYTES)})
+    deployment.nats.start()
+    try:
+        deployment.start_gateway()
+        deployment.start_worker()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
+def read_output(http: httpx.Client, path: str, headers: dict[str, str] | None = None,
+                stop_after: int | None = None) -> tuple[list[tuple[int, Any]], tuple[str, dict[str, Any]] | None]:
+    """The chunks ``(n, data)`` of an SSE output stream, and its closing event (type, status) if it came."""
+    chunks: list[tuple[int, Any]] = []
+    with connect_sse(http, "GET", path, headers={**SSE, **(headers or {})}, timeout=60) as source:
+        assert source.response.status_code == 200, source.response.read()
+        assert source.response.headers["content-type"].startswith("text/event-stream")
+        for index, sse in enumerate(source.iter_sse()):
+            if index == 0:
+                assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
+                continue
+            if sse.event != "output":
+                return chunks, (sse.event, json.loads(sse.data))
+            chunks.append((int(sse.id), json.loads(sse.data)))
+            if stop_after is not None and len(chunks) >= stop_after:
+                break  # drops the connection
+    return chunks, None
+
+
+def ndjson(http: httpx.Client, job_id: str, after: int | None = None) -> list[dict[str, Any]]:
+    response = http.get(f"/jobs/{job_id}/output", params={"after": after} if after is not None else None)
+    assert response.status_code == 200, response.text
+    assert response.headers["content-type"].startswith("application/x-ndjson")
+    return [json.loads(line) for line in response.text.splitlines()]
+
+
+def test_read_ten_drop_resume_every_chunk_once_in_order_then_terminal(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 40, "pause_ms": 25}).json()
+        first, ended = read_output(http, f"/jobs/{job['id']}/output", stop_after=10)
+        assert ended is None and [n for n, _ in first] == list(range(1, 11))
+        assert http.get(f"/jobs/{job['id']}").json()["state"] == "running", "the first ten were read live"
+        rest, ended = read_output(http, f"/jobs/{job['id']}/output", headers={"Last-Event-ID": "10"})
+    assert [n for n, _ in rest] == list(range(11, 41)), "every later chunk once, in order"
+    assert [data["i"] for _, data in first + rest] == list(range(1, 41))
+    assert ended is not None and ended[0] == "job.succeeded" and ended[1]["state"] == "succeeded"
+
+
+def test_report_kind_emits_its_pages_and_ndjson_pages_with_after(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/reports", json={"title": "out", "pages": 6}).json()
+        chunks, ended = read_output(http, f"/jobs/{job['id']}/output")
+        assert [data for _, data in chunks] == [{"page": p, "pages": 6} for p in range(1, 7)]
+        assert ended is not None and ended[0] == "job.succeeded"
+        assert ndjson(http, job["id"]) == [{"n": p, "data": {"page": p, "pages": 6}} for p in range(1, 7)]
+        assert [line["n"] for line in ndjson(http, job["id"], after=4)] == [5, 6]
+        assert ndjson(http, job["id"], after=6) == []
+        bad = http.get(f"/jobs/{job['id']}/output", params={"after": "x²"})
+        assert bad.status_code == 400 and bad.headers["content-type"].startswith("application/problem+json")
+        assert "after" in bad.text
+
+
+def test_signed_link_opens_without_a_key_and_a_tampered_one_is_refused(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 5}).json()
+        link = http.get(f"/jobs/{job['id']}").json()["links"]["output"]
+    assert link.startswith(f"/jobs/{job['id']}/output?exp=")
+    with httpx.Client(base_url=out.url(), timeout=30) as anonymous:
+        chunks, ended = read_output(anonymous, link)
+        assert [n for n, _ in chunks] == [1, 2, 3, 4, 5] and ended is not None
+        assert anonymous.get(link.replace("sig=", "sig=A")).status_code == 403
+        assert anonymous.get(f"/jobs/{job['id']}/output").status_code == 401
+
+
+def test_finished_job_resumed_at_its_last_chunk_gets_204(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 3}).json()
+        wait_for_state(http, job["id"], {"succeeded"})
+        assert http.get(f"/jobs/{job['id']}/output", headers={**SSE, "Last-Event-ID": "3"}).status_code == 204
+        assert http.get(f"/jobs/{job['id']}/output?last_event_id=3", headers=SSE).status_code == 204
+        # The header wins over the query (a browser keeps the query on every reconnect).
+        chunks, ended = read_output(http, f"/jobs/{job['id']}/output?last_event_id=3", headers={"Last-Event-ID": "1"})
+        assert [n for n, _ in chunks] == [2, 3] and ended is not None and ended[0] == "job.succeeded"
+
+
+def test_chunk_limit_at_its_edge_raises_in_the_handler(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"sizes": [65536, 65537]}).json()
+        done = wait_for_state(http, job["id"], {"succeeded", "failed"})
+        assert done["state"] == "succeeded"
+        assert http.get(done["result"]).json() == {"refused": [65537]}, "64 KiB passes, one byte more raises"
+        lines = ndjson(http, job["id"])
+        assert [line["n"] for line in lines] == [1] and len(json.dumps(lines[0]["data"])) == 65536
+
+
+def test_job_limit_at_its_edge_fails_output_too_large(out: Deployment) -> None:
+    exact = [65536, 65536, 65536, MAX_BYTES - 3 * 65536]
+    with client(out.url()) as http:
+        fits = http.post("/emits", json={"sizes": exact}).json()
+        over = http.post("/emits", json={"sizes": [*exact[:-1], exact[-1] + 1]}).json()
+        assert wait_for_state(http, fits["id"], {"succeeded", "failed"})["state"] == "succeeded"
+        failed = wait_for_state(http, over["id"], {"succeeded", "failed"})
+        assert failed["state"] == "failed" and failed["error"]["type"] == "/problems/output-too-large"
+        assert [line["n"] for line in ndjson(http, fits["id"])] == [1, 2, 3, 4]
+        assert [line["n"] for line in ndjson(http, over["id"])] == [1, 2, 3], "what was stored is kept"
+
+
+def test_another_tenants_job_is_404(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 1}).json()
+    with client(out.url(), "globex") as other:
+        assert other.get(f"/jobs/{job['id']}/output").status_code == 404
+        assert other.get(f"/jobs/{job['id']}/output", headers=SSE).status_code == 404
+
+
+def test_a_rerun_attempt_continues_the_numbering(out: Deployment) -> None:
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 60, "pause_ms": 50}).json()
+        wait_until(lambda: len(ndjson(http, job["id"])) >= 5, timeout=30, what="first chunks")
+        out.kill("worker")  # kill -9, mid-job
+        kept = ndjson(http, job["id"])
+        out.start_worker()
+        done = wait_for_state(http, job["id"], {"succeeded", "failed"}, timeout=90)
+        assert done["state"] == "succeeded" and done["attempt"] == 2
+        lines = ndjson(http, job["id"])
+    assert [line["n"] for line in lines] == list(range(1, len(lines) + 1)), "numbered 1, 2, 3… once each"
+    assert lines[:len(kept)] == kept, "the first attempt's chunks are never renumbered"
+    first = [line for line in lines if line["data"]["attempt"] == 1]
+    second = [line for line in lines if line["data"]["attempt"] == 2]
+    assert lines == first + second and [line["data"]["i"] for line in first] == list(range(1, len(first) + 1))
+    assert [line["data"]["i"] for line in second] == list(range(1, 61)), "the second attempt starts after the kept ones"
+
+
+def test_client_iterator_resumes_after_the_gateway_is_killed(out: Deployment) -> None:
+    from herald_client import HeraldClient
+
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 50, "pause_ms": 60, "nowait": True}).json()
+    seen: list[int] = []
+    with HeraldClient(out.url(), KEYS["acme"]) as herald:
+        for chunk in herald.output(job["id"]):
+            assert chunk.data["i"] == chunk.n
+            seen.append(chunk.n)
+            if len(seen) == 10:  # kill -9 the gateway mid-stream; the iterator reconnects by itself
+                port = out.ports["gateway"]
+                out.kill("gateway")
+                out.start_gateway(port=port)
+        assert herald.status(job["id"]).state == "succeeded"
+    assert seen == list(range(1, 51)), "nothing missed, nothing twice"
+
+
+def test_async_client_iterator(out: Deployment) -> None:
+    from herald_client import AsyncHeraldClient
+
+    async def run() -> list[int]:
+        async with AsyncHeraldClient(out.url(), KEYS["acme"]) as herald:
+            job = await herald.submit("emit", {"count": 12, "pause_ms": 10})
+            return [chunk.n async for chunk in herald.output(job)]
+
+    assert asyncio.run(run()) == list(range(1, 13))
+
+
+def _chunks_kept(nats_url: str, tenant: str, job_id: str) -> bool:
+    async def read() -> bool:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().get_last_msg(OUTPUT_STREAM, output_subject(tenant, job_id))
+            return True
+        except NotFoundError:
+            return False
+        finally:
+            await nc.close()
+
+    return asyncio.run(read())
+
+
+def test_after_retention_410_and_the_chunks_are_purged(fresh: Deployment) -> None:
+    fresh.env_overrides.update(HERALD_RETENTION_S="1", HERALD_KINDS=EMIT_KIND)
+    fresh.start_gateway()
+    fresh.start_worker()
+    with client(fresh.url()) as http:
+        job = http.post("/emits", json={"count": 3}).json()
+        wait_for_state(http, job["id"], {"succeeded"})
+        assert _chunks_kept(fresh.nats.url, "acme", job["id"])
+        wait_until(lambda: http.get(f"/jobs/{job['id']}").status_code == 410, timeout=30, what="retention")
+        assert http.get(f"/jobs/{job['id']}/output").status_code == 410
+        assert http.get(f"/jobs/{job['id']}/output", headers=SSE).status_code == 410
+    assert not _chunks_kept(fresh.nats.url, "acme", job["id"]), "the chunks went with the job"
+
+
+def test_the_cli_prints_chunks_as_they_come(out: Deployment, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 4}).json()
+    run = subprocess.run([sys.executable, "-m", "herald.cli", "watch", job["id"], "--output",
+                          "--url", out.url(), "--key", KEYS["acme"]],
+                         capture_output=True, text=True, timeout=60, env={**out.env()})
+    assert run.returncode == 0, run.stderr
+    assert [json.loads(line)["i"] for line in run.stdout.splitlines()] == [1, 2, 3, 4]
+    assert "succeeded" in run.stderr
