@@ -22,6 +22,9 @@ class Sizes:
     e2e_rates: tuple[float, ...]  # fixed-load phases (jobs/s); one above 80 % of the saturated rate is skipped
     e2e_fixed_s: float
     nats_msgs: int
+    output_readers: int  # SSE readers of one job's streamed output
+    output_chunks: int  # chunks that job emits, at output_rate per second
+    output_rate: float
     wait_s: float  # how long a scenario waits for deliveries before calling them lost
 
 
@@ -41,6 +44,9 @@ FULL = Sizes(
     e2e_rates=(100, 500),
     e2e_fixed_s=5,
     nats_msgs=20_000,
+    output_readers=100,
+    output_chunks=10_000,
+    output_rate=1000,
     wait_s=60,
 )
 
@@ -60,5 +66,8 @@ SMOKE = Sizes(
     e2e_rates=(20,),
     e2e_fixed_s=1,
     nats_msgs=500,
+    output_readers=10,
+    output_chunks=300,
+    output_rate=1000,
     wait_s=30,
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e")
+SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e", "output")
 
 
 @pytest.mark.timeout(240)
@@ -41,6 +41,10 @@ def test_smoke_run_reports_every_scenario_against_its_baseline(tmp_path: Path, w
             assert baseline["reason"], f"{name}: baseline unavailable without a reason"
             assert all(r["ratio"] is None for r in scenario["rows"]), name
     assert "accept" in run.stdout and "baselines:" in run.stdout, "the table is printed"
+    output = by_name["output"]["herald"]
+    assert output["complete"] and output["readers_exact"] == output["readers"], (
+        f"streamed output: not every reader got every chunk once, in order: {output}")
     if "nchan" in without:
         assert not by_name["sse"]["baseline"]["available"] and not by_name["longpoll"]["baseline"]["available"]
+        assert not by_name["output"]["baseline"]["available"]
         assert "apt-get install" in run.stdout, "says how to get the missing tools"

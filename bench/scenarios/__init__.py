@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.scenario import Context, Outcome
-from bench.scenarios import accept, e2e, longpoll, poll, sse, webhooks
+from bench.scenarios import accept, e2e, longpoll, output, poll, sse, webhooks
 
 SCENARIOS: dict[str, Callable[[Context], Outcome]] = {
     "accept": accept.run,
@@ -14,6 +14,7 @@ SCENARIOS: dict[str, Callable[[Context], Outcome]] = {
     "longpoll": longpoll.run,
     "webhooks": webhooks.run,
     "e2e": e2e.run,
+    "output": output.run,
 }
 
 # Scenarios that also run on `herald up --cluster` (``--shape cluster``).
