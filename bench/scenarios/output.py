@@ -207,6 +207,8 @@ def run(ctx: Context) -> Outcome:
     out.row(case, "rate emitted", herald["rate_emitted"], base.get("rate_emitted"), better="higher", unit="/s")
     out.row(case, "RSS/reader", herald["rss_per_reader_kib"], base.get("rss_per_reader_kib"), better="lower",
             unit="KiB")
+    out.row(case, "RSS/reader idle", herald["rss_per_reader_idle_kib"], base.get("rss_per_reader_idle_kib"),
+            better="lower", unit="KiB")
     out.row(case, "server CPU", herald["server_cpu_pct"], base.get("server_cpu_pct"), better="lower",
             unit="% core")
 
@@ -223,10 +225,11 @@ def run(ctx: Context) -> Outcome:
     else:
         out.target("output p99 <= 2x nchan (issue 9's SSE fan-out target)", f"{worst:.1f} ms, nchan n/a", None)
     if herald["gateway_log_dropped"]:
-        out.notes.append(f"output: the gateway dropped {herald['gateway_log_dropped']} reader(s) as slow "
-                         "(their queue of 256 chunks filled)")
+        cut = herald["readers"] - (herald["readers_ended"] or 0)
+        out.notes.append(f"the gateway logged {herald['gateway_log_dropped']} 'slow SSE client dropped'; "
+                         f"{cut} reader(s) lost their stream before the terminal event")
     if herald["tail_p50_ms"] > 4 * max(herald["p50_ms"], 1.0):
-        out.notes.append(f"output: Herald's lag grows as the run goes on (p50 {herald['p50_ms']:.1f} ms overall, "
+        out.notes.append(f"Herald's lag grows as the run goes on (p50 {herald['p50_ms']:.1f} ms overall, "
                          f"{herald['tail_p50_ms']:.1f} ms over the last tenth of the chunks): it falls behind the rate")
     return out
 
