@@ -12,7 +12,7 @@ import asyncio
 import logging
 from collections import defaultdict
 from collections.abc import Awaitable, Callable
-from typing import NamedTuple
+from typing import Generic, NamedTuple, TypeVar
 
 import msgspec
 from nats.aio.client import Client as NATS
@@ -27,6 +27,8 @@ from schemas.jobs import TERMINAL_EVENT_TYPES
 
 log = logging.getLogger("herald.hub")
 _decoder = msgspec.json.Decoder(JobEvent)
+
+T = TypeVar("T")
 
 RESYNC = None  # queued to a subscriber when it must re-read the store (NATS reconnected)
 
@@ -53,97 +55,26 @@ class LiveChunk(NamedTuple):
 OutputItem = LiveChunk | Framed | None | bytes  # a chunk, the job's terminal event, RESYNC, a keep-alive
 
 
-class OutputSubscriber:
-    """One output stream's inbox (SPEC §8): chunks of one job, and its terminal event.
+class Inbox(Generic[T]):
+    """One stream's inbox: a list, and one future while its stream waits.
 
-    Like ``Subscriber`` (bounded, overflow drops the stream), but ordered by chunk number; a
-    chunk at or below the highest one queued is a copy (a republish after a lost ack) and
-    takes no slot."""
+    Overflow drops the stream (it resumes from its last id). A list and a bare future rather
+    than an ``asyncio.Queue`` and an ``asyncio.Event`` (four deques, each preallocating a
+    600-byte block, even a plain deque would): thousands of idle streams keep this object
+    each. Taking from the front of a list moves the rest, at most ``maxsize`` pointers;
+    queues are short unless a reader falls behind. Subclasses decide what ``offer`` takes.
+    """
 
     __slots__ = ("key", "items", "overflowed", "_maxsize", "_offered", "_waiter", "_active")
 
     def __init__(self, key: str, maxsize: int) -> None:
         self.key = key
-        self.items: list[OutputItem] = []
-        self.overflowed = False
-        self._maxsize = maxsize
-        self._offered = 0
-        self._waiter: asyncio.Future[None] | None = None
-        self._active = False
-
-    def offer(self, item: OutputItem) -> bool:
-        if isinstance(item, LiveChunk):
-            if item.n <= self._offered:
-                return True
-            self._offered = item.n
-        return self._put(item)
-
-    def keep_alive(self) -> None:
-        if not self._active and not self.items:
-            self._put(KEEPALIVE_FRAME)
-        else:
-            self._active = False
-
-    def _put(self, item: OutputItem) -> bool:
-        if len(self.items) >= self._maxsize:
-            self.overflowed = True
-            self._wake()
-            return False
-        self.items.append(item)
-        self._active = True
-        self._wake()
-        return True
-
-    def _wake(self) -> None:
-        waiter = self._waiter
-        if waiter is not None:
-            self._waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
-
-    def wait(self) -> asyncio.Future[None]:
-        waiter = self._waiter
-        if waiter is None or waiter.done():
-            waiter = self._waiter = asyncio.get_running_loop().create_future()
-        return waiter
-
-
-class Subscriber:
-    """One SSE stream's inbox: a list, and one future while its stream waits.
-
-    Overflow drops the stream (it resumes with Last-Event-ID). An event is queued only if
-    it is further along than every event queued before (version for a job's stream,
-    tenant sequence for a tenant's): the same event can reach the hub more than once (a
-    relay's catch-up pass may publish a row its own process is publishing too, and a
-    publish retried after a lost ack is sent again), and a copy must not take a slot. Skipping an older one is safe: the stream already saw a newer event,
-    and a gap it saw is filled from the store.
-
-    A list and a bare future rather than an ``asyncio.Queue`` and an ``asyncio.Event``
-    (four deques, each preallocating a 600-byte block, even a plain deque would): thousands
-    of idle streams keep this object each. Taking from the front of a list moves the rest,
-    at most ``maxsize`` pointers; queues are short unless a reader falls behind.
-    """
-
-    __slots__ = ("key", "items", "overflowed", "_maxsize", "_by_seq", "_offered", "_waiter", "_active")
-
-    def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
-        self.key = key
-        self.items: list[Item] = []
+        self.items: list[T | bytes] = []
         self.overflowed = False  # its queue was full: the stream ends at the next item it takes
         self._maxsize = maxsize
-        self._by_seq = by_seq
-        self._offered = 0
+        self._offered = 0  # the position of the newest item queued: older ones are copies
         self._waiter: asyncio.Future[None] | None = None
         self._active = False  # something was queued since the hub's last keep-alive tick
-
-    def offer(self, item: Framed | None) -> bool:
-        if item is not None:
-            event = item.event
-            position = event.seq if self._by_seq else event.version
-            if position <= self._offered:
-                return True  # a copy, or older than what it already has
-            self._offered = position
-        return self._put(item)
 
     def keep_alive(self) -> None:
         """A tick of the hub's keep-alive ticker: a keep-alive frame if nothing was queued since the last one.
@@ -155,7 +86,7 @@ class Subscriber:
         else:
             self._active = False
 
-    def _put(self, item: Item) -> bool:
+    def _put(self, item: T | bytes) -> bool:
         if len(self.items) >= self._maxsize:
             self.overflowed = True
             self._wake()
@@ -172,8 +103,8 @@ class Subscriber:
             if not waiter.done():
                 waiter.set_result(None)
 
-    async def next(self) -> Item:
-        """The next item: an event, ``RESYNC``, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
+    async def next(self) -> T | bytes:
+        """The next item, or ``KEEPALIVE_FRAME`` (bytes) after a silence."""
         while not self.items:
             await self.wait()
         return self.items.pop(0)
@@ -186,6 +117,49 @@ class Subscriber:
         if waiter is None or waiter.done():
             waiter = self._waiter = asyncio.get_running_loop().create_future()
         return waiter
+
+
+class OutputSubscriber(Inbox["LiveChunk | Framed | None"]):
+    """One output stream's inbox (SPEC §8): chunks of one job, and its terminal event.
+
+    Ordered by chunk number: a chunk at or below the highest one queued is a copy (a
+    republish after a lost ack) and takes no slot."""
+
+    __slots__ = ()
+
+    def offer(self, item: OutputItem) -> bool:
+        if isinstance(item, LiveChunk):
+            if item.n <= self._offered:
+                return True
+            self._offered = item.n
+        return self._put(item)
+
+
+class Subscriber(Inbox["Framed | None"]):
+    """One SSE stream's inbox (a job's or a tenant's events).
+
+    An event is queued only if it is further along than every event queued before (version
+    for a job's stream, tenant sequence for a tenant's): the same event can reach the hub
+    more than once (a relay's catch-up pass may publish a row its own process is publishing
+    too, and a publish retried after a lost ack is sent again), and a copy must not take a
+    slot. Skipping an older one is safe: the stream already saw a newer event, and a gap it
+    saw is filled from the store.
+    """
+
+    __slots__ = ("_by_seq",)
+
+    def __init__(self, key: str, maxsize: int, *, by_seq: bool) -> None:
+        super().__init__(key, maxsize)
+        self._by_seq = by_seq
+
+    def offer(self, item: Framed | None) -> bool:
+        if item is not None:
+            event = item.event
+            position = event.seq if self._by_seq else event.version
+            if position <= self._offered:
+                return True  # a copy, or older than what it already has
+            self._offered = position
+        return self._put(item)
 
 
 class Hub:

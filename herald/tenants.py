@@ -93,6 +93,20 @@ class TenantRow:
         )
 
 
+def merged_limits(current: Mapping[str, float], changes: Mapping[str, float | None] | None) -> dict[str, float]:
+    """A tenant's own limits after a change: a value sets one, None returns it to the default
+    (drops it); names that are not limits are ignored."""
+    merged = dict(current)
+    for name, value in (changes or {}).items():
+        if name not in LIMIT_NAMES:
+            continue
+        if value is None:
+            merged.pop(name, None)
+        else:
+            merged[name] = value
+    return merged
+
+
 @dataclass(frozen=True, slots=True)
 class KeyRow:
     """An API key as stored: its hash only, never the key."""

@@ -14,7 +14,7 @@ import sys
 import httpx
 import pytest
 
-from tests.harness import KEYS, Deployment, client, new_database, wait_for_state, wait_until
+from tests.harness import ADMIN_KEY, KEYS, Deployment, client, new_database, wait_for_state, wait_until
 
 
 def counts(deployment: Deployment) -> dict[str, int]:
@@ -57,6 +57,24 @@ def test_no_input_gets_a_500_or_breaks_the_schema(fuzz_target: Deployment, tmp_p
     )
     assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
     assert "Tested:" in run.stdout
+
+
+@pytest.mark.timeout(200)
+def test_no_admin_input_gets_a_500_or_breaks_the_schema(fuzz_target: Deployment, tmp_path: Path) -> None:
+    """The /admin routes (SPEC §12), fuzzed with the operator's key (the run above uses a
+    tenant's, which every /admin route refuses before reading anything)."""
+    checks = "not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance"
+    run = subprocess.run(
+        [str(Path(sys.executable).parent / "st"), "run", fuzz_target.url() + "/schema/openapi.json",
+         "-H", f"Authorization: Bearer {ADMIN_KEY}", "-H", "Accept: application/json", "--checks", checks,
+         "--include-path-regex", "^/admin",
+         "--max-examples", "8", "--seed", "20261201", "--request-timeout", "15", "--max-time", "45",
+         "--phases", "examples,coverage,fuzzing", "--no-color",
+         "--report", "junit", "--report-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=180, cwd=tmp_path,
+    )
+    assert run.returncode == 0, run.stdout[-6000:] + run.stderr[-2000:]
+    assert "Tested:" in run.stdout and "/admin" in run.stdout
 
 
 # ----- tenancy --------------------------------------------------------------------------------

@@ -16,8 +16,8 @@ import asyncpg
 from herald.jobs import StoreUnavailable
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.tenants import (
-    KEY_CREATED, KEY_REVOKED, LIMIT_NAMES, SOURCE_API, TENANT_CREATED, TENANT_DISABLED, TENANT_UPDATED,
-    AuditRow, DirectorySnapshot, KeyRow, TenantRow,
+    KEY_CREATED, KEY_REVOKED, SOURCE_API, TENANT_CREATED, TENANT_DISABLED, TENANT_UPDATED,
+    AuditRow, DirectorySnapshot, KeyRow, TenantRow, merged_limits,
 )
 
 _TABLES = """
@@ -140,14 +140,7 @@ class PgTenantStore:
             if row is None:
                 return None
             current = _tenant(row)
-            merged = dict(current.limits)
-            for name, value in (limits or {}).items():
-                if name not in LIMIT_NAMES:
-                    continue
-                if value is None:
-                    merged.pop(name, None)
-                else:
-                    merged[name] = value
+            merged = merged_limits(current.limits, limits)
             now_disabled = current.disabled if disabled is None else disabled
             await conn.execute("UPDATE herald_tenants SET limits = $2, disabled = $3 WHERE id = $1",
                                tenant_id, json.dumps(merged, sort_keys=True), now_disabled)

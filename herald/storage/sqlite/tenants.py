@@ -9,8 +9,8 @@ from typing import Any
 
 from herald.storage.sqlite.db import Database
 from herald.tenants import (
-    KEY_CREATED, KEY_REVOKED, LIMIT_NAMES, SOURCE_API, TENANT_CREATED, TENANT_DISABLED, TENANT_UPDATED,
-    AuditRow, DirectorySnapshot, KeyRow, TenantRow,
+    KEY_CREATED, KEY_REVOKED, SOURCE_API, TENANT_CREATED, TENANT_DISABLED, TENANT_UPDATED,
+    AuditRow, DirectorySnapshot, KeyRow, TenantRow, merged_limits,
 )
 from herald.timefmt import now
 
@@ -122,14 +122,7 @@ class SqliteTenantStore:
             if row is None:
                 return None
             current = _tenant(row)
-            merged = dict(current.limits)
-            for name, value in (limits or {}).items():
-                if name not in LIMIT_NAMES:
-                    continue
-                if value is None:
-                    merged.pop(name, None)
-                else:
-                    merged[name] = value
+            merged = merged_limits(current.limits, limits)
             now_disabled = current.disabled if disabled is None else disabled
             conn.execute("UPDATE herald_tenants SET limits = ?, disabled = ? WHERE id = ?",
                          (json.dumps(merged, sort_keys=True), int(now_disabled), tenant_id))
