@@ -21,7 +21,7 @@ from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
-from gateway.routes import events, health, jobs, output, page, portal
+from gateway.routes import apidocs, events, health, jobs, output, page, portal
 from gateway.routes.accept import accept_route
 from gateway.routes.admin import AdminController
 from gateway.routes.results import result_route
@@ -182,7 +182,9 @@ def create_app(settings: Settings) -> Litestar:
             version=herald.__version__,
             description="Asynchronous request-reply gateway: start work with 202 Accepted, then poll, "
             "long-poll, stream (SSE) or receive signed webhooks.",
-            path="/schema",
+            path=apidocs.SCHEMA_PATH,
+            render_plugins=apidocs.render_plugins(),
+            openapi_router=apidocs.schema_router(),
             components=Components(
                 security_schemes={
                     "bearer": SecurityScheme(type="http", scheme="bearer", description="API key"),

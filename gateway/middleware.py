@@ -33,6 +33,7 @@ from herald.metrics import metrics as process_metrics
 log = logging.getLogger("herald.http")
 
 REQUEST_ID_HEADER = b"x-request-id"
+NOSNIFF = (b"x-content-type-options", b"nosniff")
 _SANE_REQUEST_ID = re.compile(rb"[A-Za-z0-9][A-Za-z0-9._:@/+=-]{0,127}")
 UNMATCHED_ROUTE = "unmatched"  # 404 for an unknown path, 405 for a known path with a wrong method
 _QUIET_ROUTES = frozenset({"/healthz", "/readyz", "/metrics"})  # probes and scrapes: debug level
@@ -72,7 +73,12 @@ class RequestContext:
             nonlocal status
             if message["type"] == "http.response.start":
                 status = message["status"]
-                message["headers"] = [*message.get("headers", ()), header]
+                headers = [*message.get("headers", ()), header]
+                # Every answer, downloads and problems alike, is what its Content-Type says:
+                # a browser must not sniff a result (or an echoed value) into HTML or script.
+                if not any(name.lower() == NOSNIFF[0] for name, _ in headers):
+                    headers.append(NOSNIFF)
+                message["headers"] = headers
             await send(message)
 
         with structlog.contextvars.bound_contextvars(request_id=request_id):

@@ -22,11 +22,11 @@ from pathlib import Path
 
 from herald import jetstream
 from herald.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
-from herald.keyfiles import load_or_create
+from herald.keyfiles import load_or_create, private_dir
 from herald.metrics import MULTIPROC_ENV
 from herald.pgserver import PostgresError, PostgresServer
 from herald.sealing import KEY_FILE, load_or_create_key_file
-from herald.settings import Settings
+from herald.settings import Settings, redact_url
 from herald.supervisor import (
     STOP_TIMEOUT_S,
     Child,
@@ -36,6 +36,7 @@ from herald.supervisor import (
     _require_free_port,
     _wait_for_port,
     find_nats_server,
+    nats_credentials,
 )
 
 CLUSTER_SIZE = 3
@@ -44,6 +45,7 @@ WORKERS = 2
 NOTIFIERS = 2
 POSTGRES_DEFAULT_PORT = 5432
 SIGNING_KEY_FILE = "signing.key"
+POSTGRES_PASSWORD_FILE = "postgres.password"
 
 
 def cluster_root(settings: Settings) -> Path:
@@ -132,8 +134,9 @@ class ClusterSupervisor(Supervisor):
         cluster_ports = free_ports_except(CLUSTER_SIZE, self._taken_ports)
         self._taken_ports.update(cluster_ports)
         self.nodes = plan_nodes(self.root, client_ports, cluster_ports)
+        credentials = nats_credentials()  # clients and routes alike: no local user joins or reads
         for node in self.nodes:
-            write_node_config(node, self.nodes)
+            write_node_config(node, self.nodes, credentials=credentials)
             child = Child(f"nats-{node.name}", node_argv(binary, node))
             self.child_logs[child.name] = node.directory / "server.log"
             self.nats_children.append(child)
@@ -145,7 +148,7 @@ class ClusterSupervisor(Supervisor):
                     f"nats-server {node.name} did not start listening on 127.0.0.1:{node.client_port}; "
                     f"see {self.child_logs[child.name]}"
                 )
-        self.nats_url = cluster_urls(self.nodes)
+        self.nats_url = cluster_urls(self.nodes, credentials)
         return self.nats_url
 
     @property
@@ -165,7 +168,8 @@ class ClusterSupervisor(Supervisor):
             while not self.stopping.is_set():
                 try:
                     nc = await nats.connect(servers=servers, connect_timeout=2, allow_reconnect=False,
-                                            max_reconnect_attempts=0, name="herald-up-cluster")
+                                            max_reconnect_attempts=0, name="herald-up-cluster",
+                                            **jetstream.auth_options(settings))
                     try:
                         js = nc.jetstream(timeout=5)
                         await js.account_info()  # answers only once the cluster has a meta leader
@@ -194,7 +198,10 @@ class ClusterSupervisor(Supervisor):
             return self.database_url
         port = self.postgres_port()
         self._taken_ports.add(port)
-        self.postgres = PostgresServer(self.root / "postgres", port=port)
+        # Generated once (kept 0600 beside the other keys): the data dir is initialised with it,
+        # scram-sha-256 for every connection, so no other local user can open the store.
+        password = load_or_create(private_dir(self.root) / POSTGRES_PASSWORD_FILE)
+        self.postgres = PostgresServer(self.root / "postgres", port=port, password=password)
         try:
             self.postgres.start()
             self.database_url = self.postgres.create_database("herald")
@@ -225,7 +232,7 @@ class ClusterSupervisor(Supervisor):
 
     def plan_children(self, url: str) -> None:
         assert self.database_url is not None, "start_postgres first"
-        self.root.mkdir(parents=True, exist_ok=True)
+        private_dir(self.root)
         signing_key = (",".join(self.settings.signing_secrets) if self.settings.signing_secrets
                        else load_or_create_signing_key(self.root))
         # No shared metrics directory: each process is its own, as on separate machines.
@@ -274,12 +281,13 @@ class ClusterSupervisor(Supervisor):
     def describe(self) -> str:
         lines = [f"herald: cluster rehearsal under {self.root}"]
         if self.nodes:
-            lines.append(f"  NATS: {len(self.nodes)} nodes, R{self.nats_replicas}: {self.nats_url} "
+            lines.append(f"  NATS: {len(self.nodes)} nodes, R{self.nats_replicas}: {redact_url(self.nats_url)} "
                          f"(logs: {self.root}/nats-N/server.log)")
         else:
-            lines.append(f"  NATS: external, {self.nats_url}")
+            lines.append(f"  NATS: external, {redact_url(self.nats_url)}")
         if self.postgres is not None:
-            lines.append(f"  PostgreSQL: port {self.postgres.port}, {self.database_url} (log: {self.postgres.log_path})")
+            lines.append(f"  PostgreSQL: port {self.postgres.port}, {redact_url(self.database_url or '')} "
+                         f"(password: {self.root / POSTGRES_PASSWORD_FILE}; log: {self.postgres.log_path})")
         else:
             lines.append("  PostgreSQL: external (HERALD_DATABASE_URL)")
         lines.append(f"  Herald: {', '.join(c.name for c in self.children)}")
@@ -341,7 +349,7 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
-        supervisor.root.mkdir(parents=True, exist_ok=True)
+        private_dir(supervisor.root)
         supervisor.provision_keys()
         if settings.http_host in ("127.0.0.1", "localhost"):
             for port in (settings.http_port, settings.http_port + 1):

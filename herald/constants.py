@@ -26,8 +26,9 @@ WORKERS_CONSUMER = "herald-workers"
 NOTIFIER_CONSUMER = "herald-notifier"
 
 # A tenant id as SPEC §12 allows it is a valid subject token and consumer-name part as it
-# is; anything else (a tenant named in HERALD_API_KEYS may hold any character but ':' and
-# ',') is hex-encoded behind a '~', which no valid id starts with, so tokens never collide.
+# is. Every tenant is such an id (the admin API and HERALD_API_KEYS refuse others); anything
+# else that reaches a subject all the same (a tenant an older Herald let in) is hex-encoded
+# behind a '~', which no valid id starts with, so tokens never collide.
 _PLAIN_TENANT = re.compile(r"[a-z0-9][a-z0-9_-]{0,62}")
 _ENCODED_PREFIX = "~"
 
@@ -57,7 +58,7 @@ def worker_consumer_name(kind: str, token: str | None = None) -> str:
 
 
 def event_subject(tenant: str, job_id: str) -> str:
-    return f"events.{tenant}.{job_id}"
+    return f"events.{tenant_token(tenant)}.{job_id}"
 
 
 def output_subject(tenant: str, job_id: str) -> str:

@@ -7,6 +7,8 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+from urllib.parse import unquote, urlsplit
 
 import nats
 from nats.aio.client import Client as NATS
@@ -43,6 +45,22 @@ from herald.storage.results import ensure_result_buckets, retry_nats
 log = logging.getLogger("herald.nats")
 
 
+def auth_options(settings: Settings) -> dict[str, Any]:
+    """How every process proves itself to NATS: ``HERALD_NATS_CREDS`` (a creds file), else the
+    ``user:password@`` (or ``token@``) of the first URL of ``HERALD_NATS_URL`` that has one.
+    Given as options, not only inside the URL, so that they go to every server the cluster
+    announces too (a discovered server's URL carries none)."""
+    if settings.nats_creds is not None:
+        return {"user_credentials": str(settings.nats_creds)}
+    for url in settings.nats_servers:
+        parts = urlsplit(url)
+        if parts.username:
+            if parts.password is None:
+                return {"token": unquote(parts.username)}
+            return {"user": unquote(parts.username), "password": unquote(parts.password)}
+    return {}
+
+
 async def connect(
     settings: Settings, name: str, *, reconnected: Callable[[], Awaitable[None]] | None = None
 ) -> NATS:
@@ -57,6 +75,7 @@ async def connect(
 
     return await nats.connect(
         servers=settings.nats_servers,
+        **auth_options(settings),
         name=name,
         max_reconnect_attempts=-1,
         reconnect_time_wait=0.25,

@@ -26,3 +26,32 @@ def load_or_create(path: Path, *, nbytes: int = 32) -> str:
     with os.fdopen(fd, "w") as handle:
         handle.write(key + "\n")
     return key
+
+
+def private_dir(path: Path) -> Path:
+    """``path`` as a directory only its owner can enter (0700), made with its parents if
+    missing. An existing one is tightened too: what Herald keeps there (the store, results,
+    keys) is nobody else's to read."""
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o700)
+    return path
+
+
+def write_private(path: Path, text: str) -> Path:
+    """Replace ``path`` with ``text``, readable by its owner only (0600) from its first byte."""
+    private_dir(path.parent)
+    staging = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    fd = os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as handle:
+        handle.write(text)
+    os.replace(staging, path)
+    return path
+
+
+def private_file(path: Path) -> None:
+    """Create ``path`` empty if missing (0600) and make sure it is 0600: for files another
+    library creates and fills (SQLite's, which gives its -wal and -shm the same mode)."""
+    os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+    if path.stat().st_mode & 0o077:
+        path.chmod(0o600)

@@ -30,6 +30,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from urllib.parse import quote
 
 SUPERUSER = "postgres"
 # PostgreSQL refuses to run as root; as root we run it as this user (the one the
@@ -109,7 +110,10 @@ class PostgresServer:
         host: str = "127.0.0.1",
         die_with_parent: bool = True,
         settings: dict[str, str] | None = None,
+        password: str | None = None,
     ) -> None:
+        """``password``: the superuser's, required of every connection (scram-sha-256), set when
+        the data dir is first initialised. None: trust on loopback (the tests' own servers)."""
         bin_dir = find_postgres_bin()
         if bin_dir is None:
             raise PostgresError(
@@ -128,6 +132,7 @@ class PostgresServer:
             "shared_buffers": "64MB",
             **(settings or {}),
         }
+        self.password = password
         self.user = UNPRIVILEGED_USER if _running_as_root() else None
         self.process: subprocess.Popen[bytes] | None = None
         self._own_socket_dir: Path | None = None
@@ -135,7 +140,8 @@ class PostgresServer:
     # ----- addresses ---------------------------------------------------------------------
 
     def url(self, database: str = "herald") -> str:
-        return f"postgresql://{SUPERUSER}@{self.host}:{self.port}/{database}"
+        who = SUPERUSER if self.password is None else f"{SUPERUSER}:{quote(self.password, safe='')}"
+        return f"postgresql://{who}@{self.host}:{self.port}/{database}"
 
     @property
     def log_path(self) -> Path:
@@ -202,14 +208,27 @@ class PostgresServer:
             str(self.bin_dir / "initdb"),
             "-D", str(self.data_dir),
             "-U", SUPERUSER,
-            "--auth=trust",  # loopback only; the rehearsal and tests need no passwords
             "--encoding=UTF8",
             "--locale=C",  # no dependency on the machine's locales
             "--no-instructions",
         ]
-        result = subprocess.run(
-            argv, stdin=subprocess.DEVNULL, capture_output=True, env=_child_env(), user=self.user, check=False
-        )
+        with tempfile.TemporaryDirectory(prefix="herald-pg-init-") as scratch:
+            if self.password is None:
+                argv.append("--auth=trust")  # the tests' own servers, loopback only
+            else:
+                # Every connection, local socket included, proves the password (no local user
+                # of the machine gets in by asking); initdb reads it from a file, not argv.
+                pwfile = Path(scratch) / "pw"
+                pwfile.write_text(self.password + "\n")
+                pwfile.chmod(0o600)
+                if self.user is not None:
+                    entry = pwd.getpwnam(self.user)
+                    os.chown(scratch, entry.pw_uid, entry.pw_gid)
+                    os.chown(pwfile, entry.pw_uid, entry.pw_gid)
+                argv += ["--auth=scram-sha-256", f"--pwfile={pwfile}"]
+            result = subprocess.run(
+                argv, stdin=subprocess.DEVNULL, capture_output=True, env=_child_env(), user=self.user, check=False
+            )
         if result.returncode != 0:
             output = (result.stdout + result.stderr).decode(errors="replace").strip()
             raise PostgresError(f"initdb failed in {self.data_dir} (exit {result.returncode}):\n{output}")
@@ -284,7 +303,10 @@ class PostgresServer:
                 "-h", self.host, "-p", str(self.port), "-U", SUPERUSER, "-d", database]
         for name, value in (variables or {}).items():
             argv += ["-v", f"{name}={value}"]
-        result = subprocess.run(argv, input=sql.encode(), capture_output=True, env=_child_env(), check=False)
+        env = _child_env()
+        if self.password is not None:
+            env["PGPASSWORD"] = self.password  # the environment, not argv: ps shows argv to anyone
+        result = subprocess.run(argv, input=sql.encode(), capture_output=True, env=env, check=False)
         if result.returncode != 0:
             raise PostgresError(f"psql failed: {result.stderr.decode(errors='replace').strip()}")
         return result.stdout.decode()
@@ -376,11 +398,12 @@ def _ensure_user_exists(name: str) -> pwd.struct_passwd:
 
 
 def _ensure_prefix_traversable(path: Path) -> None:
-    """g+rx,o+rx on every parent of ``path``, so another user can reach it."""
+    """g+x,o+x on every parent of ``path``, so another user can reach it: search only, never
+    read, so no other user can list what Herald keeps beside it (keys, configs, stores)."""
     for parent in path.parents:
         mode = parent.stat().st_mode
-        if mode & (_READ | _EXECUTE) != _READ | _EXECUTE:
-            parent.chmod(mode | _READ | _EXECUTE)
+        if mode & _EXECUTE != _EXECUTE:
+            parent.chmod(mode | _EXECUTE)
 
 
 def _ensure_tree_mode(root: Path, file_bits: int) -> None:

@@ -6,10 +6,13 @@ Nothing else in Herald reads ``os.environ``.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
+
+from schemas.admin import TENANT_ID_PATTERN
 
 DEV_TENANT = "dev"
 DEV_KEY = "dev-key"
@@ -42,6 +45,9 @@ def _number(cast: Callable[[str], float], floor: float | None = None) -> Env:
     return Env(parse)
 
 
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
+
+
 def _api_keys(name: str, raw: str) -> dict[str, str]:
     """``tenant:key,tenant:key`` -> {key: tenant}."""
     keys: dict[str, str] = {}
@@ -52,6 +58,11 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
         tenant, sep, key = item.partition(":")
         if not sep or not tenant or not key:
             raise SettingsError(f"{name} must look like 'tenant:key,tenant:key'")
+        # The same ids the admin API allows (SPEC §12): a tenant becomes part of NATS
+        # subjects and consumer names, where '.', '*', '>' or a space would change their meaning.
+        if not _TENANT_ID.fullmatch(tenant):
+            raise SettingsError(f"{name}: tenant {tenant!r} is not a valid tenant id "
+                                "(lower-case letters, digits, '-' and '_', at most 63, starting with a letter or digit)")
         keys[key] = tenant
     if not keys:
         raise SettingsError(f"{name} is set but holds no key")
@@ -100,10 +111,29 @@ def _kind_counts(name: str, raw: str) -> dict[str, int]:
         if not item.strip():
             continue
         kind, sep, count = item.strip().partition(":")
-        if not sep or not kind or not count.isdigit() or int(count) < 1:
+        if not sep or not kind or not (count.isascii() and count.isdigit()) or int(count) < 1:
             raise SettingsError(f"{name} must look like 'kind:n,kind:n' with n >= 1, got {item.strip()!r}")
         counts[kind] = int(count)
     return counts
+
+
+def _creds_file(name: str, raw: str) -> Path:
+    path = Path(raw)
+    if not path.is_file():
+        raise SettingsError(f"{name}: no such file {raw!r} (a NATS credentials file: `nsc generate creds`)")
+    return path
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (or token) in its userinfo replaced by ``***``: for banners and logs."""
+    def one(part: str) -> str:
+        scheme, sep, rest = part.strip().partition("://")
+        userinfo, at, host = rest.rpartition("@")
+        if not sep or not at:
+            return part.strip()
+        user, colon, _password = userinfo.partition(":")
+        return f"{scheme}://{user + ':***' if colon else '***'}@{host}"
+    return ",".join(one(p) for p in url.split(",") if p.strip())
 
 
 def _database_url(name: str, raw: str) -> str:
@@ -134,7 +164,8 @@ class Settings:
     """Every setting with its one default and, in its ``Env``, how ``from_env`` reads it."""
 
     data_dir: Annotated[Path, PATH] = Path("./var")
-    nats_url: Annotated[str | None, TEXT] = None
+    nats_url: Annotated[str | None, TEXT] = field(default=None, repr=False)  # may carry user:password@
+    nats_creds: Annotated[Path | None, Env(_creds_file)] = None  # a NATS .creds file (JWT + NKey seed)
     nats_port: Annotated[int, COUNT] = 4222
     http_host: Annotated[str, TEXT] = "127.0.0.1"
     http_port: Annotated[int, COUNT] = 8000

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from herald.settings import Settings
+from schemas.admin import TENANT_ID_PATTERN as TENANT_ID_PATTERN  # re-exported: the ids SPEC §12 allows
 
 # SPEC §12: what a key may do. A key without the scope a route needs gets 403.
 SCOPE_JOBS_READ = "jobs:read"
@@ -60,7 +61,6 @@ class DefaultLimits:
 
 # ----- tenants and keys as the store keeps them (SPEC §12) ------------------------------------
 
-TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$"
 KEY_PREFIX = "hk_"
 SOURCE_API = "api"
 SOURCE_ENV = "env"

@@ -8,7 +8,8 @@ objects, cookie extraction, mapping the response): aiohttp directly halves the H
 client's share of a delivery. aiohttp also gives the SSRF guard a place at connect time:
 it resolves names through ``PublicOnlyResolver``, so the address actually dialled is the
 one that was checked (no window for DNS rebinding between check and connect), and literal
-addresses are checked by ``check_url_syntax`` before every attempt. Proxies from the
+addresses (a host written as a number too, dialled as the address it denotes) are checked
+by ``check_url_syntax`` before every attempt. Proxies from the
 environment are ignored (a proxy would dial on our behalf, past the guard).
 """
 
@@ -29,7 +30,7 @@ from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 import herald
-from notifier.ssrf import UnsafeUrl, check_url_syntax, is_public_address
+from notifier.ssrf import UnsafeUrl, check_url_syntax, is_public_address, numeric_host
 
 SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
 # A receiver that does not even accept the connection is known sooner than one that does not
@@ -87,7 +88,7 @@ def parse_retry_after(value: str | None, *, at: float) -> float | None:
     if not value:
         return None
     value = value.strip()
-    if value.isdigit():
+    if value.isascii() and value.isdigit():  # not '²' (isdigit, but no int)
         return float(value)
     try:
         when = email.utils.parsedate_to_datetime(value)
@@ -109,8 +110,13 @@ def _checked_url(url: str, allow_private: bool) -> URL | str:
     except UnsafeUrl as exc:
         return str(exc)
     try:
-        return URL(url)
-    except ValueError as exc:
+        target = URL(url)
+        # A host written as a number (``0x7f.1``) was judged as the address it denotes: dial
+        # that address, written canonically (as a browser would), not a spelling that some
+        # resolver might read otherwise (aiohttp refuses the spelling outright).
+        number = numeric_host(target.raw_host or "")
+        return target.with_host(str(number)) if number is not None else target
+    except (ValueError, UnsafeUrl) as exc:
         return f"not a valid URL: {exc}"
 
 

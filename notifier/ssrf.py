@@ -1,28 +1,84 @@
-"""The SSRF guard for webhook and callback URLs: https to public addresses only.
+"""The SSRF guard for webhook and callback URLs: https to public addresses only (SPEC §7, §10).
 
-Checked at registration (syntax and literal addresses) and again before every delivery
-(the name is resolved then, since DNS can change between the two).
+Checked at registration (syntax, literal addresses, and the name resolved then, within
+``RESOLVE_WITHIN_S``) and again before every delivery (the name is resolved then, since DNS
+can change between the two; ``notifier.delivery`` dials the very addresses it judged).
+
+An address is public only if it is global unicast and not one of the IPv6 forms that carry
+an IPv4 address (mapped, compatible, NAT64, 6to4, Teredo): those reach whatever IPv4 address
+they carry (often through a translator we cannot see), so they are refused outright. A host
+written as a number (``2130706433``, ``127.1``, ``0x7f.1``, ``0177.0.0.1``) is judged as the
+address the resolver would make of it (inet_aton's reading).
 """
 
 from __future__ import annotations
 
 import asyncio
 import ipaddress
+import re
 import socket
 from urllib.parse import urlsplit
 
 MAX_URL_LENGTH = 2048
+RESOLVE_WITHIN_S = 5.0  # the DNS lookup at registration; a slow name is refused like a private one
+NOT_PUBLIC = "must resolve to a public address"  # also for a name that does not resolve: no probing
+
+GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
+IPV4_CARRYING_V6 = tuple(ipaddress.ip_network(n) for n in (
+    "::ffff:0:0/96",    # IPv4-mapped
+    "::/96",            # IPv4-compatible (deprecated)
+    "64:ff9b::/96",     # NAT64, well-known prefix
+    "64:ff9b:1::/48",   # NAT64, local use
+    "2002::/16",        # 6to4
+    "2001::/32",        # Teredo
+))
+_NUMERIC_LABEL = re.compile(r"(0x[0-9a-f]*|[0-9]+)", re.IGNORECASE)
 
 
 class UnsafeUrl(ValueError):
     """The URL may not be called; the message says why."""
 
 
+def numeric_host(host: str) -> ipaddress.IPv4Address | None:
+    """The IPv4 address a host written as numbers denotes, as inet_aton reads it: one to four
+    parts, each decimal, octal (leading 0) or hex (0x), the last filling the remaining bytes.
+    None when the host is not written that way (a name). A host that looks numeric but is no
+    valid address raises ``UnsafeUrl``: no resolver may be left to guess at it."""
+    parts = host.removesuffix(".").split(".")
+    if not host.isascii() or not all(_NUMERIC_LABEL.fullmatch(p) for p in parts):
+        if _NUMERIC_LABEL.fullmatch(parts[-1]) and parts[-1].isdigit():
+            raise UnsafeUrl("the host is not a valid address")  # WHATWG: a numeric last label is IPv4
+        return None
+    if len(parts) > 4:
+        raise UnsafeUrl("the host is not a valid address")
+    try:
+        values = [int(p, 16) if p[:2].lower() == "0x" else int(p, 8) if len(p) > 1 and p[0] == "0" else int(p)
+                  for p in (p if p.lower() != "0x" else "0x0" for p in parts)]
+    except ValueError:  # an octal part with 8 or 9
+        raise UnsafeUrl("the host is not a valid address") from None
+    *head, last = values
+    if any(v > 255 for v in head) or last >= 256 ** (4 - len(head)):
+        raise UnsafeUrl("the host is not a valid address")
+    number = last
+    for index, value in enumerate(head):
+        number += value << (8 * (3 - index))
+    return ipaddress.IPv4Address(number)
+
+
 def _is_public(address: str) -> bool:
     ip = ipaddress.ip_address(address.split("%", 1)[0])
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
+    if isinstance(ip, ipaddress.IPv6Address):
+        if ip not in GLOBAL_UNICAST_V6 or any(ip in net for net in IPV4_CARRYING_V6):
+            return False
     return ip.is_global and not ip.is_multicast
+
+
+def literal_address(host: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """The address a URL's host denotes without DNS: an IP literal or a number; None for a name."""
+    try:
+        return ipaddress.ip_address(host)
+    except ValueError:
+        return numeric_host(host)
 
 
 def check_url_syntax(url: str, *, allow_private: bool) -> None:
@@ -48,14 +104,13 @@ def check_url_syntax(url: str, *, allow_private: bool) -> None:
         raise UnsafeUrl("port 0 is not a valid port")
     if allow_private:
         return
-    try:
-        literal = ipaddress.ip_address(parts.hostname)
-    except ValueError:
+    literal = literal_address(parts.hostname)
+    if literal is None:
         if parts.hostname.lower() in ("localhost",) or parts.hostname.lower().endswith(".localhost"):
-            raise UnsafeUrl("must resolve to a public address") from None
+            raise UnsafeUrl(NOT_PUBLIC)
         return
     if not _is_public(str(literal)):
-        raise UnsafeUrl("must resolve to a public address")
+        raise UnsafeUrl(NOT_PUBLIC)
 
 
 async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
@@ -64,14 +119,20 @@ async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
     if allow_private:
         return
     parts = urlsplit(url)
+    assert parts.hostname is not None  # check_url_syntax made sure
+    if literal_address(parts.hostname) is not None:
+        return  # judged by check_url_syntax
     try:
-        infos = await asyncio.get_running_loop().getaddrinfo(
-            parts.hostname, parts.port or 443, type=socket.SOCK_STREAM
-        )
-    except (OSError, UnicodeError, ValueError) as exc:
-        raise UnsafeUrl(f"host does not resolve: {exc}") from exc
+        async with asyncio.timeout(RESOLVE_WITHIN_S):
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                parts.hostname, parts.port or 443, type=socket.SOCK_STREAM
+            )
+    except (OSError, UnicodeError, ValueError, TimeoutError):
+        # The same answer as for a private address: the guard must not tell which internal
+        # names exist (a probe of names that resolve only inside the network).
+        raise UnsafeUrl(NOT_PUBLIC) from None
     if not infos or not all(_is_public(str(info[4][0])) for info in infos):
-        raise UnsafeUrl("must resolve to a public address")
+        raise UnsafeUrl(NOT_PUBLIC)
 
 
 def is_public_address(address: str) -> bool:

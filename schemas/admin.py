@@ -11,7 +11,11 @@ from schemas.base import Base
 from schemas.problems import FieldError
 
 Scope = Literal["jobs:read", "jobs:write", "webhooks"]
-TenantId = Annotated[str, msgspec.Meta(pattern=r"^[a-z0-9][a-z0-9_-]{0,62}$",
+# (?!\n): Python's '$' also matches before a final newline, and msgspec checks patterns with
+# Python's re; a tenant id ends up in NATS subjects, where a newline ends a protocol line.
+# (In the OpenAPI document's ECMAScript reading, '$' is the end and the look-ahead a no-op.)
+TENANT_ID_PATTERN = r"^[a-z0-9][a-z0-9_-]{0,62}$(?!\n)"
+TenantId = Annotated[str, msgspec.Meta(pattern=TENANT_ID_PATTERN,
                                        description="lower-case letters, digits, '_' and '-', 1..63 characters")]
 Rate = Annotated[float, msgspec.Meta(ge=0, le=1_000_000)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1_000_000_000)]

@@ -152,7 +152,7 @@ class PortalSessionRequest(_Body, kw_only=True):
     """``POST /portal/session``: the query of a portal link, exchanged for a session token."""
 
     tenant: Annotated[str, msgspec.Meta(min_length=1, max_length=64)]
-    key: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9-]+$")]  # the id of the key that made the link
+    key: Annotated[str, msgspec.Meta(min_length=1, max_length=64, pattern="^[A-Za-z0-9-]+$(?!\n)")]  # the id of the key that made the link
     exp: Annotated[str, msgspec.Meta(min_length=1, max_length=12)]
     sig: Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
 

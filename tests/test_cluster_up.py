@@ -15,6 +15,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import asyncpg
 import httpx
@@ -119,6 +120,16 @@ async def nats_cluster_peers(servers: list[str]) -> set[str]:
         await nc.close()
 
 
+async def nats_refuses(url: str) -> bool:
+    """True when the server turns the client away (authorization violation)."""
+    try:
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+    except Exception as exc:  # noqa: BLE001  (nats-py raises the server's -ERR as several types)
+        return "authorization" in str(exc).lower() or "authorization" in repr(exc).lower()
+    await nc.close()
+    return False
+
+
 async def postgres_answers(url: str) -> int:
     conn = await asyncpg.connect(url, timeout=10)
     try:
@@ -189,11 +200,18 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
 
     wait_until(all_six_seen, timeout=30, interval=0.05, what="six Herald processes")
     assert sorted(seen) == ["gateway-1", "gateway-2", "notifier-1", "notifier-2", "worker-1", "worker-2"]
-    nats_urls = [f"nats://127.0.0.1:{ports['nats'] + i}" for i in range(3)]
-    database_url = f"postgresql://postgres@127.0.0.1:{ports['postgres']}/herald"
+    # NATS and PostgreSQL take only the generated credentials, which every child is given.
+    nats_url = seen["gateway-1"]["HERALD_NATS_URL"]
+    nats_urls = [u for u in nats_url.split(",")]
+    assert [urlsplit(u).port for u in nats_urls] == [ports["nats"] + i for i in range(3)]
+    assert all(urlsplit(u).username == "herald" and len(urlsplit(u).password or "") >= 32 for u in nats_urls)
+    password = (root / "var" / "cluster" / "postgres.password").read_text().strip()
+    assert len(password) >= 32 and stat.S_IMODE((root / "var" / "cluster" / "postgres.password").stat().st_mode) == 0o600
+    database_url = f"postgresql://postgres:{password}@127.0.0.1:{ports['postgres']}/herald"
+    assert password not in stderr.read_text() and urlsplit(nats_urls[0]).password not in stderr.read_text()
     for name, env in seen.items():
         assert env["HERALD_DATA_DIR"] == str((root / "var" / "cluster" / name).resolve())
-        assert env["HERALD_NATS_URL"] == ",".join(nats_urls)
+        assert env["HERALD_NATS_URL"] == nats_url
         assert env["HERALD_NATS_REPLICAS"] == "3"
         assert env["HERALD_DATABASE_URL"] == database_url
         assert env["HERALD_RESULT_STORE"] == "nats"
@@ -210,9 +228,25 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     assert {env["HERALD_ADMIN_KEY"] for env in seen.values()} == {admin_file.read_text().strip()}
     assert stat.S_IMODE(admin_file.stat().st_mode) == 0o600
 
-    # Three nats-servers form one JetStream cluster; PostgreSQL accepts connections.
+    # Three nats-servers form one JetStream cluster (over authenticated routes); PostgreSQL
+    # accepts connections with the password. Without credentials, neither lets anyone in.
     assert asyncio.run(nats_cluster_peers(nats_urls)) == {"n1", "n2", "n3"}
     assert asyncio.run(postgres_answers(database_url)) == 1
+    for port in (ports["nats"] + i for i in range(3)):
+        assert asyncio.run(nats_refuses(f"nats://127.0.0.1:{port}")), port
+        assert asyncio.run(nats_refuses(f"nats://herald:wrong-password@127.0.0.1:{port}")), port
+    for url in (f"postgresql://postgres@127.0.0.1:{ports['postgres']}/herald",
+                f"postgresql://postgres:wrong@127.0.0.1:{ports['postgres']}/herald"):
+        with pytest.raises(asyncpg.InvalidPasswordError):
+            asyncio.run(postgres_answers(url))
+    pg_dir = root / "var" / "cluster" / "postgres"
+    assert "scram-sha-256" in (pg_dir / "pg_hba.conf").read_text() and "trust" not in \
+        [line.split()[-1] for line in (pg_dir / "pg_hba.conf").read_text().splitlines() if line and line[0] != "#"]
+    # What Herald made around the stores lists nothing to other users (search at most, for PostgreSQL's user).
+    for directory in (root / "var" / "cluster", *(root / "var" / "cluster").glob("nats-*")):
+        assert stat.S_IMODE(directory.stat().st_mode) & 0o044 == 0, directory
+    for conf in (root / "var" / "cluster").glob("nats-*/nats.conf"):
+        assert stat.S_IMODE(conf.stat().st_mode) == 0o600, conf
 
     # One URL printed (the first gateway's), and both gateways ready.
     base = f"http://127.0.0.1:{ports['http']}"

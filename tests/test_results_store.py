@@ -398,7 +398,8 @@ async def test_download_streams_the_result_with_its_headers(results: ResultStore
         assert response.headers["content-length"] == str(len(data))
         assert response.headers["content-disposition"] == f'attachment; filename="report-{job_id}.pdf"'
         assert response.headers["etag"] == f'"{job_id}-2"'
-        assert response.headers["cache-control"] == "private, max-age=3600"
+        assert response.headers["cache-control"] == "private, no-cache"
+        assert response.headers["x-content-type-options"] == "nosniff"
 
         again = await client.get(f"/reports/{job_id}", headers={**auth, "If-None-Match": f'"{job_id}-2"'})
         assert again.status_code == 304 and again.content == b""

@@ -375,7 +375,7 @@ def stream(job_id: str, last_event_id: str | None, ctx: Context) -> Flow[None]:
     was already emitted is skipped, so nothing is seen twice. ``204`` means the stream is
     over (the resume point was already the terminal event).
     """
-    last_version = int(last_event_id) if last_event_id is not None and last_event_id.isdigit() else -1
+    last_version = int(last_event_id) if last_event_id is not None and last_event_id.isascii() and last_event_id.isdigit() else -1
     retry_s: float | None = None
     failures = 0
     while True:

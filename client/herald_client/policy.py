@@ -53,7 +53,7 @@ def parse_retry_after(value: str | None, *, now: float | None = None) -> float |
     value = value.strip()
     if not value:
         return None
-    if value.isdigit():
+    if value.isascii() and value.isdigit():
         return float(value)
     try:
         seconds = float(value)

@@ -69,7 +69,7 @@ class SSEDecoder:
             if "\0" not in value:
                 self.last_event_id = value
         elif name == "retry":
-            if value.isdigit():
+            if value.isascii() and value.isdigit():
                 self.retry_ms = int(value)
         return None
 

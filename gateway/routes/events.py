@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from typing import Annotated, Any
+from urllib.parse import quote
 
 from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
@@ -40,7 +41,7 @@ def _parse_cursor(raw: str | None, what: str) -> int | None:
     """A resume point: a non-negative integer this server gave out, else None (no replay)."""
     if raw is None or raw == "":
         return None
-    if len(raw) > MAX_CURSOR_LENGTH or not raw.isdigit() or int(raw) > MAX_SEQ:
+    if len(raw) > MAX_CURSOR_LENGTH or not (raw.isascii() and raw.isdigit()) or int(raw) > MAX_SEQ:
         raise ValueError(f"{what} must be an event id this server gave out")
     return int(raw)
 
@@ -295,5 +296,5 @@ async def events_link(request: Request) -> EventLink:
     svc = services(request)
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     url = svc.signer.sign("/events", TENANT_EVENTS_PURPOSE, extra=tenant)
-    return EventLink(url=f"{url}&tenant={tenant}", expires_in=int(svc.settings.signed_url_ttl_s))
+    return EventLink(url=f"{url}&tenant={quote(tenant, safe='')}", expires_in=int(svc.settings.signed_url_ttl_s))
 

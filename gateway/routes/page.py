@@ -17,7 +17,8 @@ from gateway.problems import NotFound
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 ASSETS = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
-          "portal.js": "text/javascript; charset=utf-8", "portal.css": "text/css; charset=utf-8"}
+          "portal.js": "text/javascript; charset=utf-8", "portal.css": "text/css; charset=utf-8",
+          "api.js": "text/javascript; charset=utf-8"}
 REVALIDATE = CacheControlHeader(no_cache=True)  # an upgraded gateway's page is seen at once
 
 # The page keeps an API key in localStorage, so it runs only its own script: no inline

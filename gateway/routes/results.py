@@ -6,6 +6,7 @@ chunk at a time: a download never holds the whole result in the gateway's memory
 
 from __future__ import annotations
 
+import time
 from pathlib import PurePosixPath
 from typing import Annotated, Any
 from urllib.parse import quote
@@ -44,8 +45,18 @@ async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: s
     return await find_job(svc, tenant, job_id)
 
 
+def _cache_control(exp: str | None) -> str:
+    """A signed URL's answer may be kept only until its ``exp`` (verified: ASCII digits), and
+    only by the browser; a bearer download is the browser's only, revalidated on each use
+    (a cheap 304 by its ETag) so that a revoked key stops it at once."""
+    if exp is None:
+        return "private, no-cache"
+    return f"private, max-age={max(0, int(exp) - int(time.time()))}"
+
+
 async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | None, sig: str | None) -> Any:
     job = await _job_for_result(request, job_id, exp, sig)
+    caching = {"Cache-Control": _cache_control(exp), "X-Content-Type-Options": "nosniff"}
     if job.kind != kind.name:
         raise NotFound("no such result")
     if not job.terminal:
@@ -54,7 +65,7 @@ async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | 
         raise NoResult(f"the job ended {job.state} and has no result")
     tag = f'"{job.id}-{job.attempt}"'
     if etag_matches(request.headers.get("if-none-match"), tag):
-        return Response(None, status_code=304, headers={"ETag": tag})
+        return Response(None, status_code=304, headers={"ETag": tag, **caching})
     body = await _open_result(request, job.result_path)
     filename = f"{kind.name}-{job.id}{PurePosixPath(job.result_path).suffix}"
     media_type = job.media_type or "application/octet-stream"
@@ -67,7 +78,7 @@ async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | 
             "Content-Disposition": _attachment(filename),
             "Content-Length": str(body.size),  # known up front: the client sees a sized download, not chunked
             "ETag": tag,
-            "Cache-Control": "private, max-age=3600",
+            **caching,
         },
     )
 

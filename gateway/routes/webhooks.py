@@ -137,7 +137,8 @@ NO_ENDPOINT = "no such webhook endpoint"
 def _limit(raw: str | None, errors: list[FieldError]) -> int:
     if raw is None:
         return DEFAULT_LIMIT
-    if not raw.isdigit() or not 1 <= int(raw) <= MAX_LIMIT:
+    # isascii first: str.isdigit() accepts '²', which int() refuses, and '٣', which it reads as 3.
+    if not (raw.isascii() and raw.isdigit()) or len(raw) > 4 or not 1 <= int(raw) <= MAX_LIMIT:
         errors.append(FieldError(field="limit", message=f"must be an integer from 1 to {MAX_LIMIT}"))
         return DEFAULT_LIMIT
     return int(raw)

@@ -40,6 +40,7 @@ from nats.js.errors import (
 from nats.js.object_store import ObjectStore
 
 from herald.constants import RESULTS_BUCKET
+from herald.keyfiles import private_dir
 from herald.settings import Settings
 from herald.storage.ports import ResultBody, ResultStore
 
@@ -105,6 +106,9 @@ class FileResultStore:
         return base / job_id[:2] / job_id
 
     def scratch_path(self, job_id: str, attempt: int, suffix: str) -> Path:
+        for base in {self.root, self.scratch}:
+            if not base.is_dir():
+                private_dir(base)  # results are the tenants' data: the owner's only (0700)
         directory = self._job_dir(self.scratch, job_id)
         directory.mkdir(parents=True, exist_ok=True)
         return directory / _scratch_name(attempt, suffix)
@@ -143,6 +147,7 @@ class FileResultStore:
 def _install(scratch: Path, final: Path) -> None:
     """Make a finished scratch file the result: durable first, then visible all at once."""
     with open(scratch, "rb") as fh:
+        os.fchmod(fh.fileno(), 0o600)  # a handler wrote it with the process's umask
         os.fsync(fh.fileno())
     final.parent.mkdir(parents=True, exist_ok=True)
     try:

@@ -42,6 +42,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from herald.keyfiles import private_dir, private_file
+
 T = TypeVar("T")
 
 CHECKPOINT_INTERVAL_S = 0.25
@@ -97,9 +99,10 @@ class Database:
     async def open(self) -> None:
         if self._writer is not None:
             return
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(self.path.parent)
 
         def _open() -> None:
+            private_file(self.path)  # before SQLite makes it (and its -wal, -shm alike) 0644
             self._lock_fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
             self._writer = connect(self.path, check_same_thread=False)
             with self._write_lock():

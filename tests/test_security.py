@@ -1,0 +1,581 @@
+"""What the security review found (issue 23 §5, SPEC §10): no 500 from non-ASCII input, the
+SSRF guard's address forms, pages without CDN scripts, download headers, tenant names."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.harness import ADMIN_KEY, KEYS, Deployment, client, wait_for_state
+
+# ``²`` passes str.isdigit() but not int(); ``é`` is a letter outside ASCII; the bytes are no UTF-8.
+ODD_TEXT = ("²", "é", "1²", "٣")
+ODD_BYTES = (b"\xff\xfe", b"caf\xe9", "²".encode())
+
+
+def _b64(text: str) -> str:
+    return base64.urlsafe_b64encode(text.encode()).decode().rstrip("=")
+
+
+@dataclass
+class Target:
+    """Ids of real resources of tenant acme, so each route reaches its parsing."""
+
+    base: str
+    job_id: str
+    endpoint_id: str
+    ids: dict[str, str] = field(default_factory=dict)
+
+
+@pytest.fixture(scope="module")
+def target(herald: Deployment) -> Target:
+    with client(herald.url()) as acme:
+        job = acme.post("/reports", json={"title": "odd input", "pages": 1}).json()
+        wait_for_state(acme, job["id"], {"succeeded"})
+        hook = acme.post("/webhooks", json={"url": "http://127.0.0.1:9/hook"})
+        assert hook.status_code == 201, hook.text
+        return Target(herald.url(), job["id"], hook.json()["id"])
+
+
+def _assert_client_error(response: httpx.Response, what: str) -> None:
+    assert 400 <= response.status_code < 500, f"{what}: {response.status_code} {response.text[:300]}"
+    assert response.headers["content-type"].startswith("application/problem+json"), what
+
+
+def _cursor_values() -> list[str]:
+    # raw, base64 of a non-ASCII number, of a non-ASCII position, of bytes that are no UTF-8
+    return [*ODD_TEXT, _b64("²"), _b64(f"1²|{uuid.uuid4()}"), _b64(f"1.0|{uuid.uuid4()}é"),
+            base64.urlsafe_b64encode(b"\xff\xfe1").decode()]
+
+
+QUERY_CASES: list[tuple[str, str, str, dict[str, str]]] = [
+    # (path template, parameter, header set, extra query)
+    ("/webhooks", "limit", "acme", {}),
+    ("/webhooks", "cursor", "acme", {}),
+    ("/webhooks/{endpoint}/deliveries", "limit", "acme", {}),
+    ("/webhooks/{endpoint}/deliveries", "cursor", "acme", {}),
+    ("/webhooks/{endpoint}/deliveries", "status", "acme", {}),
+    ("/jobs", "limit", "acme", {}),
+    ("/jobs", "cursor", "acme", {}),
+    ("/jobs", "state", "acme", {}),
+    ("/jobs", "kind", "acme", {}),
+    ("/jobs/{job}", "wait", "acme", {}),
+    ("/events", "after", "json", {}),
+    ("/events", "limit", "json", {}),
+    ("/events", "wait", "json", {}),
+    ("/events", "kind", "json", {}),
+    ("/events", "exp", "none", {"sig": "x", "tenant": "acme"}),
+    ("/events", "sig", "none", {"exp": "9999999999", "tenant": "acme"}),
+    ("/events", "tenant", "none", {"exp": "9999999999", "sig": "x"}),
+    ("/reports/{job}", "exp", "none", {"sig": "x"}),
+    ("/reports/{job}", "sig", "none", {"exp": "9999999999"}),
+    ("/jobs/{job}/events", "exp", "none", {"sig": "x"}),
+    ("/jobs/{job}/events", "sig", "none", {"exp": "9999999999"}),
+    ("/webhooks/events", "exp", "none", {"sig": "x", "tenant": "acme"}),
+    ("/webhooks/events", "sig", "none", {"exp": "9999999999", "tenant": "acme"}),
+    ("/webhooks/events", "tenant", "none", {"exp": "9999999999", "sig": "x"}),
+    ("/jobs/{job}/output", "after", "acme", {}),
+    ("/jobs/{job}/output", "last_event_id", "sse", {}),
+    ("/jobs/{job}/output", "exp", "none", {"sig": "x"}),
+    ("/jobs/{job}/output", "sig", "none", {"exp": "9999999999"}),
+    ("/portal", "exp", "none", {}),
+    ("/admin/tenants", "limit", "admin", {}),
+    ("/admin/tenants", "cursor", "admin", {}),
+    ("/admin/audit", "limit", "admin", {}),
+    ("/admin/audit", "cursor", "admin", {}),
+]
+
+
+def _headers(which: str) -> dict[str, str]:
+    return {"acme": {"Authorization": f"Bearer {KEYS['acme']}"},
+            "json": {"Authorization": f"Bearer {KEYS['acme']}", "Accept": "application/json"},
+            "sse": {"Authorization": f"Bearer {KEYS['acme']}", "Accept": "text/event-stream"},
+            "admin": {"Authorization": f"Bearer {ADMIN_KEY}"},
+            "none": {}}[which]
+
+
+@pytest.mark.parametrize(("template", "name", "who", "extra"), QUERY_CASES,
+                         ids=[f"{c[0]}?{c[1]}" for c in QUERY_CASES])
+def test_non_ascii_query_parameters_are_client_errors(target: Target, template: str, name: str, who: str,
+                                                      extra: dict[str, str]) -> None:
+    path = template.format(job=target.job_id, endpoint=target.endpoint_id)
+    values = _cursor_values() if name == "cursor" else list(ODD_TEXT)
+    with httpx.Client(base_url=target.base, headers=_headers(who), timeout=20) as http:
+        for value in values:
+            response = http.get(path, params={**extra, name: value})
+            if path == "/portal":  # the page itself: the script reads its query
+                assert response.status_code == 200
+                continue
+            _assert_client_error(response, f"{path}?{name}={value!r}")
+
+
+def test_get_webhooks_with_a_superscript_limit_names_the_field(target: Target) -> None:
+    with client(target.base) as acme:
+        response = acme.get("/webhooks?limit=%C2%B2")
+    assert response.status_code == 400, response.text
+    assert "limit" in response.text
+
+
+def _raw_get(base: str, path: str, headers: list[tuple[bytes, bytes]]) -> httpx.Response:
+    with httpx.Client(base_url=base, timeout=20) as http:
+        request = http.build_request("GET", path)
+        request.headers = _with(request.headers, headers)
+        return http.send(request)
+
+
+def _with(defaults: httpx.Headers, headers: list[tuple[bytes, bytes]]) -> httpx.Headers:
+    """httpx's default headers, each one named in ``headers`` replaced by that raw value."""
+    names = {name for name, _ in headers}
+    return httpx.Headers([*((k, v) for k, v in defaults.raw if k.lower() not in names), *headers])
+
+
+@pytest.mark.parametrize("path", ["/jobs", "/webhooks", "/events", "/admin/tenants", "/reports/{job}", "/jobs/{job}/events"])
+def test_non_ascii_bearer_tokens_are_401(target: Target, path: str) -> None:
+    path = path.format(job=target.job_id)
+    tokens: list[bytes] = [t.encode() for t in ODD_TEXT] + list(ODD_BYTES)
+    tokens += [b"hps_" + t for t in tokens]
+    tokens += [f"hps_9999999999.{_b64('acme')}.k.{v}".encode() for v in ODD_TEXT]
+    tokens += [f"hps_{v}.{_b64('acme')}.k.sig".encode() for v in ODD_TEXT]
+    tokens += [f"hps_9999999999.{_b64(v)}.k.sig".encode() for v in ODD_TEXT]
+    tokens += [b"hps_9999999999." + base64.urlsafe_b64encode(b"\xff") + b".k.sig"]
+    tokens += [KEYS["acme"].encode() + b"\xe9", ADMIN_KEY.encode() + "é".encode(), ADMIN_KEY.encode() + b"\xff"]
+    for token in tokens:
+        response = _raw_get(target.base, path, [(b"authorization", b"Bearer " + token)])
+        assert response.status_code in (401, 403), f"{path} Bearer {token!r}: {response.status_code} {response.text[:300]}"
+        assert response.headers["content-type"].startswith("application/problem+json")
+
+
+def test_non_ascii_headers_never_500(target: Target) -> None:
+    auth = (b"authorization", f"Bearer {KEYS['acme']}".encode())
+    values = [v.encode() for v in ODD_TEXT] + list(ODD_BYTES)
+    for value in values:
+        cases = [
+            (f"/jobs/{target.job_id}", [auth, (b"if-none-match", value)]),
+            (f"/jobs/{target.job_id}?wait=1", [auth, (b"if-none-match", b'"' + value + b'"')]),
+            (f"/reports/{target.job_id}", [auth, (b"if-none-match", value)]),
+            ("/jobs", [auth, (b"x-request-id", value)]),
+            ("/jobs", [auth, (b"accept", value)]),
+            ("/events", [auth, (b"accept", b"application/json"), (b"last-event-id", value)]),
+        ]
+        for path, headers in cases:
+            response = _raw_get(target.base, path, headers)
+            assert response.status_code < 500, f"{path} {headers[-1]!r}: {response.status_code} {response.text[:300]}"
+        # A finished job's stream resumed from an odd id: answered (snapshot or 204), never a 500.
+        with httpx.Client(base_url=target.base, timeout=20) as http:
+            request = http.build_request("GET", f"/jobs/{target.job_id}/events")
+            request.headers = _with(request.headers, [auth, (b"last-event-id", value)])
+            response = http.send(request, stream=True)
+            try:
+                assert response.status_code in (200, 204), f"Last-Event-ID {value!r}: {response.status_code}"
+            finally:
+                response.close()
+
+
+def test_non_ascii_idempotency_keys_are_400(target: Target) -> None:
+    auth = (b"authorization", f"Bearer {KEYS['acme']}".encode())
+    for value in [v.encode() for v in ODD_TEXT] + list(ODD_BYTES):
+        with httpx.Client(base_url=target.base, timeout=20) as http:
+            request = http.build_request("POST", "/reports", json={"title": "odd key", "pages": 1})
+            request.headers = _with(request.headers, [auth, (b"idempotency-key", value)])
+            response = http.send(request)
+        _assert_client_error(response, f"Idempotency-Key {value!r}")
+        assert "Idempotency-Key" in response.text
+
+
+@pytest.mark.parametrize("field_name", ["tenant", "key", "exp", "sig"])
+def test_non_ascii_portal_session_fields_are_client_errors(target: Target, field_name: str) -> None:
+    good = {"tenant": "acme", "key": "k1", "exp": "9999999999", "sig": "c2ln"}
+    with httpx.Client(base_url=target.base, timeout=20) as http:
+        for value in ODD_TEXT:
+            response = http.post("/portal/session", json={**good, field_name: value})
+            _assert_client_error(response, f"{field_name}={value!r}")
+
+
+# ----- the SSRF guard (SPEC §7, §10) ------------------------------------------------------------
+
+REFUSED_HOSTS = [
+    "127.0.0.1", "10.0.0.1", "169.254.169.254", "[::1]", "[fe80::1]", "[fc00::1]",
+    # IPv6 forms that carry an IPv4 address (here loopback, or public 8.8.8.8: refused all the same)
+    "[::ffff:127.0.0.1]", "[::ffff:8.8.8.8]", "[::7f00:1]", "[64:ff9b::7f00:1]", "[64:ff9b::808:808]",
+    "[64:ff9b:1::7f00:1]", "[2002:7f00:1::1]", "[2002:808:808::1]", "[2001:0:4136:e378:8000:63bf:3fff:fdd2]",
+    # hosts written as numbers: 127.0.0.1, 10.0.0.1, 169.254.169.254
+    "2130706433", "127.1", "0x7f.1", "0x7f000001", "0177.0.0.1", "017700000001", "127.0.0.1.", "10.1",
+    "0xa9.0xfe.0xa9.0xfe", "2852039166",
+    # not addresses at all, though numeric
+    "1.2.3.999", "1.2.3.4.5",
+    # names: local, and one that does not resolve (the same answer: no probing of names)
+    "localhost", "api.localhost", "no-such-host.invalid",
+]
+
+
+@pytest.fixture(scope="module")
+def strict(herald: Deployment) -> Iterator[str]:
+    """A gateway of the shared deployment with the SSRF guard on (no HERALD_WEBHOOK_ALLOW_PRIVATE)."""
+    base = herald.start_gateway("security-strict", HERALD_WEBHOOK_ALLOW_PRIVATE="0")
+    try:
+        yield base
+    finally:
+        herald.kill("security-strict", signal.SIGTERM)
+
+
+@pytest.mark.parametrize("host", REFUSED_HOSTS)
+def test_webhook_urls_to_non_public_addresses_are_refused(strict: str, host: str) -> None:
+    with client(strict) as acme:
+        response = acme.post("/webhooks", json={"url": f"https://{host}/hook"})
+        assert response.status_code == 400, f"{host}: {response.status_code} {response.text}"
+        errors = response.json()["errors"]
+        assert errors == [{"field": "url", "message": "must resolve to a public address"}] or \
+            (errors[0]["field"] == "url" and host in ("1.2.3.999", "1.2.3.4.5")), errors
+        # the same guard for a job's callback_url, and for a PATCH
+        started = acme.post("/reports", json={"title": "x", "pages": 1, "callback_url": f"https://{host}/cb"})
+        assert started.status_code == 400 and started.json()["errors"][0]["field"] == "callback_url", started.text
+
+
+def test_public_addresses_pass_however_written(strict: str) -> None:
+    """Positive control: the guard judges the address a number denotes, not its spelling."""
+    with client(strict) as acme:
+        for host in ("1.1.1.1", "16843009", "0x1.0x1.0x1.0x1", "1.65793", "[2606:4700:4700::1111]"):
+            response = acme.post("/webhooks", json={"url": f"https://{host}/hook"})
+            assert response.status_code == 201, f"{host}: {response.text}"
+            patched = acme.patch(f"/webhooks/{response.json()['id']}", json={"url": "https://0x7f.1/hook"})
+            assert patched.status_code == 400, patched.text
+            assert acme.delete(f"/webhooks/{response.json()['id']}").status_code == 204
+
+
+class _Listener:
+    """A real HTTP receiver on 127.0.0.1 that counts the requests it gets."""
+
+    def __init__(self) -> None:
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        hits: list[str] = []
+        self.hits = hits
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length", 0)))
+                hits.append(self.path)
+                self.send_response(204)
+                self.end_headers()
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.server.server_address[1]
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_delivery_dials_the_address_a_numeric_host_denotes() -> None:
+    """At delivery the guard judges a numeric host as its address, and the connection goes to
+    that address: refused with the guard on (no request arrives), delivered to 127.0.0.1 with
+    it off (the number was dialled as the address that was judged)."""
+    from notifier.delivery import Sender
+
+    listener = _Listener()
+
+    async def attempt(url: str, *, allow_private: bool) -> Any:
+        async with Sender(allow_private=allow_private) as sender:
+            return await sender.send(url, b"{}", {})
+
+    try:
+        for host in ("2130706433", "127.1", "0x7f.1", "0177.0.0.1", "[::ffff:127.0.0.1]"):
+            outcome = asyncio.run(attempt(f"https://{host}:{listener.port}/guarded", allow_private=False))
+            assert outcome.status_code is None and "refused by the SSRF guard" in (outcome.error or ""), (host, outcome)
+        assert listener.hits == []
+        for host in ("2130706433", "127.1", "0x7f.1", "0177.0.0.1"):
+            outcome = asyncio.run(attempt(f"http://{host}:{listener.port}/open", allow_private=True))
+            assert outcome.status_code == 204, (host, outcome)
+        assert listener.hits == ["/open"] * 4
+    finally:
+        listener.close()
+
+
+# ----- downloads (SPEC §6, §10) -------------------------------------------------------------------
+
+
+def _max_age(cache_control: str) -> int | None:
+    for directive in (d.strip() for d in cache_control.split(",")):
+        if directive.startswith("max-age="):
+            return int(directive.removeprefix("max-age="))
+    return None
+
+
+def test_downloads_are_nosniff_and_cached_no_longer_than_their_signature(target: Target) -> None:
+    with client(target.base) as acme:
+        status = acme.get(f"/jobs/{target.job_id}", follow_redirects=False).json()
+        bearer = acme.get(f"/reports/{target.job_id}")
+        assert bearer.status_code == 200
+        assert bearer.headers["x-content-type-options"] == "nosniff"
+        directives = {d.strip() for d in bearer.headers["cache-control"].split(",")}
+        assert "private" in directives and ("no-cache" in directives or (_max_age(bearer.headers["cache-control"]) or 0) == 0), \
+            bearer.headers["cache-control"]
+        again = acme.get(f"/reports/{target.job_id}", headers={"If-None-Match": bearer.headers["etag"]})
+        assert again.status_code == 304 and again.headers["cache-control"] == bearer.headers["cache-control"]
+    signed_url = status["links"]["result"]
+    exp = int(httpx.URL(signed_url).params["exp"])
+    for headers in ({}, {"If-None-Match": bearer.headers["etag"]}):
+        before = time.time()
+        signed = httpx.get(target.base + signed_url, headers=headers, timeout=20)
+        assert signed.status_code in (200, 304)
+        assert signed.headers["x-content-type-options"] == "nosniff"
+        cache_control = signed.headers["cache-control"]
+        assert "public" not in cache_control and "private" in cache_control, cache_control
+        max_age = _max_age(cache_control)
+        assert max_age is not None and 0 < max_age <= exp - before + 1, (cache_control, exp - before)
+
+
+def test_every_answer_is_nosniff(target: Target) -> None:
+    with client(target.base) as acme:
+        for path in ("/schema/openapi.json", "/metrics", "/healthz", "/jobs", f"/jobs/{uuid.uuid4()}", "/static/app.js", "/"):
+            response = acme.get(path)
+            assert response.headers.get("x-content-type-options") == "nosniff", path
+        assert httpx.get(target.base + "/jobs").headers.get("x-content-type-options") == "nosniff"  # a 401
+
+
+# ----- tenant names (SPEC §12) ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tenant", ["a.b", "acme.*", "events.>", "Acme", "we are", "über", "-x", "x" * 64, "ac\tme"])
+def test_a_gateway_refuses_api_keys_for_tenant_names_that_are_no_ids(tmp_path: Path, tenant: str) -> None:
+    """A tenant becomes part of NATS subjects: HERALD_API_KEYS takes only the ids the admin API does."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS=f"good:key-1,{tenant}:key-2", HERALD_DATA_DIR=str(tmp_path),
+               HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT="9")
+    run = subprocess.run([sys.executable, "-m", "herald.cli", "gateway"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode != 0
+    assert "HERALD_API_KEYS" in run.stderr and repr(tenant) in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+def test_the_admin_api_refuses_a_tenant_id_with_a_trailing_newline(target: Target) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for bad in ("acme2\n", "acme2\r\n", "a.b", "A"):
+        response = httpx.post(target.base + "/admin/tenants", json={"id": bad}, headers=admin, timeout=20)
+        assert response.status_code == 400, (bad, response.text)
+        assert response.json()["errors"][0]["field"] == "id"
+
+
+def test_the_event_stream_link_carries_the_tenant_as_a_query_value(target: Target) -> None:
+    with client(target.base) as acme:
+        for path in ("/events/link", "/webhooks/events/link"):
+            link = acme.post(path).json()["url"]
+            url = httpx.URL(link)
+            assert url.params["tenant"] == "acme" and set(url.params) == {"exp", "sig", "tenant"}, link
+            with httpx.stream("GET", target.base + link, timeout=20) as stream:
+                assert stream.status_code == 200, link
+
+
+# ----- internal services need credentials; files are the owner's (issue 23 §5) ------------------
+
+
+async def _nats_refuses(url: str) -> bool:
+    import nats
+
+    try:
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+    except Exception as exc:  # noqa: BLE001  (nats-py raises the server's -ERR as several types)
+        return "authorization" in repr(exc).lower()
+    await nc.close()
+    return False
+
+
+async def _nats_accepts(settings_env: dict[str, str]) -> bool:
+    """Connect the way every Herald process does (herald.jetstream.connect, from settings)."""
+    from herald import jetstream
+    from herald.settings import Settings
+
+    nc = await jetstream.connect(Settings.from_env(settings_env), name="test")
+    try:
+        await nc.jetstream().account_info()
+        return True
+    finally:
+        await nc.close()
+
+
+def _mode(path: Path) -> int:
+    return path.stat().st_mode & 0o777
+
+
+def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_path: Path) -> None:
+    from tests.harness import free_port, wait_until
+
+    port, nats_port, data = free_port(), free_port(), tmp_path / "var"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS="acme:up-key", HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port),
+               HERALD_DATA_DIR=str(data), HERALD_REPORT_PAGE_MS="20", HERALD_LOG_LEVEL="warning")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below)
+    up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log,
+                          start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        def healthy() -> bool:
+            try:
+                return httpx.get(base + "/readyz", timeout=2).status_code == 200
+            except httpx.HTTPError:
+                return False
+
+        wait_until(healthy, timeout=60, interval=0.2, what="herald up ready")
+        # A client without credentials, or with wrong ones, is turned away ...
+        assert asyncio.run(_nats_refuses(f"nats://127.0.0.1:{nats_port}"))
+        assert asyncio.run(_nats_refuses(f"nats://herald:guess@127.0.0.1:{nats_port}"))
+        # ... while the generated ones (kept in the 0600 config only) open it, as the children do.
+        conf = data / "nats-server.conf"
+        assert _mode(conf) == 0o600
+        password = next(line.split('"')[1] for line in conf.read_text().splitlines() if "password" in line)
+        assert len(password) >= 32 and password not in (tmp_path / "up.log").read_text(errors="replace")
+        assert asyncio.run(_nats_accepts({"HERALD_NATS_URL": f"nats://herald:{password}@127.0.0.1:{nats_port}"}))
+
+        with httpx.Client(base_url=base, headers={"Authorization": "Bearer up-key"}, timeout=20) as http:
+            job = http.post("/reports", json={"title": "private", "pages": 1}).json()
+            wait_for_state(http, job["id"], {"succeeded"}, timeout=60)
+        # Everything Herald keeps is its owner's alone.
+        assert _mode(data) == 0o700
+        for name in ("herald.db", "herald.db-wal", "herald.db-shm", "admin.key", "secret.key"):
+            if (data / name).exists() or name in ("herald.db", "admin.key", "secret.key"):
+                assert _mode(data / name) == 0o600, name
+        assert _mode(data / "results") == 0o700
+        results = [p for p in (data / "results").rglob("*") if p.is_file()]
+        assert results and all(_mode(p) == 0o600 for p in results), [(p, oct(_mode(p))) for p in results]
+        assert _mode(data / "nats") == 0o700
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        log.close()
+
+
+def test_external_nats_credentials_come_from_the_url_or_a_creds_file(tmp_path: Path) -> None:
+    from herald.jetstream import auth_options
+    from herald.settings import Settings, SettingsError, redact_url
+
+    url = "nats://herald:s%40cret@10.0.0.1:4222,nats://10.0.0.2:4222"
+    settings = Settings.from_env({"HERALD_NATS_URL": url})
+    assert auth_options(settings) == {"user": "herald", "password": "s@cret"}  # for the announced servers too
+    assert auth_options(Settings.from_env({"HERALD_NATS_URL": "nats://tok@10.0.0.1:4222"})) == {"token": "tok"}
+    assert "s%40cret" not in repr(settings) and "s%40cret" not in redact_url(url)
+    assert redact_url(url) == "nats://herald:***@10.0.0.1:4222,nats://10.0.0.2:4222"
+    creds = tmp_path / "herald.creds"
+    creds.write_text("-----BEGIN NATS USER JWT-----\n")
+    assert auth_options(Settings.from_env({"HERALD_NATS_CREDS": str(creds)})) == {"user_credentials": str(creds)}
+    with pytest.raises(SettingsError, match="HERALD_NATS_CREDS"):
+        Settings.from_env({"HERALD_NATS_CREDS": str(tmp_path / "missing.creds")})
+
+
+# ----- pages load nothing from elsewhere (SPEC §10) -------------------------------------------------
+
+HTML_PAGES = ["/", "/portal", "/schema", "/schema/", "/schema/swagger", "/schema/redoc", "/schema/rapidoc",
+              "/schema/elements", "/schema/stoplight", "/schema/scalar", "/schema/oauth2-redirect.html"]
+
+
+class _Sources(HTMLParser):
+    """Every URL a page loads: script src, link href, img/iframe src, and any inline script."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.urls: list[str] = []
+        self.inline_scripts = 0
+        self._in_script_without_src = False
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        values = dict(attrs)
+        if tag == "script":
+            if values.get("src"):
+                self.urls.append(values["src"] or "")
+            else:
+                self._in_script_without_src = True
+        elif tag == "link" and values.get("href"):
+            self.urls.append(values["href"] or "")
+        elif tag in ("img", "iframe", "embed", "source") and values.get("src"):
+            self.urls.append(values["src"] or "")
+
+    def handle_data(self, data: str) -> None:
+        if self._in_script_without_src and data.strip():
+            self.inline_scripts += 1
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag == "script":
+            self._in_script_without_src = False
+
+
+def test_every_html_page_loads_only_herald_s_own_files_under_a_csp(target: Target) -> None:
+    with httpx.Client(base_url=target.base, timeout=20) as anonymous:
+        for path in HTML_PAGES:
+            page = anonymous.get(path, follow_redirects=True)
+            if not page.headers.get("content-type", "").startswith("text/html"):
+                assert page.status_code == 404, path
+                continue
+            sources = _Sources()
+            sources.feed(page.text)
+            assert sources.inline_scripts == 0, f"{path}: inline script"
+            for url in sources.urls:
+                assert url.startswith("/") and not url.startswith("//"), f"{path} loads {url}"
+                asset = anonymous.get(url)
+                assert asset.status_code == 200, f"{path}: {url} -> {asset.status_code}"
+                assert asset.headers["x-content-type-options"] == "nosniff"
+            if page.status_code == 200:
+                policy = page.headers.get("content-security-policy", "")
+                directives = {d.strip().split(" ")[0]: d.strip() for d in policy.split(";") if d.strip()}
+                assert directives.get("default-src") == "default-src 'none'", f"{path}: {policy!r}"
+                assert directives.get("script-src") == "script-src 'self'", f"{path}: {policy!r}"
+                assert "unsafe-inline" not in policy and "http" not in policy, f"{path}: {policy!r}"
+        browser_page = anonymous.get("/schema")
+        assert browser_page.status_code == 200 and "/schema/assets/swagger-ui-bundle.js" in browser_page.text
+        assert anonymous.get("/schema/assets/index.html").status_code == 404  # only the two files used
+        assert anonymous.get("/schema/openapi.json").json()["openapi"].startswith("3.")
+
+
+def test_the_api_browser_renders_every_operation_with_no_csp_violation(target: Target) -> None:
+    """/schema in real headless Chromium: Swagger UI (served by Herald) shows the document's
+    operations; the CSP blocks nothing it needs, and no request leaves the origin."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    chromium_path = shutil.which("chromium")
+    if chromium_path is None:
+        pytest.skip("Debian chromium is not installed (make browser-deps)")
+    document = httpx.get(target.base + "/schema/openapi.json", timeout=20).json()
+    operations = {op["operationId"] for item in document["paths"].values() for op in item.values()
+                  if isinstance(op, dict) and "operationId" in op}
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium_path, headless=True, args=[
+            "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--disable-background-networking",
+            "--disable-component-update", "--disable-sync", "--no-first-run"])
+        try:
+            page = browser.new_page()
+            problems: list[str] = []
+            requested: list[str] = []
+            page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+            page.on("pageerror", lambda e: problems.append(str(e)))
+            page.on("request", lambda r: requested.append(r.url))
+            page.goto(target.base + "/schema")
+            page.wait_for_selector(".opblock", timeout=30_000)
+            shown = page.locator(".opblock").count()
+            assert shown >= len(operations) - 5, (shown, len(operations))
+            assert not [p for p in problems if "Content Security Policy" in p or "Refused" in p], problems
+            assert all(u.startswith(target.base) or u.startswith("data:") for u in requested), requested
+        finally:
+            browser.close()
