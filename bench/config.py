@@ -30,6 +30,9 @@ class Sizes:
     fair_jobs: int  # fair share's cost: this many trivial jobs from 1 tenant, then spread over fair_tenants
     fair_tenants: int
     fair_rounds: int  # 1 tenant, then spread, this many times (each pair's ratio; their median)
+    output_readers: int  # SSE readers of one job's streamed output
+    output_chunks: int  # chunks that job emits, at output_rate per second
+    output_rate: float
     wait_s: float  # how long a scenario waits for deliveries before calling them lost
 
 
@@ -57,6 +60,9 @@ FULL = Sizes(
     fair_jobs=600,
     fair_tenants=10,
     fair_rounds=5,
+    output_readers=100,
+    output_chunks=10_000,
+    output_rate=1000,
     wait_s=60,
 )
 
@@ -84,5 +90,8 @@ SMOKE = Sizes(
     fair_jobs=20,
     fair_tenants=10,
     fair_rounds=1,
+    output_readers=10,
+    output_chunks=300,
+    output_rate=1000,
     wait_s=30,
 )

@@ -10,11 +10,17 @@ begins and with which status.
 The parent drives the processes over pipes: open every connection and wait until each is
 ready (its first ``ready_frames`` frames arrived: Herald's ``retry:`` line, and the
 snapshot on a job stream), count how many have seen *k* events, collect, close.
+
+With ``stamps``, each data frame's JSON is read as ``{"i": <number>, "t": <wall clock when
+made>}`` (the output scenario's chunks): a connection keeps the numbers, the stamps and the
+arrival times in arrays (compact enough for 100 readers of 10 000 chunks each), and the
+event type of any other frame (the stream's terminal event).
 """
 
 from __future__ import annotations
 
 import asyncio
+import array
 import multiprocessing
 import multiprocessing.connection
 import resource
@@ -23,14 +29,30 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+import msgspec
+
 _CTX = multiprocessing.get_context("spawn")
 CONNECT_CONCURRENCY = 64
 
 
+class _Stamp(msgspec.Struct):
+    i: int
+    t: float
+
+
+_stamp_decoder = msgspec.json.Decoder(_Stamp)
+
+
 class Subscriber(asyncio.Protocol):
-    def __init__(self, request: bytes, mode: str, ready_frames: int, keep_frames: bool = False) -> None:
+    def __init__(self, request: bytes, mode: str, ready_frames: int, keep_frames: bool = False,
+                 stamps: bool = False) -> None:
         self.request = request
         self.keep_frames = keep_frames
+        self.stamps = stamps
+        self.ids = array.array("q")  # with stamps: each stamped frame's number, its stamp, its arrival
+        self.stamped = array.array("d")
+        self.arrived = array.array("d")
+        self.events: list[str] = []  # with stamps: the event type of every other data frame
         self.kept: list[tuple[float, bytes]] = []
         self.mode = mode  # "sse" or "longpoll"
         self.ready_frames = ready_frames
@@ -45,6 +67,7 @@ class Subscriber(asyncio.Protocol):
         self.answered_at: float | None = None
         self.ready = asyncio.get_running_loop().create_future()
         self.closed = False
+        self.finished = False  # the response's body ended (its last chunk came)
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
@@ -90,10 +113,37 @@ class Subscriber(asyncio.Protocol):
             if self.frames <= self.ready_frames:
                 if self.frames == self.ready_frames and not self.ready.done():
                     self.ready.set_result(True)
+            elif self.stamps:
+                self._stamp(frame, now)
             elif frame.startswith(b"data:") or b"\ndata:" in frame:
                 self.times.append(now)
                 if self.keep_frames:
                     self.kept.append((now, frame))
+
+    @property
+    def received(self) -> int:
+        return len(self.ids) if self.stamps else len(self.times)
+
+    def _stamp(self, frame: bytes, now: float) -> None:
+        event, data = b"message", None
+        for line in frame.split(b"\n"):
+            if line.startswith(b"data:"):
+                data = line[5:].lstrip()
+            elif line.startswith(b"event:"):
+                event = line[6:].strip()
+        if data is None:
+            return
+        if event in (b"output", b"message"):
+            try:
+                stamp = _stamp_decoder.decode(data)
+            except msgspec.DecodeError:
+                pass
+            else:
+                self.ids.append(stamp.i)
+                self.stamped.append(stamp.t)
+                self.arrived.append(now)
+                return
+        self.events.append(event.decode(errors="replace"))
 
     def _dechunk(self) -> None:
         if not self.chunked:
@@ -109,6 +159,7 @@ class Subscriber(asyncio.Protocol):
                 del self.buffer[: end + 2]
                 self.chunk_left = size if size else -3
                 if size == 0:
+                    self.finished = True
                     return
             elif self.chunk_left == -2:
                 if len(self.buffer) < 2:
@@ -140,7 +191,8 @@ async def _open_all(spec: dict[str, Any]) -> list[Subscriber]:
         async with gate:
             try:
                 _transport, sub = await loop.create_connection(
-                    lambda: Subscriber(spec["request"], spec["mode"], spec["ready_frames"], spec["keep_frames"]),
+                    lambda: Subscriber(spec["request"], spec["mode"], spec["ready_frames"], spec["keep_frames"],
+                                   spec["stamps"]),
                     "127.0.0.1", spec["port"])
             except OSError:
                 return
@@ -175,8 +227,11 @@ def _child(pipe: multiprocessing.connection.Connection, spec: dict[str, Any]) ->
             if name == "count":
                 k = command[1]
                 if spec["mode"] == "sse":
-                    return sum(1 for s in subs if len(s.times) >= k)
+                    return sum(1 for s in subs if s.received >= k)
                 return sum(1 for s in subs if s.answered_at is not None)
+            if name == "settled":  # has k data frames (or, with ``ended``, its body ended), or was closed
+                k, ended = command[1], command[2]
+                return sum(1 for s in subs if s.closed or s.finished or (not ended and s.received >= k))
             usage = resource.getrusage(resource.RUSAGE_SELF)
             if name == "cpu":
                 return usage.ru_utime + usage.ru_stime
@@ -184,6 +239,8 @@ def _child(pipe: multiprocessing.connection.Connection, spec: dict[str, Any]) ->
                 return {
                     "times": [list(s.times) for s in subs],
                     "frames": [list(s.kept) for s in subs],
+                    "stamps": [(s.ids.tobytes(), s.stamped.tobytes(), s.arrived.tobytes(), s.events) for s in subs]
+                    if spec["stamps"] else [],
                     "answered": [s.answered_at for s in subs],
                     "statuses": [s.status for s in subs],
                     "open": sum(1 for s in subs if not s.closed),
@@ -216,9 +273,28 @@ def _child(pipe: multiprocessing.connection.Connection, spec: dict[str, Any]) ->
 
 
 @dataclass
+class Stamps:
+    """What one connection read with ``stamps``: per stamped frame its number, stamp and arrival."""
+
+    ids: array.array[int]
+    stamped: array.array[float]
+    arrived: array.array[float]
+    events: list[str]  # the event types of the other data frames, in order
+
+    @classmethod
+    def of(cls, raw: tuple[bytes, bytes, bytes, list[str]]) -> Stamps:
+        ids, stamped, arrived = array.array("q"), array.array("d"), array.array("d")
+        ids.frombytes(raw[0])
+        stamped.frombytes(raw[1])
+        arrived.frombytes(raw[2])
+        return cls(ids, stamped, arrived, raw[3])
+
+
+@dataclass
 class Result:
     times: list[list[float]]  # per connection: arrival of each data frame after ready
     frames: list[list[tuple[float, bytes]]]  # per connection, with keep_frames: (arrival, frame)
+    stamps: list[Stamps]  # per connection, with stamps
     answered: list[float | None]  # long polls: when the answer began
     statuses: list[int | None]
     cpu_s: float
@@ -229,7 +305,8 @@ class Subscribers:
     """``n`` connections sending ``request`` to 127.0.0.1:``port``, over ``processes`` processes."""
 
     def __init__(self, port: int, request: bytes, n: int, *, mode: str = "sse", ready_frames: int = 0,
-                 processes: int | None = None, timeout_s: float = 60.0, keep_frames: bool = False) -> None:
+                 processes: int | None = None, timeout_s: float = 60.0, keep_frames: bool = False,
+                 stamps: bool = False) -> None:
         self.n = n
         self.mode = mode
         if processes is None:
@@ -240,7 +317,7 @@ class Subscribers:
         for index in range(processes):
             share = n // processes + (1 if index < n % processes else 0)
             spec = {"port": port, "request": request, "n": share, "mode": mode, "ready_frames": ready_frames,
-                    "timeout_s": timeout_s, "keep_frames": keep_frames}
+                    "timeout_s": timeout_s, "keep_frames": keep_frames, "stamps": stamps}
             parent, child = _CTX.Pipe()
             proc = _CTX.Process(target=_child, args=(child, spec), daemon=True)
             proc.start()
@@ -269,6 +346,11 @@ class Subscribers:
     def count(self, k: int = 1) -> int:
         return sum(self._ask("count", k))
 
+    def settled(self, k: int, ended: bool = False) -> int:
+        """How many connections are done: closed, their response ended, or (unless ``ended``)
+        with at least ``k`` data frames."""
+        return sum(self._ask("settled", k, ended))
+
     def wait_count(self, k: int, target: int, timeout: float) -> int:
         deadline = time.monotonic() + timeout
         seen = self.count(k)
@@ -285,6 +367,7 @@ class Subscribers:
         return Result(
             times=[t for a in answers for t in a["times"]],
             frames=[f for a in answers for f in a["frames"]],
+            stamps=[Stamps.of(raw) for a in answers for raw in a["stamps"]],
             answered=[t for a in answers for t in a["answered"]],
             statuses=[s for a in answers for s in a["statuses"]],
             cpu_s=sum(a["cpu_s"] for a in answers),

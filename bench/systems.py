@@ -147,9 +147,13 @@ class Herald:
     def gateways(self) -> dict[str, Proc]:
         return {name: proc for name, proc in self.processes.items() if name.startswith("gateway")}
 
-    def start_worker(self, name: str = "worker", **extra: str) -> Proc:
+    def start_worker(self, name: str = "worker", *, wait: bool = True, **extra: str) -> Proc:
+        """A worker; with ``wait=False`` it is only spawned (``worker_ready`` waits for it), so that
+        it starts beside another process (spawn from the bench's main thread: a child dies with
+        the thread that started it)."""
         proc = self._spawn(name, "worker", self.env(**extra))
-        wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready", proc=proc)
+        if wait:
+            self.worker_ready(proc)
         return proc
 
     def start_workers(self, workers: Mapping[str, Mapping[str, str]]) -> list[Proc]:
@@ -159,6 +163,8 @@ class Herald:
             wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{name} ready",  # noqa: B023
                        proc=proc)
         return procs
+    def worker_ready(self, proc: Proc) -> None:
+        wait_until(lambda: "worker ready" in proc.log_text(), timeout=30, what=f"{proc.name} ready", proc=proc)
 
     def start_notifier(self, name: str = "notifier") -> Proc:
         proc = self._spawn(name, "notifier", self.env())

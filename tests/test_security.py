@@ -22,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from herald.settings import Settings, SettingsError
 from tests.harness import ADMIN_KEY, KEYS, Deployment, client, wait_for_state
 
 # ``²`` passes str.isdigit() but not int(); ``é`` is a letter outside ASCII; the bytes are no UTF-8.
@@ -357,9 +358,19 @@ def test_every_answer_is_nosniff(target: Target) -> None:
 # ----- tenant names (SPEC §12) ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tenant", ["a.b", "acme.*", "events.>", "Acme", "we are", "über", "-x", "x" * 64, "ac\tme"])
-def test_a_gateway_refuses_api_keys_for_tenant_names_that_are_no_ids(tmp_path: Path, tenant: str) -> None:
+BAD_TENANT_NAMES = ["a.b", "acme.*", "events.>", "Acme", "we are", "über", "-x", "x" * 64, "ac\tme"]
+
+
+@pytest.mark.parametrize("tenant", BAD_TENANT_NAMES)
+def test_api_keys_for_tenant_names_that_are_no_ids_are_refused(tenant: str) -> None:
     """A tenant becomes part of NATS subjects: HERALD_API_KEYS takes only the ids the admin API does."""
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env({"HERALD_API_KEYS": f"good:key-1,{tenant}:key-2"})
+    assert "HERALD_API_KEYS" in str(refused.value) and repr(tenant) in str(refused.value)
+
+
+def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -> None:
+    tenant = BAD_TENANT_NAMES[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
     env.update(HERALD_API_KEYS=f"good:key-1,{tenant}:key-2", HERALD_DATA_DIR=str(tmp_path),
                HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT="9")

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from bench.scenario import Context, Outcome
-from bench.scenarios import accept, e2e, longpoll, noisy, poll, sse, webhooks
+from bench.scenarios import accept, e2e, longpoll, noisy, output, poll, sse, webhooks
 
 SCENARIOS: dict[str, Callable[[Context], Outcome]] = {
     "accept": accept.run,
@@ -15,6 +15,7 @@ SCENARIOS: dict[str, Callable[[Context], Outcome]] = {
     "webhooks": webhooks.run,
     "e2e": e2e.run,
     "noisy": noisy.run,
+    "output": output.run,
 }
 
 # Scenarios that also run on `herald up --cluster` (``--shape cluster``).

@@ -148,6 +148,11 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
                 ended = item.frame
             elif item is RESYNC:
                 ended = await _terminal_frame(svc, job.id)
+            if ended is not None:
+                # The end can overtake a backlog of live chunks: the rest comes from JetStream,
+                # so this stream leaves the hub now (live chunks piling up meanwhile would
+                # overflow its queue and count it as a slow reader dropped).
+                svc.hub.unsubscribe(subscriber)
             async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
                 yield _chunk_frame(chunk)
                 last, seq = chunk.n, max(seq, chunk.seq)
