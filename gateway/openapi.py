@@ -61,10 +61,16 @@ def problems(*codes: int) -> dict[int, ResponseSpec]:
     }
 
 
+# The Structs that hand-read bodies nest (a tenant's LimitsPatch, say): with_body refers to
+# them under #/components/schemas, and complete_document puts them there.
+_NESTED_SCHEMAS: dict[str, Any] = {}
+
+
 def with_body(struct: type[msgspec.Struct], description: str) -> type[Operation]:
     """An ``operation_class`` whose request body is ``struct`` as JSON (for hand-read bodies)."""
-    _refs, components = msgspec.json.schema_components([struct])
-    schema = components[struct.__name__]
+    _refs, components = msgspec.json.schema_components([struct], ref_template="#/components/schemas/{name}")
+    schema = components.pop(struct.__name__)
+    _NESTED_SCHEMAS.update(components)
 
     @dataclass
     class WithBody(Operation):
@@ -118,6 +124,8 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     schemas = openapi.components.schemas if openapi.components.schemas is not None else {}
     # Plain JSON Schema dicts serialise as they are.
     schemas.update(components)  # type: ignore[arg-type]
+    for name, nested in _NESTED_SCHEMAS.items():
+        schemas.setdefault(name, nested)  # type: ignore[arg-type]
     openapi.components.schemas = schemas
     binary = Schema(type=OpenAPIType.STRING, format="binary")  # type: ignore[arg-type]
 

@@ -77,7 +77,8 @@ class TenantList(msgspec.Struct, kw_only=True):
 class KeyCreate(_Body, kw_only=True):
     """``POST /admin/tenants/{id}/keys``."""
 
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=100)]
+    # No control characters: a name is shown in tables and logs, and PostgreSQL text holds no NUL.
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=100, pattern="^[^\\x00-\\x1f\\x7f]+$(?!\\n)")]
     scopes: Annotated[list[Scope], msgspec.Meta(min_length=1, max_length=3)] | None = None  # None: every scope
     expires_at: Annotated[datetime, msgspec.Meta(tz=True, description="RFC 3339 time with an offset")] | None = None
 

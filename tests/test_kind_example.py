@@ -1,8 +1,9 @@
 """The worked example (examples/wordfreq) as a user runs it: pip install it beside Herald,
 ``herald up``, start a job through the HTTP API, read its JSON result.
 
-The package is installed into this venv for the module and uninstalled at its end, so
-the other tests see Herald's own kinds only.
+The package is installed (``pip install --target``) into a directory of the module's own
+that only this test's ``herald up`` has on its path: the venv the other tests run from,
+several at once, never sees a package half installed or half removed.
 """
 
 from __future__ import annotations
@@ -32,21 +33,21 @@ def _pip(*argv: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def wordfreq_installed() -> Iterator[None]:
-    _pip("install", "--quiet", "--no-deps", "-e", str(EXAMPLE))
-    try:
-        yield
-    finally:
-        _pip("uninstall", "--quiet", "-y", "herald-wordfreq")
-        shutil.rmtree(EXAMPLE / "herald_wordfreq.egg-info", ignore_errors=True)
+def wordfreq_installed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    target = tmp_path_factory.mktemp("site")
+    build = tmp_path_factory.mktemp("build")
+    copy = build / "wordfreq"
+    shutil.copytree(EXAMPLE, copy)  # pip builds in the source tree: leave the checkout clean
+    _pip("install", "--quiet", "--no-deps", "--target", str(target), str(copy))
+    yield target
 
 
 @pytest.fixture()
-def up(wordfreq_installed: None, tmp_path: Path) -> Iterator[str]:
+def up(wordfreq_installed: Path, tmp_path: Path) -> Iterator[str]:
     port, nats_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "PROMETHEUS_"))}
     env.update(HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"),
-               HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}")
+               HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}", PYTHONPATH=str(wordfreq_installed))
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
     # From another directory than the checkout: the kind is found as an installed package.
     process = subprocess.Popen([str(Path(sys.executable).parent / "herald"), "up"], env=env, stdout=log, stderr=log,

@@ -590,3 +590,24 @@ def test_the_api_browser_renders_every_operation_with_no_csp_violation(target: T
             assert all(u.startswith(target.base) or u.startswith("data:") for u in requested), requested
         finally:
             browser.close()
+
+
+@pytest.mark.parametrize(("path", "body", "field"), [
+    ("/webhooks", {"url": "http://127.0.0.1:9/a\u0000b"}, "url"),
+    ("/webhooks", {"url": "http://127.0.0.1:9/a\nb"}, "url"),
+    ("/exports", {"format": "csv", "rows": 1, "callback_url": "http://127.0.0.1:9/\u0000"}, "callback_url"),
+])
+def test_control_characters_in_urls_are_named_400s(target: Target, path: str, body: dict[str, Any], field: str) -> None:
+    """A NUL in a URL once reached PostgreSQL (which stores no NUL in text) and came back a 500."""
+    with client(target.base) as http:
+        answer = http.post(path, json=body)
+    assert answer.status_code == 400, answer.text
+    assert [e["field"] for e in answer.json()["errors"]] == [field]
+
+
+def test_control_characters_in_a_key_name_are_a_named_400(target: Target) -> None:
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    for name in ("a\u0000b", "line\n", "tab\there"):
+        answer = httpx.post(target.base + "/admin/tenants/acme/keys", json={"name": name}, headers=admin, timeout=10)
+        assert answer.status_code == 400, (name, answer.text)
+        assert answer.json()["errors"][0]["field"] == "name"
