@@ -13,8 +13,6 @@ nats-server, gateway, worker and notifier processes, real receivers on 127.0.0.1
 
 from __future__ import annotations
 
-import selectors
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -24,6 +22,7 @@ from typing import Any
 import httpx
 import pytest
 
+from bench.hanging import HangingReceivers
 from tests.harness import Deployment, client, free_port, new_database, wait_until
 from tests.test_webhooks import Hit, Receiver, register
 
@@ -35,76 +34,15 @@ QUIET_JOBS = 5
 QUIET_LAG_LIMIT_S = 3.0
 
 
-class HangingServer:
-    """``count`` listening sockets on 127.0.0.1 that accept every connection, read what is
-    sent and never answer: receivers that hang."""
-
-    def __init__(self, count: int) -> None:
-        self._selector = selectors.DefaultSelector()
-        self.listeners: list[socket.socket] = []
-        self.held: list[socket.socket] = []
-        self.requests = 0  # connections that sent something
-        self._stop = threading.Event()
-        for _ in range(count):
-            listener = socket.socket()
-            listener.bind(("127.0.0.1", 0))
-            listener.listen(256)
-            listener.setblocking(False)
-            self._selector.register(listener, selectors.EVENT_READ, "listener")
-            self.listeners.append(listener)
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def urls(self) -> list[str]:
-        return [f"http://127.0.0.1:{s.getsockname()[1]}/hook" for s in self.listeners]
-
-    def start(self) -> HangingServer:
-        self._thread.start()
-        return self
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            for key, _mask in self._selector.select(timeout=0.1):
-                sock: socket.socket = key.fileobj  # type: ignore[assignment]
-                if key.data == "listener":
-                    try:
-                        conn, _ = sock.accept()
-                    except BlockingIOError:
-                        continue
-                    conn.setblocking(False)
-                    self.held.append(conn)
-                    self._selector.register(conn, selectors.EVENT_READ, "fresh")
-                    continue
-                try:
-                    data = sock.recv(65536)
-                except (BlockingIOError, ConnectionError):
-                    data = b"?"
-                if not data:
-                    self._selector.unregister(sock)  # the notifier gave up: keep it closed
-                    sock.close()
-                    continue
-                if key.data == "fresh":
-                    self.requests += 1
-                    self._selector.modify(sock, selectors.EVENT_READ, "seen")
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        for sock in [*self.listeners, *self.held]:
-            sock.close()
-        self._selector.close()
-
-
 def _at(rfc3339: str) -> float:
     return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
 @pytest.fixture()
-def hanging() -> Iterator[HangingServer]:
-    server = HangingServer(HANGING_RECEIVERS).start()
-    try:
-        yield server
-    finally:
-        server.stop()
+def hanging() -> Iterator[HangingReceivers]:
+    """Receivers that accept and never answer (the bench's noisy tenant uses the same)."""
+    with HangingReceivers(HANGING_RECEIVERS) as receivers:
+        yield receivers
 
 
 @pytest.fixture()
@@ -119,7 +57,7 @@ def healthy() -> Iterator[Receiver]:
 
 @pytest.mark.parametrize("notifiers", [1, 2])
 def test_a_tenant_whose_receivers_hang_does_not_delay_another_tenants_webhooks(
-    fresh: Deployment, hanging: HangingServer, healthy: Receiver, notifiers: int
+    fresh: Deployment, hanging: HangingReceivers, healthy: Receiver, notifiers: int
 ) -> None:
     fresh.start_gateway()
     fresh.start_worker(HERALD_WORKER_CONCURRENCY="8")
