@@ -389,6 +389,37 @@ async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> 
         await store.close()
 
 
+async def test_a_tenant_at_its_cap_leaves_a_shared_target_to_the_others(tmp_path: Path) -> None:
+    """SPEC §13: a tenant with no slot left here is passed over whole, so its due deliveries
+    (older ones, to a callback URL another tenant uses too) cannot fill that target's room."""
+    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    store = Store(db, retention_s=60, sealer=make_sealer())
+    await store.open()
+    try:
+        queue = DeliveryQueue(db, make_sealer())
+        events = []
+        for tenant in ("noisy", "noisy", "noisy", "quiet"):  # the noisy tenant's are the oldest
+            job = NewJob(id=str(uuid.uuid4()), tenant=tenant, kind="export", collection="/exports", params=b"{}",
+                         deadline_s=60, callback_url="https://hooks.example.com/shared")
+            event = (await store.accept(job)).event
+            assert event is not None
+            events.append(event)
+        assert await queue.fan_out(events) == 4
+
+        def claim(busy: dict[str, int]) -> Any:
+            return queue.claim("test", lease_s=30, per_target=2, limit=10, in_flight={}, per_tenant=1,
+                               tenant_in_flight=busy)
+
+        # the noisy tenant has its one slot in flight: the target's two places are the quiet one's to take
+        (quiet,) = await claim({"noisy": 1})
+        assert (quiet.delivery.tenant, quiet.delivery.job_id) == ("quiet", events[3].job_id)
+        # with a slot each, each tenant gets one: its oldest
+        (noisy,) = await claim({"quiet": 1})
+        assert (noisy.delivery.tenant, noisy.delivery.job_id) == ("noisy", events[0].job_id)
+    finally:
+        await store.close()
+
+
 # ----- the endpoints API -------------------------------------------------------------------
 
 
