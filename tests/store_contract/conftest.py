@@ -18,10 +18,10 @@ from typing import Any
 import asyncpg
 import pytest
 
-from herald.pgserver import PostgresServer
 from herald.settings import Settings
 from herald.storage import build_storage
 from herald.storage.ports import DeliveryQueue, JobStore, Storage, TenantStore, WebhookStore
+from launcher.pgserver import PostgresServer
 from tests.harness import SECRET_KEY, new_database
 
 RETENTION_S = 60.0
