@@ -8,10 +8,8 @@ import time
 
 import msgspec
 
-from herald.deliveries import Attempted, Claimed
+from herald.deliveries import Attempted, Claimed, Outcome, Plan
 from herald.storage.ports import DeliveryQueue, WebhookStore
-from notifier.delivery import Outcome
-from notifier.retry import Plan
 from schemas import JobEvent
 
 OK = Outcome(status_code=200, latency_s=0.012, response=b"thanks")

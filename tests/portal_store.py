@@ -7,10 +7,8 @@ import time
 
 import msgspec
 
-from herald.deliveries import TEST_EVENT_TYPE, HealthRow, new_test_event
+from herald.deliveries import TEST_EVENT_TYPE, HealthRow, Outcome, Plan, new_test_event
 from herald.storage.ports import DeliveryQueue, WebhookStore
-from notifier.delivery import Outcome
-from notifier.retry import Plan
 from schemas import JobEvent
 
 OK = Outcome(status_code=200, latency_s=0.01)

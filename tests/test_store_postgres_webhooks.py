@@ -15,12 +15,10 @@ from typing import Any
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Attempted, Claimed, callback_owner, new_test_event
+from herald.deliveries import CALLBACK_PREFIX, Attempted, Claimed, Outcome, Plan, callback_owner, new_test_event
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, ROTATION_OVERLAP_S
 from herald.storage.postgres.db import PgDatabase
 from herald.storage.postgres.webhooks import MIGRATIONS, PgDeliveryQueue, PgWebhookStore
-from notifier.delivery import Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
-from notifier.signing import ROTATION_OVERLAP_S
 from schemas import JobEvent
 from tests import delivery_batches, portal_store
 from tests.harness import make_sealer

@@ -1,8 +1,10 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
-The behaviour is ``notifier.store`` and ``notifier.queue`` (the SQLite backend) rule for
-rule; what changes is how it stays correct without SQLite's single writer, when several
-gateways and notifiers on several machines use the same tables at once.
+The decisions are ``herald.delivery_rules``' (the rulebook both stores keep): the plpgsql
+functions below make them next to the data, with the rulebook's numbers passed in as
+arguments. What this module
+adds is how it stays correct without SQLite's single writer, when several gateways and
+notifiers on several machines use the same tables at once.
 
 Clock. Every time is ``clock_timestamp()`` of the server, in Unix seconds, so leases
 and retry times are judged by one clock. Inside SQL it is read once per statement into a
@@ -56,13 +58,8 @@ Schema notes: ``event_types``/``kinds`` are ``TEXT[]``; message bodies are store
 event (``webhook_messages``); ``UNIQUE (event_id, target)`` is both the idempotency key of
 fan-out and the index that pruning orphaned messages probes.
 
-Where this deliberately differs from the SQLite code, in what callers can see:
-
-* a claim returns the rows as leased (``lease_owner``/``lease_until`` set), and may return
-  fewer than ``limit`` while another notifier holds the rest;
-* when ``finish`` disables an endpoint, the delivery just attempted keeps its attempt count
-  (SQLite's fail_pending released it first, so its final UPDATE matched nothing);
-* ``retry_now`` of another endpoint's delivery returns None rather than that row, unchanged.
+What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim's
+rows as leased, and fewer than ``limit`` while another notifier holds the rest).
 """
 
 from __future__ import annotations
@@ -78,7 +75,6 @@ import msgspec
 from herald.deliveries import (
     CALLBACK_PREFIX,
     Attempted,
-    PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
     TEST_EVENT_WINDOW_S,
     TEST_EVENTS_PER_WINDOW,
@@ -91,15 +87,16 @@ from herald.deliveries import (
     EndpointRow,
     Finished,
     HealthRow,
+    Outcome,
+    Plan,
     TestEventsLimited,
     callback_owner,
     event_id,
 )
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES, ROTATION_OVERLAP_S
 from herald.sealing import Sealer, key_aad
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
-from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
-from notifier.signing import HMAC, ROTATION_OVERLAP_S, SigningKey, new_key
+from herald.webhook_signing import HMAC, SigningKey, new_key
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 
@@ -228,7 +225,8 @@ BEGIN
 END $$;
 """
 
-# notifier.queue's fan_out and _add_delivery, statement for statement, after the locks.
+# delivery_rules.place for each event and target, after the locks (the SQLite queue's
+# fan_out and _add_delivery).
 _FAN_OUT_FUNCTION = """
 CREATE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
@@ -536,7 +534,8 @@ BEGIN
 END $$;
 """
 
-# notifier.queue's finish, _status_after and _endpoint_health in one transaction.
+# delivery_rules.settle, with the attempt logged and its consequences written, in one
+# transaction (the SQLite queue's _finish).
 _FINISH_FUNCTION = """
 CREATE FUNCTION herald_webhook_finish(
     p_id TEXT, p_target TEXT, p_job_id TEXT, p_owner TEXT, p_started_at DOUBLE PRECISION,
