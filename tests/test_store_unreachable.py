@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 
-from herald.pgserver import PostgresServer
+from launcher.pgserver import PostgresServer
 from tests.harness import ADMIN_KEY, SECRET_KEY, Deployment, free_port, wait_until
 
 

@@ -31,6 +31,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 import herald
 from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
+from herald.ssrf import is_public_address
 from herald.storage.sqlite import jobs as sqlite_jobs
 from herald.storage.sqlite import webhooks as sqlite_webhooks
 from herald.storage.sqlite.db import Database
@@ -43,7 +44,6 @@ from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S
 from notifier.delivery import Sender
 from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
-from notifier.ssrf import is_public_address
 from schemas import JobEvent
 from tests import delivery_batches, portal_store
 from tests.harness import Deployment, client, free_port, make_sealer, new_database, wait_for_state, wait_until
