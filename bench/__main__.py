@@ -7,7 +7,7 @@ writes ``results.json`` and ``results.png`` to the output dir. Exit status 1 if 
 scenario failed to run (a missed target is not a failure).
 
 ``--store postgres`` runs every scenario against Herald on the PostgreSQL store: the bench
-starts a PostgreSQL server (``herald.pgserver``) in its temp dir on a free port, gives each
+starts a PostgreSQL server (``launcher.pgserver``) in its temp dir on a free port, gives each
 deployment a fresh database and stops the server at the end. ``--store both`` runs each
 scenario on SQLite, then on PostgreSQL, and prints them side by side: each store's value and
 its ratio to the baseline, and PostgreSQL's value as a ratio to SQLite's from the same run.

@@ -1,0 +1,106 @@
+-- PostgreSQL migration 10: the claim fair among tenants.
+-- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+
+-- The claim fair among tenants, and within a tenant among its targets (SPEC §13; "migration
+-- 3" in the comments is 0009, from when each store numbered its own). The candidates are
+-- read as in migration 3 (per target, at most the slots the
+-- target has left in this notifier), minus the targets the notifier holds back (p_held: at
+-- their cap per origin, or paced by its circuit breaker). Then, instead of "oldest first
+-- over everything" (which let a tenant's backlog take every slot before another tenant's
+-- due delivery), each tenant's candidates are ranked round robin over its targets and cut
+-- at the slots the tenant has left here (p_per_tenant minus p_busy_tenants' counts), and
+-- the free slots go to the tenant with the fewest in flight first (water-filling: slot k
+-- of a tenant with n in flight sorts at n + k), oldest first among equals.
+DROP FUNCTION herald_webhook_claim(TEXT, DOUBLE PRECISION, INTEGER, INTEGER, TEXT[], INTEGER[]);
+
+CREATE FUNCTION herald_webhook_claim(
+    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_busy_targets TEXT[], p_busy_counts INTEGER[],
+    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
+) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
+                 job_traceparent TEXT, job_tracestate TEXT)
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    ts DOUBLE PRECISION := {now};
+    ids TEXT[];
+BEGIN
+    SELECT coalesce(array_agg(locked.id), '{}') INTO ids FROM (
+        SELECT d.id
+          FROM webhook_deliveries d
+          JOIN (
+            WITH RECURSIVE targets(target) AS (
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w WHERE w.status = 'pending')
+                UNION ALL
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.target > t.target)
+                  FROM targets t WHERE t.target IS NOT NULL
+            ), per_target AS (
+                SELECT cand.id, cand.tenant, cand.next_attempt_at, cand.seq,
+                       row_number() OVER (PARTITION BY t.target ORDER BY cand.next_attempt_at, cand.seq) AS target_rank
+                  FROM targets t
+                  LEFT JOIN unnest(p_busy_targets, p_busy_counts) AS b(target, n) ON b.target = t.target
+                 CROSS JOIN LATERAL (
+                    SELECT c.id, c.tenant, c.next_attempt_at, c.seq
+                      FROM webhook_deliveries c
+                      LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+                     WHERE c.target = t.target AND c.status = 'pending' AND c.next_attempt_at <= ts
+                       AND (c.lease_until IS NULL OR c.lease_until <= ts)
+                       AND (c.endpoint_id IS NULL OR e.status = 'enabled')
+                       AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
+                       -- one probe of (target, job_id) per candidate (see migration 3)
+                       AND (SELECT min(older.version) FROM webhook_deliveries older
+                             WHERE older.target = c.target AND older.job_id = c.job_id
+                               AND older.status = 'pending') = c.version
+                     ORDER BY c.next_attempt_at, c.seq
+                     LIMIT greatest(p_per_target - coalesce(b.n, 0), 0)
+                 ) cand
+                 WHERE t.target IS NOT NULL AND NOT (t.target = ANY(p_held))
+            ), per_tenant AS (
+                SELECT pt.id, pt.next_attempt_at, pt.seq, coalesce(bt.n, 0) AS busy,
+                       row_number() OVER (PARTITION BY pt.tenant
+                                          ORDER BY pt.target_rank, pt.next_attempt_at, pt.seq) AS tenant_rank
+                  FROM per_target pt
+                  LEFT JOIN unnest(p_busy_tenants, p_tenant_counts) AS bt(tenant, n) ON bt.tenant = pt.tenant
+            )
+            SELECT pt.id, pt.next_attempt_at, pt.seq, pt.busy + pt.tenant_rank AS share
+              FROM per_tenant pt
+             WHERE p_per_tenant <= 0 OR pt.busy + pt.tenant_rank <= p_per_tenant
+          ) c ON c.id = d.id
+         WHERE d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
+         ORDER BY c.share, c.next_attempt_at, c.seq
+         LIMIT p_limit
+           FOR UPDATE OF d SKIP LOCKED
+    ) locked;
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- A new snapshot: an older version committed by a fan-out since the candidates were
+    -- read holds its newer one back (see migration 3).
+    RETURN QUERY
+    WITH leased AS (
+        UPDATE webhook_deliveries d SET lease_owner = p_owner, lease_until = ts + p_lease_s
+         WHERE d.id = ANY(ids)
+           AND (SELECT min(older.version) FROM webhook_deliveries older
+                 WHERE older.target = d.target AND older.job_id = d.job_id
+                   AND older.status = 'pending') = d.version
+        RETURNING d
+    )
+    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys,
+           j.traceparent, j.tracestate
+      FROM leased l
+      JOIN webhook_messages m ON m.event_id = (l.d).event_id
+      LEFT JOIN webhook_endpoints e ON e.id = (l.d).endpoint_id
+      LEFT JOIN jobs j ON j.id = (l.d).job_id
+     CROSS JOIN LATERAL (
+        SELECT array_agg(wk.algorithm ORDER BY wk.created_at DESC) AS algorithms,
+               array_agg(wk.secret ORDER BY wk.created_at DESC) AS secrets,
+               array_agg(wk.public_key ORDER BY wk.created_at DESC) AS public_keys
+          FROM webhook_keys wk
+         WHERE wk.owner = coalesce((l.d).endpoint_id, '{callback_prefix}' || (l.d).tenant)
+           AND (wk.retire_at IS NULL OR wk.retire_at > ts)
+     ) k
+     ORDER BY array_position(ids, (l.d).id);
+END $$;
