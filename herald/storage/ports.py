@@ -37,7 +37,8 @@ Concurrency rules (each backend must keep them without relying on a database-wid
   progress slot), what an attempt leaves behind (delivered, retried, superseded, failed,
   the endpoint disabled) and what a key rotation does are decided by
   ``herald.delivery_rules``, never by a backend on its own: SQLite calls it, PostgreSQL's
-  plpgsql makes the same decisions with its numbers passed in. Fan-out and ``finish`` decide and write in one transaction, in turn with
+  plpgsql makes the same decisions for fan-out and finish with its numbers passed in, and
+  ``tests/store_contract/test_rulebook.py`` holds both stores to it, case by case. Fan-out and ``finish`` decide and write in one transaction, in turn with
   any other fan-out or finish of the same job and target; a rotation, in turn with any other
   change of the owner's keys.
 
