@@ -182,15 +182,17 @@ class Database:
                     conn.execute("ROLLBACK")
                     raise
                 conn.execute("COMMIT")
+                # Answered before the lock is let go (each answer is a call_soon_threadsafe):
+                # so callers on one event loop hear of commits in the order they were made, even
+                # from two Databases on one file (the store contract's "two processes").
+                for pending, (result, error) in zip(batch, outcomes):
+                    pending.answer(result, error)
         except BaseException as exc:  # BEGIN, COMMIT or a savepoint step failed: nothing of the batch stands
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             for pending in batch:
                 pending.answer(None, exc)
-            return
-        for pending, (result, error) in zip(batch, outcomes):
-            pending.answer(result, error)
 
     async def read_in_thread(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """For scans too long to run on the event loop (sweeps, retention)."""
