@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Attempted, Claimed
+from herald.deliveries import CALLBACK_PREFIX, Attempted, Claimed, Outcome, Plan
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S
 from herald.jobs import NewJob
 from herald.storage.ports import DeliveryQueue, JobStore
 from herald.transitions import Change
-from notifier.delivery import Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from schemas import JobEvent
 from tests.store_contract.conftest import Stores
 from tests.store_contract.support import (
@@ -272,6 +271,29 @@ async def test_per_target_cap_counts_what_this_notifier_has_in_flight(stores: St
     assert len(await claim(queue, "n4", per_target=2, limit=1)) == 1
 
 
+async def test_a_tenant_at_its_cap_leaves_a_shared_target_to_the_others(stores: Stores) -> None:
+    """SPEC §13: slots go to the tenant with the fewest in flight, at most ``per_tenant`` each.
+    A tenant at its cap is passed over: its due deliveries (older ones, to a callback URL
+    another tenant uses too) do not take that target's room here."""
+    queue = stores.deliveries
+    jobs = []
+    for tenant in ("noisy", "noisy", "noisy", "quiet"):  # the noisy tenant's are the oldest
+        accepted = await stores.jobs.accept(new_job(tenant, callback_url="https://cb.example/shared"))
+        jobs.append(accepted.job.id)
+    assert await queue.fan_out([event(j, 2, "job.running", tenant=t)
+                                for j, t in zip(jobs, ("noisy", "noisy", "noisy", "quiet"))]) == 4
+
+    async def fair_claim(owner: str, busy: dict[str, int]) -> list[tuple[str, str]]:
+        claimed = await queue.claim(owner, lease_s=30.0, per_target=2, limit=10, in_flight={}, per_tenant=1,
+                                    tenant_in_flight=busy)
+        return [(c.delivery.tenant, c.delivery.job_id) for c in claimed]
+
+    # The noisy tenant has its one slot in flight: the target's two places are the quiet one's.
+    assert await fair_claim("n1", {"noisy": 1}) == [("quiet", jobs[3])]
+    # With a slot each, each tenant gets one, its oldest.
+    assert await fair_claim("n2", {"quiet": 1}) == [("noisy", jobs[0])]
+
+
 async def test_two_notifiers_claiming_at_once_never_share_a_delivery(stores: Stores) -> None:
     """ports.py, "Exclusive claims"."""
     for n in range(20):
@@ -432,7 +454,7 @@ async def test_410_disables_the_endpoint_and_fails_its_pending(stores: Stores) -
     rows = await deliveries(stores, endpoint_id=gone)
     assert sorted(r["status"] for r in rows) == ["failed"] * 3
     attempted = next(r for r in rows if r["id"] == item.delivery.id)
-    assert attempted["attempts"] == (1 if differs(stores, "disable-keeps-attempt-count") else 0)
+    assert attempted["attempts"] == 1  # the attempt that disabled it is counted
     assert {r["status"] for r in await deliveries(stores, endpoint_id=fine)} == {"pending"}
 
 
@@ -537,8 +559,7 @@ async def test_many_attempts_recorded_in_one_batch(stores: Stores) -> None:
         rows = await webhooks.list_deliveries(endpoint_id, status=None, before_seq=None, limit=100)
         assert sorted(r.status for r in rows) == sorted(statuses), endpoint_id
         assert all(r.lease_owner is None and r.lease_until is None for r in rows)
-        disabling = endpoint_id == gone and not differs(stores, "disable-keeps-attempt-count")
-        assert all(r.attempts == (0 if disabling else 1) for r in rows)
+        assert all(r.attempts == 1 for r in rows)
         logged = await webhooks.attempts([r.id for r in rows])
         for r in rows:
             [attempt] = logged[r.id]
