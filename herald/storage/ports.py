@@ -105,6 +105,11 @@ class StoreStats:
 class JobStore(Protocol):
     """Jobs, their history (events), the outbox, idempotency keys, tombstones, shared secrets."""
 
+    # True: a success may carry its small JSON result in ``Change.result_body``, kept in the
+    # job's row by the same transaction (SQLite). False: every result goes through the
+    # ``ResultStore`` and the row names it (PostgreSQL: its results live in NATS, §11).
+    keeps_results: bool
+
     async def open(self) -> None:
         """Connect and create or migrate the schema, seal plaintext secrets an older Herald left
         (safe when many processes start at once)."""

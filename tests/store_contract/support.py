@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Collection
 from typing import Any
 
 import msgspec
@@ -63,8 +63,10 @@ async def endpoint(webhooks: WebhookStore, tenant: str = "t1", **options: Any) -
 
 
 async def claim(queue: DeliveryQueue, owner: str = "n1", *, per_target: int = 10, limit: int = 100,
-                lease_s: float = 30.0, in_flight: dict[str, int] | None = None) -> list[Claimed]:
-    return await queue.claim(owner, lease_s=lease_s, per_target=per_target, limit=limit, in_flight=in_flight or {})
+                lease_s: float = 30.0, in_flight: dict[str, int] | None = None, per_tenant: int = 0,
+                tenant_in_flight: dict[str, int] | None = None, held: Collection[str] = ()) -> list[Claimed]:
+    return await queue.claim(owner, lease_s=lease_s, per_target=per_target, limit=limit, in_flight=in_flight or {},
+                             per_tenant=per_tenant, tenant_in_flight=tenant_in_flight, held=held)
 
 
 async def deliveries(stores: Any, **where: Any) -> list[dict[str, Any]]:
