@@ -46,8 +46,6 @@ What the backends may do differently, and callers must allow for:
 
 * ``DeliveryQueue.claim`` may return fewer than ``limit`` while more are due: PostgreSQL
   passes over rows another notifier's claim holds locked at that moment.
-* The ``DeliveryRow`` in a ``Claimed`` shows the delivery's lease as PostgreSQL leased it
-  and as SQLite read it just before: callers know their lease and do not read it there.
 """
 
 from __future__ import annotations

@@ -83,10 +83,7 @@ async def finish(stores: Any, item: Claimed, outcome: Outcome, plan: Plan, owner
 # Where the backends still answer differently: each one is stated as allowed in
 # herald/storage/ports.py. A case that meets one asserts each backend's own answer through
 # ``differs``, so that removing a difference is deleting its line here and the branch in the case.
-KNOWN_DIFFERENCES: dict[str, str] = {
-    # PostgreSQL hands out a claim's rows as leased (lease_owner/lease_until set), SQLite as read.
-    "claim-rows-as-leased": "postgres",
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def differs(stores: Any, difference: str) -> bool:

@@ -227,6 +227,7 @@ async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(stores: St
     assert len(won) == 2 and all(isinstance(o, TransitionRejected) and o.reason == TENANT_AT_CAP for o in refused)
     assert (await a.running_counts(["capped", "nobody"])) == {"capped": 2, "nobody": 0}
     assert await b.running_counts(["capped"]) == {"capped": 2}
+    assert await a.tenant_queued_age("report", "capped") >= 0.0 and await a.tenant_queued_age("report", "x") == 0.0
     assert [(await a.get(job_id)).state for job_id in jobs].count("queued") == 8  # type: ignore[union-attr]
 
     other = (await a.accept(new_job("other"))).job.id
