@@ -46,8 +46,6 @@ What the backends may do differently, and callers must allow for:
 
 * ``DeliveryQueue.claim`` may return fewer than ``limit`` while more are due: PostgreSQL
   passes over rows another notifier's claim holds locked at that moment.
-* The ``DeliveryRow`` in a ``Claimed`` shows the delivery's lease as PostgreSQL leased it
-  and as SQLite read it just before: callers know their lease and do not read it there.
 """
 
 from __future__ import annotations
@@ -106,6 +104,11 @@ class StoreStats:
 
 class JobStore(Protocol):
     """Jobs, their history (events), the outbox, idempotency keys, tombstones, shared secrets."""
+
+    # True: a success may carry its small JSON result in ``Change.result_body``, kept in the
+    # job's row by the same transaction (SQLite). False: every result goes through the
+    # ``ResultStore`` and the row names it (PostgreSQL: its results live in NATS, §11).
+    keeps_results: bool
 
     async def open(self) -> None:
         """Connect and create or migrate the schema, seal plaintext secrets an older Herald left

@@ -59,8 +59,8 @@ Schema notes: ``event_types``/``kinds`` are ``TEXT[]``; message bodies are store
 event (``webhook_messages``); ``UNIQUE (event_id, target)`` is both the idempotency key of
 fan-out and the index that pruning orphaned messages probes.
 
-What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim's
-rows as leased, and fewer than ``limit`` while another notifier holds the rest).
+What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim may
+return fewer than ``limit`` while another notifier holds the rest).
 """
 
 from __future__ import annotations

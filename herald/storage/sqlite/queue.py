@@ -22,6 +22,7 @@ import sqlite3
 import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 import msgspec
 
@@ -213,7 +214,7 @@ class SqliteDeliveryQueue:
                     if row["endpoint_id"] is None:
                         current_callback_key(conn, row["tenant"], ts, self.sealer)  # created on first use
                     keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts, self.sealer))
-                delivery = DeliveryRow.from_mapping(row)
+                delivery = replace(DeliveryRow.from_mapping(row), lease_owner=owner, lease_until=ts + lease_s)  # as leased
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
                 trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
                 claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner],
