@@ -300,7 +300,7 @@ async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_data
 
 
 async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
-    """Migration 12 on a database with history: old events keep their seq, new ones follow."""
+    """Migration 13 on a database with history: old events keep their seq, new ones follow."""
     before = [(name, sql) for name, sql in MIGRATIONS if name != "jobs-events-numbered-after-commit"]
     old = PgJobStore(PgDatabase(fresh_database, before), retention_s=60.0, sealer=make_sealer())
     await old.open()

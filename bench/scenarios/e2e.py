@@ -1,8 +1,10 @@
 """6. End to end: trivial jobs accepted → succeeded → webhook delivered, against the JetStream ceiling.
 
 Herald as ``herald up`` runs it (a gateway, two workers of default concurrency, a
-notifier), reports of 1 page at ``HERALD_REPORT_PAGE_MS=0``; one webhook endpoint for
-``job.succeeded`` on the verifying receiver, and one tenant SSE stream open.
+notifier), trivial jobs: the bench's ``echo`` kind (``bench/handlers.py``), which returns
+``{"n": n}`` as its JSON result at once, as the peers' tasks do; one webhook endpoint for
+``job.succeeded`` on the verifying receiver, and one tenant SSE stream open. Each job is
+three events (queued, running, succeeded).
 
 * Saturation: ``e2e_jobs`` starts as fast as 16 connections get them answered; jobs/s
   from the first start sent to the last ``job.succeeded`` delivery received, and each
@@ -27,6 +29,11 @@ stream read on the second gateway (so every event crosses NATS between gateways)
 
 Baseline: nats-py publish+consume through JetStream on a single nats-server
 (``bench/natsceiling.py``): the rate one message per job could reach.
+
+Peers (``--peers``): Celery + Redis and arq on the same trivial job, two worker processes
+each, the same number of jobs, after Herald's deployment is stopped (``bench/peers.py``
+says what is measured on their side); rows give Herald's jobs/s and CPU per job as ratios
+of theirs. They run once per bench run; every store and shape is compared with them.
 """
 
 from __future__ import annotations
@@ -38,20 +45,25 @@ from typing import Any
 
 import msgspec
 
-import json
-
-from bench import httpclient, natsceiling
+from bench import httpclient, natsceiling, peers
 from bench.pg import PgWaits
 from bench.procs import BenchError, CpuMeter, free_port, http_post_json, wait_until
 from bench.receiver import Receiver
 from bench.scenario import Context, Outcome
-from bench.scenarios.http import post_report
 from bench.scenarios.webhooks import _register
 from bench.stats import latency_summary
 from bench.subscribers import Subscribers
 from bench.systems import API_KEY, TENANT, ClusterHerald, Herald
 
-REPORT = {"title": "bench", "pages": 1}
+
+KINDS = "bench.handlers:ECHO"
+EVENTS_PER_JOB = 3  # queued, running, succeeded
+
+
+def post_echo(port: int, key: str = API_KEY) -> httpclient.Target:
+    """``POST /echoes {"n": 1}`` with a tenant's key (the bench tenant's unless said)."""
+    headers = (("Content-Type", "application/json"), ("Authorization", f"Bearer {key}"))
+    return httpclient.Target(port=port, method="POST", paths=("/echoes",), body=b'{"n": 1}', headers=headers)
 
 
 def _spread_keys(ctx: Context) -> dict[str, str]:
@@ -62,6 +74,20 @@ def _spread_keys(ctx: Context) -> dict[str, str]:
 def _api_keys(ctx: Context) -> str:
     """``HERALD_API_KEYS``: the bench tenant and the ten-tenant burst's."""
     return ",".join([f"{TENANT}:{API_KEY}", *(f"{t}:{k}" for t, k in _spread_keys(ctx).items())])
+
+
+def _spread_target(port: int, keys: list[str]) -> httpclient.Target:
+    """``POST /echoes``, each start with one of ``keys``, picked at random."""
+    return httpclient.Target(port=port, method="POST", paths=("/echoes",),
+                             choices=tuple(post_echo(port, key).request("/echoes") for key in keys))
+
+
+def _register_tenant(base: str, key: str, url: str) -> str:
+    status, body = http_post_json(base + "/webhooks", {"url": url, "event_types": ["job.succeeded"]},
+                                  {"Authorization": f"Bearer {key}"})
+    if status != 201:
+        raise BenchError(f"registering a webhook answered {status}: {body}")
+    return str(body["secret"])  # type: ignore[index]
 
 
 def _ts(value: str) -> float:
@@ -130,7 +156,7 @@ class Deployment:
 
 def _one_machine(ctx: Context) -> Deployment:
     """``herald up``'s processes, started one by one: a gateway, two workers, a notifier."""
-    herald = ctx.herald("e2e", HERALD_API_KEYS=_api_keys(ctx))
+    herald = ctx.herald("e2e", HERALD_KINDS=KINDS, HERALD_API_KEYS=_api_keys(ctx))
     herald.start_gateway()
     workers = [herald.start_worker(f"worker{i}") for i in range(2)]
     notifier = herald.start_notifier()
@@ -148,7 +174,7 @@ def _cluster(ctx: Context) -> Deployment:
     ctx.say("e2e: starting herald up --cluster")
     started = time.monotonic()
     cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster",
-                            **{**ctx.herald_env, "HERALD_API_KEYS": _api_keys(ctx)})
+                            **{**ctx.herald_env, "HERALD_KINDS": KINDS, "HERALD_API_KEYS": _api_keys(ctx)})
     return Deployment(port=cluster.port, sse_port=cluster.port + 1, base=cluster.base, meters=cluster.roles(),
                       log=cluster.proc, database_url=cluster.database_url,
                       description={"shape": "herald up --cluster: 3 NATS nodes (R3), PostgreSQL, 2 gateways, "
@@ -165,49 +191,27 @@ class _Registrar:
         self.base = base
 
 
-def _register_tenant(base: str, key: str, url: str) -> str:
-    status, body = http_post_json(base + "/webhooks", {"url": url, "event_types": ["job.succeeded"]},
-                                  {"Authorization": f"Bearer {key}"})
-    if status != 201:
-        raise BenchError(f"registering a webhook answered {status}: {body}")
-    return str(body["secret"])  # type: ignore[index]
-
-
-def _spread_target(port: int, keys: list[str]) -> httpclient.Target:
-    """``POST /reports``, each start with one of ``keys``, picked at random."""
-    body = json.dumps(REPORT).encode()
-    choices = tuple(
-        httpclient.Target(port=port, method="POST", paths=("/reports",), body=body,
-                          headers=(("Content-Type", "application/json"), ("Authorization", f"Bearer {key}")))
-        .request("/reports")
-        for key in keys)
-    return httpclient.Target(port=port, method="POST", paths=("/reports",), choices=choices)
-
-
 def _warm_up(ctx: Context, base: str, receiver: Receiver, keys: list[str]) -> None:
     """One job per tenant through the whole path before the bursts (its work consumer)."""
     sent = set()
     for key in keys:
-        status, body = http_post_json(base + "/reports", REPORT, {"Authorization": f"Bearer {key}"})
+        status, body = http_post_json(base + "/echoes", {"n": 1}, {"Authorization": f"Bearer {key}"})
         if status != 202:
             raise BenchError(f"a warm-up start answered {status}: {body}")
         sent.add(str(body["id"]))  # type: ignore[index]
     wait_until(lambda: sent <= _succeeded(receiver).keys(), timeout=ctx.sizes.wait_s, interval=0.1,
                what="the warm-up jobs' webhooks")
-    receiver.reset()
 
 
 def _burst(ctx: Context, deployment: Deployment, receiver: Receiver, target: httpclient.Target) -> dict[str, Any]:
     """``e2e_jobs`` starts as fast as 16 connections go; jobs/s to the last job.succeeded delivery."""
     receiver.reset()
-    metered = time.monotonic()
     meter = CpuMeter(deployment.meters).start()
     with PgWaits(deployment.database_url) as waits:
         load = httpclient.run(target, processes=1, connections=16, count=ctx.sizes.e2e_jobs, keep_records=True)
         sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
         found = _wait_for(receiver, set(sent), ctx.sizes.wait_s)
     cpu = meter.stop()
-    metered = time.monotonic() - metered
     done = [found[j][0] - sent[j] for j in sent if j in found]
     wall = max((found[j][0] for j in sent if j in found), default=0) - min(sent.values(), default=0)
     phase = {
@@ -216,23 +220,12 @@ def _burst(ctx: Context, deployment: Deployment, receiver: Receiver, target: htt
         "accept_rps": load["rps"],
         "start_to_webhook": latency_summary(v * 1000 for v in done),
         "cpu_pct": cpu, "loadgen_cpu_pct": load["loadgen_cpu_pct"],
-        "cpu_ms_per_job": _cpu_ms_per_job(cpu, metered, len(done)),
+        "cpu_ms_per_job": peers.cpu_ms_per_job(meter, len(done)),
     }
     if deployment.database_url:
         phase["postgres_waits"] = waits.summary()
         phase["postgres_waits_note"] = waits.note()
     return phase
-
-
-def _cpu_ms_per_job(cpu_pct: dict[str, float], wall_s: float, jobs: int) -> dict[str, float]:
-    """Each metered process's CPU time over the burst (``wall_s``, the meter's) per completed
-    job, and their total."""
-    if not jobs or wall_s <= 0:
-        return {}
-    per = {name: round(pct / 100 * wall_s * 1000 / jobs, 2) for name, pct in cpu_pct.items()
-           if isinstance(pct, (int, float))}
-    per["total"] = round(sum(per.values()), 2)
-    return per
 
 
 def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
@@ -243,7 +236,7 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
     spread = _spread_keys(ctx)
     secrets = {"e2e": secret, **{tenant: _register_tenant(deployment.base, key, f"http://127.0.0.1:{port}/hook/{tenant}")
                                  for tenant, key in spread.items()}}
-    target = post_report(deployment.port, auth=True)
+    target = post_echo(deployment.port)
     request = (f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{deployment.sse_port}\r\nAccept: text/event-stream\r\n"
                f"Authorization: Bearer {API_KEY}\r\n\r\n").encode()
     result: dict[str, Any] = dict(deployment.description)
@@ -255,10 +248,9 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
             result["saturation"] = _burst(ctx, deployment, receiver, target)
             time.sleep(0.2)
             watched = watcher.collect()
-        sent = result["saturation"]["jobs"]
         result["saturation"].update({
-            # one tenant stream open during the burst: 4 events per job (queued, running, progress, succeeded)
-            "sse_events_expected": 4 * sent,
+            # one tenant stream open during the burst
+            "sse_events_expected": EVENTS_PER_JOB * result["saturation"]["jobs"],
             "sse_events_received": len(watched.times[0]) if watched.times else 0,
             "sse_stream_survived": watched.still_open == 1,
         })
@@ -267,7 +259,9 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
         ctx.say(f"e2e: {sizes.e2e_jobs} jobs over {len(spread)} tenants as fast as they go ({ctx.variant})")
         result["spread"] = _burst(ctx, deployment, receiver, _spread_target(deployment.port, list(spread.values())))
         result["spread"]["tenants"] = len(spread)
-        result["spread"].pop("postgres_waits_note", None)
+        if deployment.database_url:
+            result["spread_postgres_waits_note"] = (f"{len(spread)} tenants, "
+                                                    + result["spread"].pop("postgres_waits_note"))
 
         result["fixed"] = []
         result["sse_streams_dropped"] = 0
@@ -346,8 +340,9 @@ def run(ctx: Context) -> Outcome:
                    f"{goal['commit_to_sse']['p99_ms']:.1f} ms", goal["commit_to_sse"]["p99_ms"] < 20)
         out.target(f"commit -> webhook p99 < 50 ms at {goal['rate']:g} jobs/s",
                    f"{goal['commit_to_webhook']['p99_ms']:.1f} ms", goal["commit_to_webhook"]["p99_ms"] < 50)
-    if h.get("postgres_waits_note"):
-        out.notes.append(h["postgres_waits_note"])
+    for note in ("postgres_waits_note", "spread_postgres_waits_note"):
+        if h.get(note):
+            out.notes.append(h[note])
     if h.get("sse_streams_dropped"):
         out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
                          "(hub queue full) during the run")
@@ -355,6 +350,44 @@ def run(ctx: Context) -> Outcome:
         if phase["completed"] < phase["jobs"]:
             out.notes.append(f"{phase['jobs'] - phase['completed']} of {phase['jobs']} jobs had no job.succeeded "
                              f"webhook within {ctx.sizes.wait_s:g} s")
-    out.notes.append("the ceiling is one message per job; a Herald job moves 1 work message and 4 events "
-                     "(queued, running, progress, succeeded) through JetStream")
+    out.notes.append("the ceiling is one message per job; a Herald job moves 1 work message and 3 events "
+                     "(queued, running, succeeded) through JetStream")
+    if ctx.peers:
+        _peer_rows(ctx, out, sat)
     return out
+
+
+def _peer_rows(ctx: Context, out: Outcome, sat: dict[str, Any]) -> None:
+    """Celery + Redis and arq, once per run (the first variant runs them, on a stopped deployment)."""
+    found = ctx.shared.get("peers")
+    if found is None:
+        found = {}
+        reason = peers.missing()
+        if reason is not None:
+            found = {"unavailable": reason}
+        else:
+            ctx.procs.stop_all()  # Herald's deployment and the ceiling's server: the peers get the cores
+            for peer in peers.PEERS:
+                ctx.say(f"e2e: peer {peers.NAMES[peer]}, {ctx.sizes.e2e_jobs} jobs")
+                found[peer] = peers.run(ctx.procs, ctx.dir("e2e") / "peers", peer, ctx.sizes.e2e_jobs,
+                                        ctx.sizes.wait_s)
+        ctx.shared["peers"] = found
+    out.herald["peers"] = found
+    herald_cpu = sat["cpu_ms_per_job"].get("total")
+    out.row("peers", "Herald CPU per job (all processes)", herald_cpu, None, better="lower", unit="ms")
+    if "unavailable" in found:
+        out.notes.append(f"peers not run: {found['unavailable']}")
+        return
+    for peer in peers.PEERS:
+        result = found[peer]
+        name = peers.NAMES[peer]
+        out.row("peers", f"jobs/s vs {name}", sat["jobs_per_s"], result["jobs_per_s"], better="higher", unit="/s")
+        out.row("peers", f"CPU per job vs {name}", herald_cpu, result["cpu_ms_per_job"].get("total"), better="lower",
+                unit="ms")
+        if result["completed"] < result["jobs"]:
+            out.notes.append(f"{name}: {result['jobs'] - result['completed']} of {result['jobs']} jobs had no "
+                             "result in time")
+    for peer in peers.PEERS:
+        out.target(f"end to end ahead of {peers.NAMES[peer]} (same run)",
+                   f"{sat['jobs_per_s']:.0f} vs {found[peer]['jobs_per_s']:.0f} jobs/s",
+                   sat["jobs_per_s"] > found[peer]["jobs_per_s"])

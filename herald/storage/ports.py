@@ -42,6 +42,19 @@ Concurrency rules (each backend must keep them without relying on a database-wid
   ``Accepted.event``/``Transition.event`` and ``job_events`` carry ``seq`` 0, and
   ``tenant_events``/``last_event_seq`` do not count the event. ``outbox_batch`` returns
   every event row numbered, its payload the ``JobEvent`` with its ``seq``.
+* **One webhook rulebook.** Where a fanned-out event goes (superseded, pending, its
+  progress slot), what an attempt leaves behind (delivered, retried, superseded, failed,
+  the endpoint disabled) and what a key rotation does are decided by
+  ``herald.delivery_rules``, never by a backend on its own: SQLite calls it, PostgreSQL's
+  plpgsql makes the same decisions for fan-out and finish with its numbers passed in, and
+  ``tests/store_contract/test_rulebook.py`` holds both stores to it, case by case. Fan-out and ``finish`` decide and write in one transaction, in turn with
+  any other fan-out or finish of the same job and target; a rotation, in turn with any other
+  change of the owner's keys.
+
+What the backends may do differently, and callers must allow for:
+
+* ``DeliveryQueue.claim`` may return fewer than ``limit`` while more are due: PostgreSQL
+  passes over rows another notifier's claim holds locked at that moment.
 """
 
 from __future__ import annotations
@@ -49,18 +62,24 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from herald.deliveries import Attempted, AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished, HealthRow
+from herald.deliveries import (
+    Attempted,
+    AttemptRow,
+    Claimed,
+    DeliveryRow,
+    EndpointRow,
+    Finished,
+    HealthRow,
+    Outcome,
+    Plan,
+)
 from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
 from herald.tenants import AuditRow, DirectorySnapshot, KeyRow, TenantRow
 from herald.transitions import Change
+from herald.webhook_signing import SigningKey
 from schemas import JobEvent
-
-if TYPE_CHECKING:
-    from notifier.delivery import Outcome
-    from notifier.retry import Plan
-    from notifier.signing import SigningKey
 
 CommitListener = Callable[[JobRow, JobEvent], None]
 
@@ -94,6 +113,11 @@ class StoreStats:
 
 class JobStore(Protocol):
     """Jobs, their history (events), the outbox, idempotency keys, tombstones, shared secrets."""
+
+    # True: a success may carry its small JSON result in ``Change.result_body``, kept in the
+    # job's row by the same transaction (SQLite). False: every result goes through the
+    # ``ResultStore`` and the row names it (PostgreSQL: its results live in NATS, §11).
+    keeps_results: bool
 
     async def open(self) -> None:
         """Connect and create or migrate the schema, seal plaintext secrets an older Herald left
@@ -241,7 +265,8 @@ class WebhookStore(Protocol):
     async def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None: ...
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
-        """Make a delivery due now, whatever its status (same id, same webhook-id)."""
+        """Make a delivery due now, whatever its status (same id, same webhook-id). None: the
+        endpoint has no such delivery."""
 
     async def recover(self, tenant: str, endpoint_id: str, since: float) -> int:
         """Make every ``failed`` delivery of the endpoint created at or after ``since`` due now,
@@ -323,8 +348,9 @@ class DeliveryQueue(Protocol):
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` (one per matching endpoint, one for the job's
-        callback URL) in one transaction, idempotent per target and event; superseding and
-        progress throttling as in ``herald.storage.sqlite.queue``. Returns how many are pending."""
+        callback URL) in one transaction, idempotent per target and event; each placed as
+        ``herald.delivery_rules.place`` says (superseding, progress slots). Returns how many are
+        pending."""
 
     async def anything_due(self) -> bool: ...
 
@@ -350,7 +376,9 @@ class DeliveryQueue(Protocol):
         delivery of ``targets`` is moved to then as well."""
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
-        """Record the attempt and apply its plan in one transaction."""
+        """Record the attempt and settle it (``herald.delivery_rules.settle``) in one transaction.
+        When it disables the endpoint, the endpoint's other pending deliveries fail and this one
+        keeps its attempt count. ``dropped``: the delivery was deleted meanwhile."""
 
     async def finish_many(self, attempts: Sequence[Attempted], owner: str) -> list[Finished]:
         """``finish`` for each of ``attempts``, in order, all in one transaction: every attempt and

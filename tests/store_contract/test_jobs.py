@@ -233,6 +233,7 @@ async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(stores: St
     assert len(won) == 2 and all(isinstance(o, TransitionRejected) and o.reason == TENANT_AT_CAP for o in refused)
     assert (await a.running_counts(["capped", "nobody"])) == {"capped": 2, "nobody": 0}
     assert await b.running_counts(["capped"]) == {"capped": 2}
+    assert await a.tenant_queued_age("report", "capped") >= 0.0 and await a.tenant_queued_age("report", "x") == 0.0
     assert [(await a.get(job_id)).state for job_id in jobs].count("queued") == 8  # type: ignore[union-attr]
 
     other = (await a.accept(new_job("other"))).job.id
@@ -457,6 +458,22 @@ async def test_a_tenants_own_queue_age(stores: Stores) -> None:
     assert await store.tenant_queued_age("report", "slow") >= 0.0
     assert await store.tenant_queued_age("report", "idle") == 0.0
     assert await store.tenant_queued_age("export", "slow") == 0.0
+
+
+async def test_queued_ages_per_kind(stores: Stores) -> None:
+    """Per-kind queue age (/metrics, back-pressure): the oldest queued job's age, 0.0 when none is queued."""
+    store = stores.jobs
+    first = (await store.accept(new_job("t1"))).job
+    await store.accept(new_job("t2"))
+    ages = await store.queued_ages(["report", "export"])
+    assert set(ages) == {"report", "export"} and ages["export"] == 0.0
+    assert 0.0 <= ages["report"] <= await store.clock() - first.created_at + 1e-6
+    older = ages["report"]
+    assert (await store.queued_ages(["report"]))["report"] >= older  # the oldest one's, and it ages
+    for job in await store.list_jobs("t1", state="queued", kind=None, before=None, limit=10) + \
+            await store.list_jobs("t2", state="queued", kind=None, before=None, limit=10):
+        await store.transition(job.id, CLAIM)
+    assert await store.queued_ages(["report"]) == {"report": 0.0}
 
 
 async def test_signing_key_is_the_same_for_every_process(stores: Stores) -> None:

@@ -28,7 +28,7 @@ relay's ``outbox_batch`` numbers first: ``herald_number_events`` takes the tenan
 ``tenant_seq`` row, then numbers every committed unnumbered event of the tenant in id
 order, after the row's ``last``, and commits (the next pass of the tenant waits on the row
 for this one's numbers). Readers read numbered events only, by seq: see
-``sql/0012_events_numbered_after_commit.sql`` for why nothing is missed or read twice and
+``sql/0013_events_numbered_after_commit.sql`` for why nothing is missed or read twice and
 each job keeps its order. So the outbox payload of an event (the JSON ``JobEvent``, whose
 first field is ``seq``) is stored without its ``{"seq":N,`` head, and ``outbox_batch``
 prepends it once numbered: the bytes are exactly what ``msgspec`` would encode. A write
@@ -85,7 +85,7 @@ from herald.storage.committing import CommitListeners
 from herald.storage.migrations import read_sql
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
-from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
+from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
@@ -398,7 +398,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("jobs-tenant-fair-share", _CAPPED_CLAIM),
     # Issue 24: events numbered after commit, no tenant-wide lock held through a commit.
     ("jobs-events-numbered-after-commit",
-     read_sql("herald.storage.postgres", "0012_events_numbered_after_commit.sql", {"now": NOW_SQL})),
+     read_sql("herald.storage.postgres", "0013_events_numbered_after_commit.sql", {"now": NOW_SQL})),
 ]
 
 # ----- statements ---------------------------------------------------------------------------
@@ -494,6 +494,8 @@ def _queued_row(new: NewJob, ts: float) -> JobRow:
 
 def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
     """The row after ``change`` at time ``ts`` (``herald.transitions.changed_row``: one rule for both stores)."""
+    if change.result_body is not None:
+        raise ValueError("the PostgreSQL job store keeps no result in the row (keeps_results is False)")
     return changed_row(before, change, at=ts, retention_s=retention_s)[0]
 
 
@@ -544,8 +546,11 @@ def _age(now: float, since: float | None) -> float:
     return max(0.0, now - since) if since is not None else 0.0
 
 
+@unavailable_on_connection_errors
 class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
+
+    keeps_results = False  # results live in the result store (NATS by default), the row names them
 
     def __init__(self, db: PgDatabase, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db

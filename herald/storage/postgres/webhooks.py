@@ -1,8 +1,11 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
-The behaviour is ``notifier.store`` and ``notifier.queue`` (the SQLite backend) rule for
-rule; what changes is how it stays correct without SQLite's single writer, when several
-gateways and notifiers on several machines use the same tables at once.
+The decisions are ``herald.delivery_rules``' (the rulebook both stores keep): the plpgsql
+functions below make them next to the data, with the rulebook's numbers passed in as
+arguments (``tests/store_contract/test_rulebook.py`` checks them against the rulebook, case by
+case); key rotation, a rare API write, calls the rulebook itself. What this module
+adds is how it stays correct without SQLite's single writer, when several gateways and
+notifiers on several machines use the same tables at once.
 
 Clock. Every time is ``clock_timestamp()`` of the server, in Unix seconds, so leases
 and retry times are judged by one clock. Inside SQL it is read once per statement into a
@@ -56,13 +59,8 @@ Schema notes: ``event_types``/``kinds`` are ``TEXT[]``; message bodies are store
 event (``webhook_messages``); ``UNIQUE (event_id, target)`` is both the idempotency key of
 fan-out and the index that pruning orphaned messages probes.
 
-Where this deliberately differs from the SQLite code, in what callers can see:
-
-* a claim returns the rows as leased (``lease_owner``/``lease_until`` set), and may return
-  fewer than ``limit`` while another notifier holds the rest;
-* when ``finish`` disables an endpoint, the delivery just attempted keeps its attempt count
-  (SQLite's fail_pending released it first, so its final UPDATE matched nothing);
-* ``retry_now`` of another endpoint's delivery returns None rather than that row, unchanged.
+What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim may
+return fewer than ``limit`` while another notifier holds the rest).
 """
 
 from __future__ import annotations
@@ -78,7 +76,6 @@ import msgspec
 from herald.deliveries import (
     CALLBACK_PREFIX,
     Attempted,
-    PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
     TEST_EVENT_WINDOW_S,
     TEST_EVENTS_PER_WINDOW,
@@ -91,16 +88,18 @@ from herald.deliveries import (
     EndpointRow,
     Finished,
     HealthRow,
+    Outcome,
+    Plan,
     TestEventsLimited,
     callback_owner,
     event_id,
 )
+from herald import delivery_rules as rules
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES
 from herald.sealing import Sealer, key_aad
 from herald.storage.migrations import read_sql
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
-from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
-from notifier.signing import HMAC, ROTATION_OVERLAP_S, SigningKey, new_key
+from herald.webhook_signing import HMAC, SigningKey, new_key
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 
@@ -133,6 +132,7 @@ MIGRATIONS: list[tuple[str, str]] = [
     ("webhooks-2-finish-many", _sql("0008_webhooks_finish_many.sql")),
     ("webhooks-3-claim-by-target", _sql("0009_webhooks_claim_by_target.sql")),
     ("webhooks-4-fair-claim", _sql("0010_webhooks_fair_claim.sql")),
+    ("webhooks-5-claim-skips-capped-tenants", _sql("0012_webhooks_claim_skips_capped_tenants.sql")),
 ]
 
 _FAIL_PENDING_SQL = f"""
@@ -177,17 +177,42 @@ def _sealed(sealer: Sealer, owner: str, key: SigningKey) -> bytes:
 
 async def _ensure_current_key(db: PgDatabase, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
     """The owner's current key, made now if it has none; concurrent first calls agree on one."""
-    candidate = new_key(algorithm)
-    row = await db.pool.fetchrow("SELECT * FROM herald_webhook_ensure_key($1, $2, $3, $4)",
-                                 owner, candidate.algorithm, _sealed(sealer, owner, candidate), candidate.public_key)
-    assert row is not None
-    return _key(sealer, owner, row["algorithm"], row["secret"], row["public_key"])
+    async with db.pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", KEY_LOCK_CLASS, owner)
+        row = await conn.fetchrow(
+            "SELECT algorithm, secret, public_key FROM webhook_keys WHERE owner = $1 AND retire_at IS NULL", owner)
+        if row is not None:
+            return _key(sealer, owner, row["algorithm"], row["secret"], row["public_key"])
+        return await _rotate(conn, sealer, owner, algorithm)
 
 
-async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
-    key = new_key(algorithm)
-    await conn.execute("SELECT herald_webhook_add_key($1, $2, $3, $4, $5)",
-                       owner, key.algorithm, _sealed(sealer, owner, key), key.public_key, ROTATION_OVERLAP_S)
+async def _add_key(conn: asyncpg.Connection, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
+    """A new current key, inside the caller's transaction."""
+    await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", KEY_LOCK_CLASS, owner)
+    return await _rotate(conn, sealer, owner, algorithm)
+
+
+async def _rotate(conn: asyncpg.Connection, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
+    """What ``delivery_rules.rotate`` says, written: under the owner's key lock (taken by the
+    caller, in its transaction), so that its changes never interleave with another's. A
+    rare API write, so plain statements rather than a plpgsql function: the rule stays
+    the rulebook's."""
+    key = new_key(algorithm)  # an unknown scheme fails before anything is written
+    at, created, retires = await conn.fetchrow(
+        f"SELECT {NOW_SQL}, coalesce(array_agg(created_at), '{{}}'), coalesce(array_agg(retire_at), '{{}}')"
+        " FROM webhook_keys WHERE owner = $1", owner)
+    rotation = rules.rotate([rules.KeyTimes(c, r) for c, r in zip(created, retires, strict=True)], at)
+    await conn.execute(
+        """
+        WITH forgotten AS (DELETE FROM webhook_keys WHERE owner = $1 AND created_at = ANY($2::DOUBLE PRECISION[]))
+        UPDATE webhook_keys SET retire_at = $4 WHERE owner = $1 AND created_at = ANY($3::DOUBLE PRECISION[])
+        """,
+        owner, list(rotation.forget), list(rotation.retire), rotation.retire_at)
+    # A statement of its own: the new current key must not meet the old one in the
+    # one-current-key index before that one's retirement is written.
+    await conn.execute(
+        "INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key) VALUES ($1, $2, $3, $4, $5)",
+        owner, rotation.created_at, key.algorithm, _sealed(sealer, owner, key), key.public_key)
     return key
 
 
@@ -321,7 +346,8 @@ class PgWebhookStore:
         return await _ensure_current_key(self.db, self.sealer, owner, HMAC)
 
     async def rotate_callback_key(self, tenant: str) -> SigningKey:
-        return await _add_key(self.db.pool, self.sealer, callback_owner(tenant), HMAC)
+        async with self.db.pool.acquire() as conn, conn.transaction():
+            return await _add_key(conn, self.sealer, callback_owner(tenant), HMAC)
 
     # ----- the delivery log ----------------------------------------------------------------
 

@@ -67,7 +67,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error BLOB,
     callback_url TEXT,
     traceparent TEXT,
-    tracestate TEXT
+    tracestate TEXT,
+    result_body BLOB
 );
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
@@ -192,17 +193,20 @@ def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes
     )
 
 
-_ADDED_COLUMNS = {"jobs": ("traceparent", "tracestate"), "outbox": ("traceparent", "tracestate", "origin")}
+_ADDED_COLUMNS = {
+    "jobs": (("traceparent", "TEXT"), ("tracestate", "TEXT"), ("result_body", "BLOB")),
+    "outbox": (("traceparent", "TEXT"), ("tracestate", "TEXT"), ("origin", "TEXT")),
+}
 
 
 def _add_columns(conn: sqlite3.Connection) -> None:
-    """A data dir from before trace contexts and outbox origins were kept: add their columns
-    (once, under the write lock)."""
+    """A data dir from before trace contexts, outbox origins and results in the row were kept:
+    add their columns (once, under the write lock)."""
     for table, added in _ADDED_COLUMNS.items():
         columns = {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for column in added:
+        for column, type_ in added:
             if column not in columns:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {type_}")
 
 
 def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
@@ -215,6 +219,8 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
 
 class SqliteJobStore(CommitListeners):
     """The job store on one SQLite file. One per process; processes of one machine share the file."""
+
+    keeps_results = True  # a small JSON result rides in the success's transaction (jobs.result_body)
 
     def __init__(self, db: Database, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db

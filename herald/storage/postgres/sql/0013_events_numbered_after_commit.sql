@@ -1,4 +1,4 @@
--- PostgreSQL migration 12: a tenant's events are numbered after they commit (issue 24).
+-- PostgreSQL migration 13: a tenant's events are numbered after they commit (issue 24).
 -- The names in braces are filled in when it is applied (herald/storage/postgres/jobs.py).
 --
 -- Before: herald_append_event bumped the tenant's tenant_seq row and held its lock until
