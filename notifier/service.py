@@ -115,8 +115,6 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             retention_s=settings.retention_s,
             notices=notices,
             pause_s=settings.webhook_pause_s,
-            # each webhook carries its job's trace (herald.tracing): the claim reads it with the
-            # deliveries (Claimed.trace_context), so no separate lookup per claim
         )
         scheduler_task = asyncio.create_task(scheduler.run(), name="webhook-scheduler")
 

@@ -35,7 +35,8 @@ from herald.jobs import (
     TransitionRejected,
 )
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
-from herald.storage.postgres.jobs import MIGRATIONS, PgJobStore
+from herald.storage.postgres.jobs import PgJobStore
+from herald.storage.postgres.schema import SCHEMA
 from herald.storage.ports import OutboxRow, StartBudget
 from herald.timefmt import rfc3339
 from herald.transitions import Change
@@ -47,7 +48,7 @@ CLAIM = Change(expect={"queued"}, to="running", claim=True)
 
 
 def new_store(url: str, *, retention_s: float = 60.0, max_size: int = 20) -> PgJobStore:
-    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
+    return PgJobStore(PgDatabase(url, SCHEMA, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
 
 
 @pytest.fixture()
@@ -532,11 +533,11 @@ async def test_signing_key_is_the_same_for_every_process(gateways: tuple[PgJobSt
 
 
 async def test_concurrent_opens_migrate_the_schema_once(fresh_database: str) -> None:
-    dbs = [PgDatabase(fresh_database, MIGRATIONS, max_size=2) for _ in range(10)]
+    dbs = [PgDatabase(fresh_database, SCHEMA, max_size=2) for _ in range(10)]
     try:
         await asyncio.gather(*(db.open() for db in dbs))
-        applied = await dbs[0].pool.fetch("SELECT name FROM herald_migrations")
-        assert [r["name"] for r in applied] == [name for name, _ in MIGRATIONS]
+        applied = await dbs[0].pool.fetch("SELECT version FROM herald_schema_migrations ORDER BY version")
+        assert [r["version"] for r in applied] == [m.version for m in SCHEMA.migrations]
         pg = PgJobStore(dbs[3], retention_s=1.0, sealer=make_sealer())
         await pg.open()  # already open: no second pool
         assert (await pg.accept(new_job())).job.version == 1

@@ -17,7 +17,8 @@ import pytest
 
 from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Attempted, Claimed, callback_owner, new_test_event
 from herald.storage.postgres.db import PgDatabase
-from herald.storage.postgres.webhooks import MIGRATIONS, PgDeliveryQueue, PgWebhookStore
+from herald.storage.postgres.schema import SCHEMA
+from herald.storage.postgres.webhooks import PgDeliveryQueue, PgWebhookStore
 from notifier.delivery import Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from notifier.signing import ROTATION_OVERLAP_S
@@ -31,22 +32,9 @@ FAILED = Outcome(status_code=500, latency_s=0.02, error="HTTP 500", response=b"b
 GONE = Outcome(status_code=410, latency_s=0.01)
 
 
-def _jobs_migrations() -> list[tuple[str, str]]:
-    """The job store's schema when it is there; else just what fan-out reads (``jobs.callback_url``)."""
-    try:
-        from herald.storage.postgres.jobs import MIGRATIONS as JOBS_MIGRATIONS
-    except Exception:  # not written yet, or mid-edit
-        return [("test-jobs", "CREATE TABLE IF NOT EXISTS jobs (id TEXT PRIMARY KEY, callback_url TEXT)")]
-    return list(JOBS_MIGRATIONS)
-
-
-def _migrations() -> list[tuple[str, str]]:
-    return [*_jobs_migrations(), *MIGRATIONS]  # as the factory does: the jobs' first
-
-
 @pytest.fixture()
 async def db(fresh_database: str) -> AsyncIterator[PgDatabase]:
-    database = PgDatabase(fresh_database, _migrations(), max_size=12)
+    database = PgDatabase(fresh_database, SCHEMA, max_size=12)
     await database.open()
     try:
         yield database
@@ -57,7 +45,7 @@ async def db(fresh_database: str) -> AsyncIterator[PgDatabase]:
 @pytest.fixture()
 async def other_db(fresh_database: str, db: PgDatabase) -> AsyncIterator[PgDatabase]:
     """A second process's pool on the same database (a second notifier or gateway)."""
-    database = PgDatabase(fresh_database, _migrations(), max_size=12)
+    database = PgDatabase(fresh_database, SCHEMA, max_size=12)
     await database.open()
     try:
         yield database

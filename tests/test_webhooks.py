@@ -31,11 +31,10 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 import herald
 from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
-from herald.storage.sqlite import jobs as sqlite_jobs
-from herald.storage.sqlite import webhooks as sqlite_webhooks
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SqliteJobStore as Store
 from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
+from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
 from herald.transitions import Change
 from notifier.delivery import Outcome, Sender
@@ -322,7 +321,7 @@ async def _move(store: Store, job_id: str, change: Change) -> JobEvent:
 
 
 async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    db = Database(tmp_path / "herald.db", SCHEMA)
     store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
@@ -359,7 +358,7 @@ async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_pa
 
 
 async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    db = Database(tmp_path / "herald.db", SCHEMA)
     store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
@@ -917,7 +916,7 @@ def test_recover_resends_the_failed_deliveries_since_a_time(http: httpx.Client, 
 
 
 async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    db = Database(tmp_path / "herald.db", SCHEMA)
     store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
@@ -930,7 +929,7 @@ async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> No
 
 
 async def test_many_attempts_recorded_in_one_batch_in_the_store(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    db = Database(tmp_path / "herald.db", SCHEMA)
     store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:
@@ -961,7 +960,7 @@ class _RefusingQueue(DeliveryQueue):
 
 
 async def test_the_recorder_commits_attempts_that_finish_together_in_one_transaction(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    db = Database(tmp_path / "herald.db", SCHEMA)
     store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:

@@ -1,6 +1,6 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
-The behaviour is ``notifier.store`` and ``notifier.queue`` (the SQLite backend) rule for
+The behaviour is the SQLite backend's (``sqlite/webhooks.py`` and ``sqlite/queue.py``) rule for
 rule; what changes is how it stays correct without SQLite's single writer, when several
 gateways and notifiers on several machines use the same tables at once.
 
@@ -10,7 +10,7 @@ variable or an uncorrelated sub-select, so that it stays a constant the planner 
 against the indexes (a bare volatile call per row could not be).
 
 Round trips. The hot paths are one statement each, one round trip: ``fan_out``, ``claim``
-and ``finish`` call plpgsql functions created by the migration, so their several steps
+and ``finish`` call plpgsql functions (``sql/0007``-``0010``), so their several steps
 run next to the data instead of a BEGIN, n statements and a COMMIT over the network.
 A plpgsql function in READ COMMITTED also takes a fresh snapshot per statement, which
 the claim below depends on. The API's rarer writes (update, delete, rotate) are short
@@ -76,7 +76,6 @@ import asyncpg
 import msgspec
 
 from herald.deliveries import (
-    CALLBACK_PREFIX,
     Attempted,
     PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
@@ -96,7 +95,6 @@ from herald.deliveries import (
     event_id,
 )
 from herald.sealing import Sealer, key_aad
-from herald.storage.migrations import read_sql
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
 from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
@@ -116,24 +114,7 @@ ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpo
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
 
-# The constants the SQL files name in braces.
-SQL_PARAMS = {"now": NOW_SQL, "key_lock": KEY_LOCK_CLASS, "order_lock": ORDER_LOCK_CLASS,
-              "callback_prefix": CALLBACK_PREFIX}
-
-
-def _sql(name: str) -> str:
-    return read_sql("herald.storage.postgres", name, SQL_PARAMS)
-
-
-# The tables and functions (herald/storage/postgres/sql/), under the names the databases
-# made so far recorded them by.
-MIGRATIONS: list[tuple[str, str]] = [
-    ("webhooks-1-tables", _sql("0006_webhooks_tables.sql")),
-    ("webhooks-1-functions", _sql("0007_webhooks_functions.sql")),
-    ("webhooks-2-finish-many", _sql("0008_webhooks_finish_many.sql")),
-    ("webhooks-3-claim-by-target", _sql("0009_webhooks_claim_by_target.sql")),
-    ("webhooks-4-fair-claim", _sql("0010_webhooks_fair_claim.sql")),
-]
+# The tables and functions: sql/0006-0010 beside this package's schema.py.
 
 _FAIL_PENDING_SQL = f"""
 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,
