@@ -32,10 +32,12 @@ test: $(STAMP) browser-deps
 	$(VENV)/bin/mypy
 	$(VENV)/bin/pytest
 
-# Benchmarks (bench/, results in bench/out/): the bench extra (matplotlib for the chart), and
-# Debian's wrk and nginx + nchan for the HTTP load and the push baselines, installed like
-# chromium above. Without them the bench still runs: a Python load client replaces wrk and
-# the nchan baselines are reported unavailable.
+# Benchmarks (bench/, results in bench/out/): the bench extra (matplotlib for the chart, Celery
+# and arq), and Debian's wrk, nginx + nchan and redis-server for the HTTP load, the push
+# baselines and the peers, installed like chromium above. Without them the bench still runs: a
+# Python load client replaces wrk, the nchan baselines and the peers are reported unavailable.
+# `make bench PEERS=1` adds Celery + Redis and arq to the end-to-end scenario (--peers);
+# BENCH_ARGS passes anything else (`make bench BENCH_ARGS="--only e2e" PEERS=1`).
 BENCH_STAMP := $(VENV)/.bench-installed
 BENCH_LOG   := /tmp/herald-bench-deps.log
 NCHAN_SO    := /usr/lib/nginx/modules/ngx_nchan_module.so
@@ -45,16 +47,21 @@ $(BENCH_STAMP): $(STAMP) pyproject.toml
 	touch $(BENCH_STAMP)
 
 bench-deps:
-	@{ command -v wrk >/dev/null 2>&1 && command -v nginx >/dev/null 2>&1 && test -e $(NCHAN_SO); } || \
+	@{ command -v wrk >/dev/null 2>&1 && command -v nginx >/dev/null 2>&1 && test -e $(NCHAN_SO) && \
+	   command -v redis-server >/dev/null 2>&1; } || \
 	  { command -v apt-get >/dev/null 2>&1 && \
-	  { $(APT_GET) install wrk nginx libnginx-mod-nchan >$(BENCH_LOG) 2>&1 || \
-	    { $(APT_GET) update >>$(BENCH_LOG) 2>&1 && $(APT_GET) install wrk nginx libnginx-mod-nchan >>$(BENCH_LOG) 2>&1; }; } && \
-	  echo "wrk, nginx and nchan installed (apt-get)"; } || \
-	  { echo "note: wrk/nginx/nchan not installed (see $(BENCH_LOG)); the bench falls back or reports baselines unavailable"; \
+	  { $(APT_GET) install wrk nginx libnginx-mod-nchan redis-server >$(BENCH_LOG) 2>&1 || \
+	    { $(APT_GET) update >>$(BENCH_LOG) 2>&1 && \
+	      $(APT_GET) install wrk nginx libnginx-mod-nchan redis-server >>$(BENCH_LOG) 2>&1; }; } && \
+	  echo "wrk, nginx, nchan and redis-server installed (apt-get)"; } || \
+	  { echo "note: wrk/nginx/nchan/redis-server not installed (see $(BENCH_LOG)); the bench falls back or reports baselines unavailable"; \
 	    tail -n 5 $(BENCH_LOG) 2>/dev/null || true; }
 
+PEERS      ?=
+BENCH_ARGS ?=
+
 bench: $(BENCH_STAMP) bench-deps
-	$(VENV)/bin/python -m bench
+	$(VENV)/bin/python -m bench $(if $(PEERS),--peers) $(BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) var

@@ -1,5 +1,5 @@
 """``python -m bench [--smoke] [--only accept,poll,...] [--store sqlite|postgres|both] [--shape one|cluster]
-[--out bench/out] [--keep] [--without wrk,nchan] [--tracing]``
+[--out bench/out] [--keep] [--without wrk,nchan] [--tracing] [--peers]``
 
 Starts everything it needs on 127.0.0.1 (own temp dir, free ports), runs each scenario
 against Herald and its baseline in the same run, stops everything, prints a table and
@@ -7,12 +7,14 @@ writes ``results.json`` and ``results.png`` to the output dir. Exit status 1 if 
 scenario failed to run (a missed target is not a failure).
 
 ``--store postgres`` runs every scenario against Herald on the PostgreSQL store: the bench
-starts a PostgreSQL server (``herald.pgserver``) in its temp dir on a free port, gives each
+starts a PostgreSQL server (``launcher.pgserver``) in its temp dir on a free port, gives each
 deployment a fresh database and stops the server at the end. ``--store both`` runs each
 scenario on SQLite, then on PostgreSQL, and prints them side by side: each store's value and
 its ratio to the baseline, and PostgreSQL's value as a ratio to SQLite's from the same run.
 ``--shape cluster`` also runs the end-to-end scenario on ``herald up --cluster`` (3 NATS
 nodes, PostgreSQL, 2 gateways, 2 workers, 2 notifiers), beside the one-machine shape.
+``--peers`` runs Celery + Redis and arq on the e2e scenario's trivial jobs in the same run
+(``bench/peers.py``), and gives Herald's jobs/s and CPU per job as ratios of theirs.
 ``--tracing`` exports every Herald process's spans over OTLP/HTTP to a sink process the
 bench starts (``bench/otlpsink.py``): tracing on, as against a collector.
 """
@@ -67,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--pg-set", action="append", default=[], metavar="NAME=VALUE",
                         help="a PostgreSQL server setting for --store postgres/both (what-ifs, e.g. "
                         "synchronous_commit=off)")
+    parser.add_argument("--peers", action="store_true",
+                        help="e2e also runs Celery + Redis and arq on the same trivial jobs (needs redis-server and "
+                        "the bench extra) and gives Herald's rate as a ratio of theirs")
     parser.add_argument("--tracing", action="store_true",
                         help="tracing on: Herald's processes export spans over OTLP/HTTP to a sink the bench starts")
     args = parser.parse_args(argv)
@@ -106,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
             ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
-                          herald_env=overrides, postgres=postgres)
+                          herald_env=overrides, postgres=postgres, peers=args.peers)
             for name in names:
                 # Each scenario on each store in turn (interleaved: noise hits the stores alike).
                 variants = [(store, "one") for store in stores]

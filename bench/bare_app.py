@@ -8,7 +8,7 @@
 * ``GET /jobs/{id}``: one primary-key lookup with aiosqlite in the same ``jobs`` table
   Herald reads (the bench points it at Herald's own data file), the row as JSON.
 
-The uvicorn settings are ``herald.cli.run_gateway``'s (``server_config``: httptools, uvloop,
+The uvicorn settings are ``launcher.cli.run_gateway``'s (``server_config``: httptools, uvloop,
 one process, no access log), so the comparison is Herald's code against the same server;
 ``--reuse-port`` shares the port with other processes, as ``HERALD_HTTP_REUSE_PORT`` does.
 """
@@ -86,7 +86,7 @@ def create_app(db_path: Path | None) -> Litestar:
 def main() -> None:
     import uvicorn
 
-    from herald.cli import server_config, shared_listener
+    from launcher.cli import server_config, shared_listener
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--port", type=int, required=True)

@@ -1,5 +1,9 @@
-"""The bench's own job kind, found through ``HERALD_KINDS=bench.handlers:TICKER`` (the bench runs
-from the repository's root, where kinds are looked up too).
+"""The bench's own job kinds, found through ``HERALD_KINDS`` (``bench.handlers:ECHO``,
+``bench.handlers:TICKER``; the bench runs from the repository's root, where kinds are
+looked up too).
+
+``echo`` is the trivial job of the end-to-end scenario and its peers: it returns
+``{"n": n}`` as its JSON result at once (no progress, no file).
 
 ``ticker`` streams ``chunks`` output chunks at a steady ``rate`` per second with
 ``ctx.emit_nowait`` (the way a model streams tokens: it does not wait for each one to be
@@ -64,4 +68,23 @@ TICKER = KindDeclaration(
     concurrency=1,
     example={"chunks": 1000, "rate": 1000},
     description="Streams timestamped output chunks at a steady rate (the bench's output scenario).",
+)
+
+
+class EchoParams(JobParams, kw_only=True):
+    n: Annotated[int, msgspec.Meta(ge=0, le=1_000_000_000)] = 0
+
+
+async def echo(ctx: JobContext, params: EchoParams) -> dict[str, int]:
+    """The trivial job: no progress, no file, a small JSON result (what the peers' tasks do)."""
+    return {"n": params.n}
+
+
+ECHO = KindDeclaration(
+    name="echo",
+    params=EchoParams,
+    collection="/echoes",
+    handler="bench.handlers:echo",
+    example={"n": 1},
+    description="Returns its number as a JSON result at once (the bench's trivial job).",
 )

@@ -1,4 +1,4 @@
-"""The PostgreSQL server of a ``--store postgres`` run: one ``herald.pgserver.PostgresServer``
+"""The PostgreSQL server of a ``--store postgres`` run: one ``launcher.pgserver.PostgresServer``
 in the run's temp dir, on a free port, started on first use and stopped when the run ends.
 
 Every Herald deployment of the run gets a database of its own (``database()``), so no
@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench.procs import free_port
-from herald.pgserver import PostgresServer
+from launcher.pgserver import PostgresServer
 
 
 class BenchPostgres:

@@ -273,6 +273,8 @@ class CpuMeter:
         self._start: dict[str, float] = {}
         self._t0 = 0.0
         self.result: dict[str, float] = {}
+        self.seconds: dict[str, float] = {}  # each process's CPU seconds between start and stop
+        self.wall_s = 0.0
 
     def start(self) -> CpuMeter:
         self._t0 = time.monotonic()
@@ -281,7 +283,7 @@ class CpuMeter:
 
     def stop(self) -> dict[str, float]:
         wall = max(1e-6, time.monotonic() - self._t0)
-        self.result = {
-            name: round(100 * (proc.cpu_seconds() - self._start[name]) / wall, 1) for name, proc in self.procs.items()
-        }
+        self.wall_s = wall
+        self.seconds = {name: proc.cpu_seconds() - self._start[name] for name, proc in self.procs.items()}
+        self.result = {name: round(100 * seconds / wall, 1) for name, seconds in self.seconds.items()}
         return self.result

@@ -38,6 +38,7 @@ class Context:
     store: str = "sqlite"  # the store of the Herald deployments this scenario starts: sqlite or postgres
     shape: str = "one"  # one: `herald up`'s processes by hand; cluster: `herald up --cluster` (e2e only)
     postgres: BenchPostgres | None = None  # the run's PostgreSQL server (--store postgres or both)
+    peers: bool = False  # --peers: the e2e scenario also runs Celery + Redis and arq (bench/peers.py)
     shared: dict[str, Any] = field(default_factory=dict)  # what one store's run of a scenario leaves for the next
     started: float = field(default_factory=time.monotonic)
 

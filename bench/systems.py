@@ -29,7 +29,7 @@ from herald.settings import Settings
 
 # Seals the store's secrets in the bench's PostgreSQL deployments (SPEC §12).
 SECRET_KEY = "bench-secret-key-of-at-least-32-characters"
-from herald.supervisor import find_nats_server, nats_conf
+from launcher.supervisor import find_nats_server, nats_conf
 
 TENANT = "bench"
 API_KEY = "bench-key"
@@ -120,7 +120,7 @@ class Herald:
 
     def _spawn(self, name: str, command: str, env: Mapping[str, str]) -> Proc:
         proc = self.procs.spawn(f"{self.root.parent.name}-{self.root.name}-{name}",
-                                [sys.executable, "-m", "herald.cli", command], env)
+                                [sys.executable, "-m", "launcher.cli", command], env)
         self.processes[name] = proc
         return proc
 
@@ -234,7 +234,7 @@ class ClusterHerald:
             HERALD_REPORT_PAGE_MS="0",
         )
         env.update(settings)
-        argv = [sys.executable, "-m", "herald.cli", "up", "--cluster", "--port", str(self.port),
+        argv = [sys.executable, "-m", "launcher.cli", "up", "--cluster", "--port", str(self.port),
                 "--postgres-port", str(self.postgres_port)]
         self.proc = procs.spawn(f"{root.parent.name}-{root.name}", argv, env, stop_signal=signal.SIGTERM)
         # `herald up --cluster` stops in order (gateways, workers, notifiers, NATS, PostgreSQL): give it time.
@@ -260,7 +260,7 @@ class ClusterHerald:
         for pid in children(self.proc.pid):
             argv = cmdline(pid)
             joined = " ".join(argv)
-            if "herald.cli" in joined and argv:
+            if "launcher.cli" in joined and argv:
                 role = argv[-1] + "s"
             elif "nats-server" in joined:
                 role = "nats"

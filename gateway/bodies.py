@@ -13,7 +13,7 @@ from litestar import Request
 
 from gateway.problems import InvalidRequest, MalformedJson, UnsupportedMediaType
 from herald.settings import Settings
-from notifier.ssrf import UnsafeUrl, check_url_resolves_public
+from herald.ssrf import UnsafeUrl, check_url_resolves_public
 from schemas import FieldError
 from schemas.validation import InvalidBody, MalformedBody, decode_json, validate_params
 

@@ -173,7 +173,7 @@ class Settings:
     # (SO_REUSEPORT); each gateway has its own relay and hub, so any of them serves any request.
     http_reuse_port: Annotated[bool, FLAG] = False
     # No default tenant: `herald gateway` without HERALD_API_KEYS knows only the store's
-    # tenants. `herald up` sets the dev tenant for its children (herald.supervisor).
+    # tenants. `herald up` sets the dev tenant for its children (launcher.supervisor).
     api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(default_factory=dict, repr=False)
     # What the client commands (`herald submit|status|…`, `herald tenants|keys`) talk to, and with which key.
     url: Annotated[str, TEXT] = "http://127.0.0.1:8000"

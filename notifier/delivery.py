@@ -30,7 +30,7 @@ from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 import herald
-from notifier.ssrf import UnsafeUrl, check_url_syntax, is_public_address, numeric_host
+from herald.ssrf import UnsafeUrl, check_url_syntax, is_public_address, numeric_host
 
 SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
 # A receiver that does not even accept the connection is known sooner than one that does not

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from herald.pgserver import PostgresServer
+from launcher.pgserver import PostgresServer
 from tests.harness import Deployment, free_port, new_database
 
 

@@ -17,7 +17,7 @@ from typing import Any, TypeVar
 
 import httpx
 
-from herald.supervisor import find_nats_server
+from launcher.supervisor import find_nats_server
 
 T = TypeVar("T")
 
@@ -138,7 +138,7 @@ class Deployment:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
         log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115  (owned by the process entry)
-        process = subprocess.Popen([sys.executable, "-m", "herald.cli", *argv], env=env, stdout=log, stderr=log)
+        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], env=env, stdout=log, stderr=log)
         log.close()
         self.processes[name] = process
         return process
@@ -280,7 +280,7 @@ def stream_state(nats_url: str, stream: str) -> Any:
 
 
 def new_database(server: Any) -> str:
-    """Create a uniquely named database on ``server`` (a ``herald.pgserver.PostgresServer``); return its URL."""
+    """Create a uniquely named database on ``server`` (a ``launcher.pgserver.PostgresServer``); return its URL."""
     import uuid
 
     return server.create_database(f"test_{uuid.uuid4().hex[:16]}")
@@ -302,7 +302,7 @@ def _run_sync(coro_factory: Callable[[], Any]) -> Any:
 
 class NatsCluster:
     """``size`` nats-servers with JetStream forming one cluster, configured by Herald's own
-    ``herald.cluster.node_config`` (as ``herald up --cluster`` runs them).
+    ``launcher.cluster.node_config`` (as ``herald up --cluster`` runs them).
 
     Nodes are indexed from 0; their server names are n1..nN. ``kill(i)`` and ``restart(i)``
     keep node i's ports and store, so a restart is a real one. ``max_file_store`` is each
@@ -311,7 +311,7 @@ class NatsCluster:
     """
 
     def __init__(self, root: Path, size: int = 3, max_file_store: str = "1GB") -> None:
-        from herald.cluster import free_ports, plan_nodes
+        from launcher.cluster import free_ports, plan_nodes
 
         ports = free_ports(2 * size)
         self.root = root
@@ -332,7 +332,7 @@ class NatsCluster:
         return ",".join(self.url_list)
 
     def start(self, timeout: float = 30.0) -> None:
-        from herald.cluster import write_node_config
+        from launcher.cluster import write_node_config
 
         for node in self.nodes:
             write_node_config(node, self.nodes, max_file_store=self.max_file_store)
@@ -341,7 +341,7 @@ class NatsCluster:
         self.wait_jetstream(timeout)
 
     def _spawn(self, index: int) -> None:
-        from herald.cluster import node_argv
+        from launcher.cluster import node_argv
 
         node = self.nodes[index]
         with open(node.directory / "server.log", "ab") as log:

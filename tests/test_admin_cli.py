@@ -39,7 +39,7 @@ WALK_TIMEOUT_S = 20.0  # SPEC §12 says 2 s; a loaded CI machine gets more befor
 
 def herald_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
-    return subprocess.run([sys.executable, "-m", "herald.cli", *argv], env={**base_env, **(env or {})},
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env={**base_env, **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -11,11 +11,11 @@ import pytest
 from bench.driver import new_job, step
 from gateway.answers import WokenAnswers, status_answer
 from herald.jobs import JobRow
-from herald.pgserver import PostgresServer
 from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage import build_storage
 from herald.storage.ports import JobStore
+from launcher.pgserver import PostgresServer
 from tests.harness import SECRET_KEY, new_database
 
 

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from bench import peers
+
 ROOT = Path(__file__).resolve().parent.parent
 SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e", "output", "noisy")
 # Without wrk and nchan only these run differently (a Python load client; no nchan baseline):
@@ -21,13 +23,15 @@ SCENARIOS = ("accept", "poll", "sse", "longpoll", "webhooks", "e2e", "output", "
 TOOL_SCENARIOS = ("accept", "poll", "sse", "longpoll", "output")
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(320)
 @pytest.mark.parametrize("without", ["", "wrk,nchan"], ids=["tools-as-installed", "without-wrk-and-nchan"])
 def test_smoke_run_reports_every_scenario_against_its_baseline(tmp_path: Path, without: str) -> None:
     scenarios = SCENARIOS if not without else TOOL_SCENARIOS
+    # The peers (Celery + Redis, arq) beside e2e, where Debian's redis-server is installed.
+    with_peers = not without and peers.missing() is None
     run = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path), "--without", without,
-                          "--only", ",".join(scenarios)],
-                         cwd=ROOT, capture_output=True, text=True, timeout=230)
+                          "--only", ",".join(scenarios), *(["--peers"] if with_peers else [])],
+                         cwd=ROOT, capture_output=True, text=True, timeout=310)
     assert run.returncode == 0, f"bench --smoke failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     document = json.loads((tmp_path / "results.json").read_text())
     assert document["mode"] == "smoke"
@@ -48,6 +52,11 @@ def test_smoke_run_reports_every_scenario_against_its_baseline(tmp_path: Path, w
     assert "accept" in run.stdout and "baselines:" in run.stdout, "the table is printed"
     # The output scenario read the chunks it measures (how many arrived is a number, not pass/fail).
     assert by_name["output"]["herald"]["delivered"] > 0, by_name["output"]["herald"]
+    if with_peers:
+        found = by_name["e2e"]["herald"]["peers"]
+        assert all(found[peer]["completed"] == found[peer]["jobs"] > 0 for peer in peers.PEERS), found
+        ratios = [r["ratio"] for r in by_name["e2e"]["rows"] if r["metric"].startswith("jobs/s vs ")]
+        assert len(ratios) == len(peers.PEERS) and None not in ratios, by_name["e2e"]["rows"]
     if "nchan" in without:
         assert not by_name["sse"]["baseline"]["available"] and not by_name["longpoll"]["baseline"]["available"]
         assert not by_name["output"]["baseline"]["available"]

@@ -579,7 +579,7 @@ def test_verify_real_deliveries_hmac_and_ed25519(fresh: Deployment) -> None:
 
 def herald_cli(*argv: str, env: dict[str, str] | None = None, timeout: float = 60) -> subprocess.CompletedProcess[str]:
     base_env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
-    return subprocess.run([sys.executable, "-m", "herald.cli", *argv], env={**base_env, **(env or {})},
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env={**base_env, **(env or {})},
                           capture_output=True, text=True, timeout=timeout)
 
 

@@ -72,7 +72,7 @@ def herald_children(supervisor: psutil.Process) -> dict[str, psutil.Process]:
     for child in supervisor.children():
         try:
             cmdline = child.cmdline()
-            if "herald.cli" in cmdline and cmdline[-1] in HERALD_KINDS and child.status() != psutil.STATUS_ZOMBIE:
+            if "launcher.cli" in cmdline and cmdline[-1] in HERALD_KINDS and child.status() != psutil.STATUS_ZOMBIE:
                 found[Path(child.environ()["HERALD_DATA_DIR"]).name] = child
         except (psutil.NoSuchProcess, KeyError):
             continue
@@ -154,7 +154,7 @@ def cluster_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Output
     )
     log = open(tmp_path / "up.stderr", "wb")  # noqa: SIM115  (closed below)
     process = subprocess.Popen(
-        [sys.executable, "-m", "herald.cli", "up", "--cluster", "--postgres-port", str(ports["postgres"])],
+        [sys.executable, "-m", "launcher.cli", "up", "--cluster", "--postgres-port", str(ports["postgres"])],
         env=env, stdout=subprocess.PIPE, stderr=log, start_new_session=True,
     )
     output = Output(process.stdout)

@@ -75,7 +75,7 @@ def test_a_malformed_declaration_says_what_is_wrong() -> None:
 def _herald(tmp_path: Path, *argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     base = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
     base.update(HERALD_DATA_DIR=str(tmp_path / "var"), HERALD_NATS_URL="nats://127.0.0.1:1", **(env or {}))
-    return subprocess.run([sys.executable, "-m", "herald.cli", *argv], env=base, cwd=REPO,
+    return subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env=base, cwd=REPO,
                           capture_output=True, text=True, timeout=60)
 
 

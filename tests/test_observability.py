@@ -136,7 +136,7 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
                HERALD_REPORT_PAGE_MS="20", HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}",
                HERALD_WEBHOOK_ALLOW_PRIVATE="1")
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
-    up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log)
+    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=log, stderr=log)
     try:
         wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
         fresh_start = scrape(base)

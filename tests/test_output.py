@@ -17,7 +17,7 @@ from httpx_sse import connect_sse
 from nats.js.errors import NotFoundError
 
 from herald.constants import OUTPUT_STREAM, output_subject
-from herald.pgserver import PostgresServer
+from launcher.pgserver import PostgresServer
 from tests.harness import KEYS, Deployment, client, new_database, wait_for_state, wait_until
 
 EMIT_KIND = "tests.kinds_fixture:EMIT"
@@ -226,7 +226,7 @@ def test_the_cli_prints_chunks_as_they_come(out: Deployment, tmp_path: Path) -> 
 
     with client(out.url()) as http:
         job = http.post("/emits", json={"count": 4}).json()
-    run = subprocess.run([sys.executable, "-m", "herald.cli", "watch", job["id"], "--output",
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "watch", job["id"], "--output",
                           "--url", out.url(), "--key", KEYS["acme"]],
                          capture_output=True, text=True, timeout=60, env={**out.env()})
     assert run.returncode == 0, run.stderr

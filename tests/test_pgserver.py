@@ -1,4 +1,4 @@
-"""herald.pgserver: the PostgreSQL server that `herald up --cluster` and the tests start."""
+"""launcher.pgserver: the PostgreSQL server that `herald up --cluster` and the tests start."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import asyncpg
 import psutil
 import pytest
 
-from herald.pgserver import PostgresError, PostgresServer, find_postgres_bin
+from launcher.pgserver import PostgresError, PostgresServer, find_postgres_bin
 from tests.harness import free_port
 
 

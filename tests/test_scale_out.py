@@ -40,8 +40,8 @@ import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
 from herald.constants import EVENTS_STREAM, JOBS_STREAM, RESULTS_BUCKET
-from herald.pgserver import PostgresServer
 from herald.storage.results import index_stream, object_stream
+from launcher.pgserver import PostgresServer
 from tests.harness import KEYS, Deployment, NatsCluster, client, new_database, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

@@ -30,11 +30,11 @@ from standardwebhooks.webhooks import Webhook
 
 from gateway.render import RESULT_PURPOSE
 from herald.deliveries import callback_owner
-from herald.pgserver import PostgresServer
 from herald.sealing import KEY_FILE, SealError, Sealer, key_aad, load_or_create_key_file, load_sealer, secret_aad
 from herald.settings import Settings, SettingsError
 from herald.signing import UrlSigner
 from herald.storage import build_storage, open_storage
+from launcher.pgserver import PostgresServer
 from notifier.signing import new_key
 from tests.harness import SECRET_KEY, Deployment, client, new_database, wait_for_state, wait_until
 from tests.test_webhooks import Receiver, terminal_hit
@@ -125,7 +125,7 @@ def test_the_generated_key_file_is_owner_only_and_one_for_processes_starting_at_
 def test_postgres_without_a_secret_key_exits_at_start_naming_the_variable(tmp_path: Path, command: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
     env.update(HERALD_DATA_DIR=str(tmp_path), HERALD_DATABASE_URL="postgresql://postgres@127.0.0.1:9/herald")
-    done = subprocess.run([sys.executable, "-m", "herald.cli", command], env=env, capture_output=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", command], env=env, capture_output=True, timeout=60)
     assert done.returncode != 0
     assert b"HERALD_SECRET_KEY" in done.stderr
     assert not (tmp_path / KEY_FILE).exists()  # never a key generated for a shared store
@@ -376,7 +376,7 @@ def test_reencrypt_moves_every_secret_to_the_first_key(tmp_path: Path, store_ser
     env.update(HERALD_DATA_DIR=str(tmp_path), HERALD_SECRET_KEY=f"{KEY_B},{KEY_A}")
     if database_url is not None:
         env["HERALD_DATABASE_URL"] = database_url
-    done = subprocess.run([sys.executable, "-m", "herald.cli", "secrets", "reencrypt"], env=env,
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", "secrets", "reencrypt"], env=env,
                           capture_output=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert b"re-encrypted 3 secret(s)" in done.stdout

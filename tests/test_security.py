@@ -374,7 +374,7 @@ def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
     env.update(HERALD_API_KEYS=f"good:key-1,{tenant}:key-2", HERALD_DATA_DIR=str(tmp_path),
                HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT="9")
-    run = subprocess.run([sys.executable, "-m", "herald.cli", "gateway"], env=env, capture_output=True, text=True,
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "gateway"], env=env, capture_output=True, text=True,
                          timeout=60)
     assert run.returncode != 0
     assert "HERALD_API_KEYS" in run.stderr and repr(tenant) in run.stderr, run.stderr[-2000:]
@@ -438,7 +438,7 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
     env.update(HERALD_API_KEYS="acme:up-key", HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port),
                HERALD_DATA_DIR=str(data), HERALD_REPORT_PAGE_MS="20", HERALD_LOG_LEVEL="warning")
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below)
-    up = subprocess.Popen([sys.executable, "-m", "herald.cli", "up"], env=env, stdout=log, stderr=log,
+    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=log, stderr=log,
                           start_new_session=True)
     base = f"http://127.0.0.1:{port}"
     try:

@@ -31,18 +31,16 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 import herald
 from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
+from herald.ssrf import is_public_address
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SqliteJobStore as Store
 from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
 from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
-from herald.transitions import Change
 from notifier.delivery import Outcome, Sender
 from notifier.recorder import Recorder
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan, RetryPolicy
-from notifier.ssrf import is_public_address
+from notifier.retry import Plan, RetryPolicy
 from schemas import JobEvent
-from tests import delivery_batches, portal_store
 from tests.harness import Deployment, client, free_port, make_sealer, new_database, wait_for_state, wait_until
 
 SCHEDULE = "0.2,0.2,0.2"  # three retries, fast
@@ -274,7 +272,7 @@ def terminal_hit(receiver: Receiver, path: str, job_id: str, status: int = 200) 
     return next((h for h in receiver.hits_for(path, {job_id}) if h.type in TERMINAL and h.answered == status), None)
 
 
-# ----- policy and store, in process (real SQLite) ---------------------------------------------
+# ----- the retry policy, in process ------------------------------------------------------------
 
 
 def test_retry_policy_is_the_table_of_spec_7() -> None:
@@ -312,80 +310,6 @@ async def _two_jobs(store: Store) -> list[JobEvent]:
         assert event is not None
         events.append(event)
     return events
-
-
-async def _move(store: Store, job_id: str, change: Change) -> JobEvent:
-    event = (await store.transition(job_id, change)).event
-    assert event is not None
-    return event
-
-
-async def test_fan_out_is_idempotent_and_a_late_older_event_is_superseded(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", SCHEMA)
-    store = Store(db, retention_s=60, sealer=make_sealer())
-    await store.open()
-    try:
-        webhooks = WebhookStore(db, make_sealer())
-        queue = DeliveryQueue(db, make_sealer())
-        endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
-                                                        event_types=["job.queued", "job.running"], kinds=None,
-                                                        signature="hmac-sha256")
-        queued, other = await _two_jobs(store)
-        running = await _move(store, queued.job_id, Change(expect={"queued"}, to="running", claim=True))
-        done = await _move(store, queued.job_id, Change(expect={"running"}, to="cancelled"))
-        assert await queue.fan_out([running]) == 1
-        # running is not sent yet, so queued (late) still goes first, and running waits behind it
-        assert await queue.fan_out([queued, running, other]) == 2
-        assert await queue.fan_out([queued, running, other]) == 0  # a redelivered batch creates nothing
-        claimed = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
-        assert sorted((c.delivery.job_id == queued.job_id, c.delivery.version) for c in claimed) == [
-            (False, 1), (True, 1)]
-        for item in claimed:
-            await queue.finish(item, "test", time.time(), Outcome(status_code=200, latency_s=0.01), Plan("delivered"))
-        sent = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
-        assert [(c.delivery.version, c.delivery.type) for c in sent] == [(2, "job.running")]
-        assert await queue.fan_out([done]) == 0  # job.cancelled: not subscribed
-        # queued arrives once more, late, as if never seen (its row forgotten): running was sent
-        # meanwhile, so sending queued now would go back in time
-        await db.write(lambda conn: conn.execute(
-            "DELETE FROM webhook_deliveries WHERE job_id = ? AND version = 1", (queued.job_id,)))
-        assert await queue.fan_out([queued]) == 0
-        rows = await webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
-        assert sorted((r.version, r.status) for r in rows if r.job_id == queued.job_id) == [
-            (1, "superseded"), (2, "pending")]
-    finally:
-        await store.close()
-
-
-async def test_an_endpoint_failing_for_five_days_is_disabled(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", SCHEMA)
-    store = Store(db, retention_s=60, sealer=make_sealer())
-    await store.open()
-    try:
-        webhooks = WebhookStore(db, make_sealer())
-        queue = DeliveryQueue(db, make_sealer())
-        endpoint, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
-                                                        event_types=["job.queued"], kinds=None, signature="ed25519")
-        assert await queue.fan_out(await _two_jobs(store)) == 2
-
-        def failing_long_ago(conn: Any) -> None:
-            conn.execute("UPDATE webhook_endpoints SET failing_since = ?",
-                         (time.time() - ENDPOINT_DISABLE_AFTER_S - 1,))
-
-        await db.write(failing_long_ago)
-        claimed = await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={})
-        assert len(claimed) == 1  # one slot per target here
-        assert claimed[0].keys and claimed[0].keys[0].algorithm == "ed25519"
-        failure = Outcome(status_code=500, latency_s=0.01)
-        finished = await queue.finish(claimed[0], "test", time.time(), failure, Plan("retry", delay_s=5))
-        assert finished.status == "failed" and finished.endpoint_disabled
-        assert (await webhooks.get_endpoint("acme", endpoint.id)).status == "disabled"  # type: ignore[union-attr]
-        rows = await webhooks.list_deliveries(endpoint.id, status=None, before_seq=None, limit=10)
-        assert [r.status for r in rows] == ["failed", "failed"]  # the waiting one too: dropped, not queued
-        assert [a.status_code for a in (await webhooks.attempts([claimed[0].delivery.id]))[claimed[0].delivery.id]] == [500]
-        assert await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={}) == []
-    finally:
-        await store.close()
 
 
 # ----- the endpoints API -------------------------------------------------------------------
@@ -915,27 +839,7 @@ def test_recover_resends_the_failed_deliveries_since_a_time(http: httpx.Client, 
     assert refused.status_code == 409 and refused.json()["type"] == "/problems/endpoint-disabled"
 
 
-async def test_recover_test_events_and_health_in_the_store(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", SCHEMA)
-    store = Store(db, retention_s=60, sealer=make_sealer())
-    await store.open()
-    try:
-        await portal_store.recover_test_events_and_health(WebhookStore(db, make_sealer()), DeliveryQueue(db, make_sealer()))
-    finally:
-        await store.close()
-
-
 # ----- outcomes recorded in batches (issue 14) ------------------------------------------------
-
-
-async def test_many_attempts_recorded_in_one_batch_in_the_store(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", SCHEMA)
-    store = Store(db, retention_s=60, sealer=make_sealer())
-    await store.open()
-    try:
-        await delivery_batches.many_attempts_recorded_in_one_batch(WebhookStore(db, make_sealer()), DeliveryQueue(db, make_sealer()))
-    finally:
-        await store.close()
 
 
 class _RefusingQueue(DeliveryQueue):

@@ -1,8 +1,10 @@
 """6. End to end: trivial jobs accepted → succeeded → webhook delivered, against the JetStream ceiling.
 
 Herald as ``herald up`` runs it (a gateway, two workers of default concurrency, a
-notifier), reports of 1 page at ``HERALD_REPORT_PAGE_MS=0``; one webhook endpoint for
-``job.succeeded`` on the verifying receiver, and one tenant SSE stream open.
+notifier), trivial jobs: the bench's ``echo`` kind (``bench/handlers.py``), which returns
+``{"n": n}`` as its JSON result at once, as the peers' tasks do; one webhook endpoint for
+``job.succeeded`` on the verifying receiver, and one tenant SSE stream open. Each job is
+three events (queued, running, succeeded).
 
 * Saturation: ``e2e_jobs`` starts as fast as 16 connections get them answered; jobs/s
   from the first start sent to the last ``job.succeeded`` delivery received, and each
@@ -21,6 +23,11 @@ stream read on the second gateway (so every event crosses NATS between gateways)
 
 Baseline: nats-py publish+consume through JetStream on a single nats-server
 (``bench/natsceiling.py``): the rate one message per job could reach.
+
+Peers (``--peers``): Celery + Redis and arq on the same trivial job, two worker processes
+each, the same number of jobs, after Herald's deployment is stopped (``bench/peers.py``
+says what is measured on their side); rows give Herald's jobs/s and CPU per job as ratios
+of theirs. They run once per bench run; every store and shape is compared with them.
 """
 
 from __future__ import annotations
@@ -32,16 +39,25 @@ from typing import Any
 
 import msgspec
 
-from bench import httpclient, natsceiling
+from bench import httpclient, natsceiling, peers
 from bench.pg import PgWaits
 from bench.procs import CpuMeter, free_port, wait_until
 from bench.receiver import Receiver
 from bench.scenario import Context, Outcome
-from bench.scenarios.http import post_report
 from bench.scenarios.webhooks import _register
 from bench.stats import latency_summary
 from bench.subscribers import Subscribers
 from bench.systems import API_KEY, ClusterHerald, Herald
+
+
+KINDS = "bench.handlers:ECHO"
+EVENTS_PER_JOB = 3  # queued, running, succeeded
+
+
+def post_echo(port: int) -> httpclient.Target:
+    """``POST /echoes {"n": 1}`` with the bench tenant's key."""
+    headers = (("Content-Type", "application/json"), ("Authorization", f"Bearer {API_KEY}"))
+    return httpclient.Target(port=port, method="POST", paths=("/echoes",), body=b'{"n": 1}', headers=headers)
 
 
 def _ts(value: str) -> float:
@@ -110,7 +126,7 @@ class Deployment:
 
 def _one_machine(ctx: Context) -> Deployment:
     """``herald up``'s processes, started one by one: a gateway, two workers, a notifier."""
-    herald = ctx.herald("e2e")
+    herald = ctx.herald("e2e", HERALD_KINDS=KINDS)
     herald.start_gateway()
     workers = [herald.start_worker(f"worker{i}") for i in range(2)]
     notifier = herald.start_notifier()
@@ -127,7 +143,7 @@ def _cluster(ctx: Context) -> Deployment:
     """``herald up --cluster``: starts through the first gateway, the tenant stream on the second."""
     ctx.say("e2e: starting herald up --cluster")
     started = time.monotonic()
-    cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster", **ctx.herald_env)
+    cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster", **{**ctx.herald_env, "HERALD_KINDS": KINDS})
     return Deployment(port=cluster.port, sse_port=cluster.port + 1, base=cluster.base, meters=cluster.roles(),
                       log=cluster.proc, database_url=cluster.database_url,
                       description={"shape": "herald up --cluster: 3 NATS nodes (R3), PostgreSQL, 2 gateways, "
@@ -149,7 +165,7 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
     deployment = _cluster(ctx) if ctx.shape == "cluster" else _one_machine(ctx)
     port = free_port()
     secret = _register(_Registrar(deployment.base), f"http://127.0.0.1:{port}/hook/e2e", ["job.succeeded"])  # type: ignore[arg-type]
-    target = post_report(deployment.port, auth=True)
+    target = post_echo(deployment.port)
     request = (f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{deployment.sse_port}\r\nAccept: text/event-stream\r\n"
                f"Authorization: Bearer {API_KEY}\r\n\r\n").encode()
     result: dict[str, Any] = dict(deployment.description)
@@ -173,8 +189,9 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
             "accept_rps": load["rps"],
             "start_to_webhook": latency_summary(v * 1000 for v in done),
             "cpu_pct": cpu, "loadgen_cpu_pct": load["loadgen_cpu_pct"],
-            # one tenant stream open during the burst: 4 events per job (queued, running, progress, succeeded)
-            "sse_events_expected": 4 * len(sent),
+            "cpu_ms_per_job": peers.cpu_ms_per_job(meter, len(done)),
+            # one tenant stream open during the burst
+            "sse_events_expected": EVENTS_PER_JOB * len(sent),
             "sse_events_received": len(watched.times[0]) if watched.times else 0,
             "sse_stream_survived": watched.still_open == 1,
         }
@@ -263,6 +280,44 @@ def run(ctx: Context) -> Outcome:
         if phase["completed"] < phase["jobs"]:
             out.notes.append(f"{phase['jobs'] - phase['completed']} of {phase['jobs']} jobs had no job.succeeded "
                              f"webhook within {ctx.sizes.wait_s:g} s")
-    out.notes.append("the ceiling is one message per job; a Herald job moves 1 work message and 4 events "
-                     "(queued, running, progress, succeeded) through JetStream")
+    out.notes.append("the ceiling is one message per job; a Herald job moves 1 work message and 3 events "
+                     "(queued, running, succeeded) through JetStream")
+    if ctx.peers:
+        _peer_rows(ctx, out, sat)
     return out
+
+
+def _peer_rows(ctx: Context, out: Outcome, sat: dict[str, Any]) -> None:
+    """Celery + Redis and arq, once per run (the first variant runs them, on a stopped deployment)."""
+    found = ctx.shared.get("peers")
+    if found is None:
+        found = {}
+        reason = peers.missing()
+        if reason is not None:
+            found = {"unavailable": reason}
+        else:
+            ctx.procs.stop_all()  # Herald's deployment and the ceiling's server: the peers get the cores
+            for peer in peers.PEERS:
+                ctx.say(f"e2e: peer {peers.NAMES[peer]}, {ctx.sizes.e2e_jobs} jobs")
+                found[peer] = peers.run(ctx.procs, ctx.dir("e2e") / "peers", peer, ctx.sizes.e2e_jobs,
+                                        ctx.sizes.wait_s)
+        ctx.shared["peers"] = found
+    out.herald["peers"] = found
+    herald_cpu = sat["cpu_ms_per_job"].get("total")
+    out.row("peers", "Herald CPU per job (all processes)", herald_cpu, None, better="lower", unit="ms")
+    if "unavailable" in found:
+        out.notes.append(f"peers not run: {found['unavailable']}")
+        return
+    for peer in peers.PEERS:
+        result = found[peer]
+        name = peers.NAMES[peer]
+        out.row("peers", f"jobs/s vs {name}", sat["jobs_per_s"], result["jobs_per_s"], better="higher", unit="/s")
+        out.row("peers", f"CPU per job vs {name}", herald_cpu, result["cpu_ms_per_job"].get("total"), better="lower",
+                unit="ms")
+        if result["completed"] < result["jobs"]:
+            out.notes.append(f"{name}: {result['jobs'] - result['completed']} of {result['jobs']} jobs had no "
+                             "result in time")
+    for peer in peers.PEERS:
+        out.target(f"end to end ahead of {peers.NAMES[peer]} (same run)",
+                   f"{sat['jobs_per_s']:.0f} vs {found[peer]['jobs_per_s']:.0f} jobs/s",
+                   sat["jobs_per_s"] > found[peer]["jobs_per_s"])

@@ -41,6 +41,10 @@ CONNECTION_ERRORS: tuple[type[BaseException], ...] = (
     asyncpg.exceptions.AdminShutdownError,
     asyncpg.exceptions.CrashShutdownError,
     asyncpg.exceptions.ConnectionFailureError,
+    # The first statement on a pooled connection whose server shut down while it sat idle:
+    # asyncpg's protocol refuses it ("cannot switch to state ...") before noticing the
+    # socket is gone, and the pool replaces the connection.
+    asyncpg.exceptions.InternalClientError,
     TimeoutError,
 )
 

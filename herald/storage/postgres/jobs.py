@@ -74,7 +74,7 @@ from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
-from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase
+from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
@@ -226,6 +226,7 @@ def _age(now: float, since: float | None) -> float:
     return max(0.0, now - since) if since is not None else 0.0
 
 
+@unavailable_on_connection_errors
 class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
 

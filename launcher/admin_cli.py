@@ -158,7 +158,7 @@ def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
             print(f"herald: {exc}", file=sys.stderr)
             return 2
         if not settings.admin_key:
-            from herald.supervisor import ADMIN_KEY_FILE
+            from launcher.supervisor import ADMIN_KEY_FILE
 
             print("herald: HERALD_ADMIN_KEY is not set: these commands need the operator's admin key "
                   f"(`herald up` prints it and keeps it in {settings.data_dir / ADMIN_KEY_FILE})", file=sys.stderr)

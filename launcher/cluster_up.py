@@ -1,10 +1,10 @@
 """``herald up --cluster``: a rehearsal of a multi-machine deployment on one machine (SPEC §11).
 
-Three nats-server nodes (R3, configured by ``herald.cluster``), a PostgreSQL server
-(``herald.pgserver``), and two gateways, two workers and two notifiers, each with its own
+Three nats-server nodes (R3, configured by ``launcher.cluster``), a PostgreSQL server
+(``launcher.pgserver``), and two gateways, two workers and two notifiers, each with its own
 data directory under ``HERALD_DATA_DIR/cluster`` so that nothing is shared on disk: the
 processes find each other only through NATS and PostgreSQL, as on separate machines.
-Restarts and shutdown are the single-machine supervisor's (``herald.supervisor``).
+Restarts and shutdown are the single-machine supervisor's (``launcher.supervisor``).
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ import urllib.request
 from pathlib import Path
 
 from herald import jetstream
-from herald.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
 from herald.keyfiles import load_or_create, private_dir
 from herald.metrics import MULTIPROC_ENV
-from herald.pgserver import PostgresError, PostgresServer
 from herald.sealing import KEY_FILE, load_or_create_key_file
 from herald.settings import Settings, redact_url
-from herald.supervisor import (
+from launcher.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
+from launcher.pgserver import PostgresError, PostgresServer
+from launcher.supervisor import (
     STOP_TIMEOUT_S,
     Child,
     Supervisor,
@@ -249,7 +249,7 @@ class ClusterSupervisor(Supervisor):
             "HERALD_SECRET_KEY": (",".join(self.settings.secret_keys) if self.settings.secret_keys
                                   else load_or_create_key_file(self.root / KEY_FILE)),
         }
-        python = [sys.executable, "-m", "herald.cli"]
+        python = [sys.executable, "-m", "launcher.cli"]
         self.children = []
         for kind, count in (("gateway", GATEWAYS), ("worker", WORKERS), ("notifier", NOTIFIERS)):
             for i in range(count):

@@ -116,7 +116,7 @@ def _exit_if_still_running(deadline_s: float) -> None:
 
 def run_component(settings: Settings, body: Component) -> int:
     """Run a component without an API (worker, notifier) until SIGINT/SIGTERM sets its stop event."""
-    from herald.metrics_server import serve_metrics
+    from launcher.metrics_server import serve_metrics
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -236,10 +236,10 @@ def build_parser() -> argparse.ArgumentParser:
     secrets_sub = secrets_cmd.add_subparsers(dest="secrets_command", required=True)
     secrets_sub.add_parser("reencrypt", help="re-seal every secret in the store under the first key of HERALD_SECRET_KEY")
     with contextlib.suppress(ImportError):
-        from herald.client_cli import add_client_commands
+        from launcher.client_cli import add_client_commands
 
         add_client_commands(sub)
-    from herald.admin_cli import add_admin_commands
+    from launcher.admin_cli import add_admin_commands
 
     add_admin_commands(sub)
     return parser
@@ -273,11 +273,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "secrets":
         return reencrypt_secrets(settings)
     if args.command == "up" and args.cluster:
-        from herald.cluster_up import run_cluster
+        from launcher.cluster_up import run_cluster
 
         return run_cluster(settings, postgres_port=args.postgres_port)
     if args.command == "up":
-        from herald.supervisor import run_up
+        from launcher.supervisor import run_up
 
         return run_up(settings)
     if args.command == "gateway":

@@ -191,7 +191,7 @@ class Supervisor:
         metrics_dir.mkdir(parents=True)
         self.env[MULTIPROC_ENV] = str(metrics_dir.resolve())
         self.env.pop("HERALD_METRICS_PORT", None)  # in `herald up`, the API port's /metrics covers all
-        python = [sys.executable, "-m", "herald.cli"]
+        python = [sys.executable, "-m", "launcher.cli"]
         self.children = [Child("gateway", [*python, "gateway"])]
         self.children += [Child(f"worker-{i + 1}", [*python, "worker"]) for i in range(self.settings.workers)]
         self.children.append(Child("notifier", [*python, "notifier"]))

@@ -1,0 +1,526 @@
+"""The delivery queue's contract (``herald.storage.ports.DeliveryQueue``), on every backend:
+fan-out, order per job and target, superseding, progress throttling, exclusive claims with
+their caps, leases, outcomes (one or a batch), retention. "Two notifiers" are two
+processes' queues on one database (``Stores.another``)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+import uuid
+from collections.abc import Sequence
+
+import msgspec
+import pytest
+
+from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Attempted, Claimed
+from herald.jobs import NewJob
+from herald.storage.ports import DeliveryQueue, JobStore
+from herald.transitions import Change
+from notifier.delivery import Outcome
+from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
+from schemas import JobEvent
+from tests.store_contract.conftest import Stores
+from tests.store_contract.support import (
+    ALL_TYPES,
+    FAILED,
+    GONE,
+    OK,
+    claim,
+    deliveries,
+    differs,
+    endpoint,
+    event,
+    finish,
+    new_job,
+)
+
+
+# ----- fan-out -------------------------------------------------------------------------------
+
+
+async def test_fan_out_matches_endpoints_and_is_idempotent(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    succeeded_only = await endpoint(webhooks, event_types=["job.succeeded"])
+    echo_only = await endpoint(webhooks, event_types=ALL_TYPES, kinds=["echo"])
+    await endpoint(webhooks, tenant="t2")  # another tenant's: never sees t1's events
+    await stores.jobs.accept(new_job(job_id="j1", callback_url="https://cb.example/done"))
+    await stores.jobs.accept(new_job(job_id="j2"))
+
+    events = [event("j1", 1, "job.running"), event("j1", 2, "job.succeeded"),
+              event("j2", 1, "job.succeeded", kind="pdf")]
+    # j1.1 -> echo_only + callback; j1.2 -> both + callback; j2.1 -> succeeded_only
+    assert await queue.fan_out(events) == 6
+    assert await queue.fan_out(events) == 0
+    assert await queue.fan_out(events[1:]) == 0
+    rows = await deliveries(stores)
+    assert len(rows) == 6
+    assert {(r["target"], r["event_id"]) for r in rows} == {
+        (echo_only, "evt_j1.1"), (CALLBACK_PREFIX + "https://cb.example/done", "evt_j1.1"),
+        (succeeded_only, "evt_j1.2"), (echo_only, "evt_j1.2"), (CALLBACK_PREFIX + "https://cb.example/done", "evt_j1.2"),
+        (succeeded_only, "evt_j2.1"),
+    }
+    assert await stores.count("webhook_messages") == 3
+    assert await queue.fan_out([]) == 0
+
+    # Concurrent redeliveries of one batch to two notifiers create nothing twice either.
+    twice = [event(f"k{n}", 1) for n in range(20)]
+    second = (await stores.another()).deliveries
+    counts = await asyncio.gather(queue.fan_out(twice), second.fan_out(twice), queue.fan_out(twice))
+    assert sum(counts) == 40  # two endpoints want job.succeeded of kind echo
+    assert len(await deliveries(stores)) == 46
+
+
+async def _two_jobs(jobs: JobStore) -> list[JobEvent]:
+    """Two accepted jobs: their job.queued events, as the store committed them."""
+    events = []
+    for _ in range(2):
+        job = NewJob(id=str(uuid.uuid4()), tenant="acme", kind="export", collection="/exports", params=b"{}",
+                     deadline_s=60)
+        event = (await jobs.accept(job)).event
+        assert event is not None
+        events.append(event)
+    return events
+
+
+async def _move(jobs: JobStore, job_id: str, change: Change) -> JobEvent:
+    event = (await jobs.transition(job_id, change)).event
+    assert event is not None
+    return event
+
+
+async def test_fan_out_of_committed_events_is_idempotent_and_a_late_older_event_is_superseded(
+    stores: Stores,
+) -> None:
+    """The events as the job store commits them, fanned out in the order NATS may hand them over."""
+    webhooks, queue, store = stores.webhooks, stores.deliveries, stores.jobs
+    endpoint_row, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
+                                                        event_types=["job.queued", "job.running"], kinds=None,
+                                                        signature="hmac-sha256")
+    queued, other = await _two_jobs(store)
+    running = await _move(store, queued.job_id, Change(expect={"queued"}, to="running", claim=True))
+    done = await _move(store, queued.job_id, Change(expect={"running"}, to="cancelled"))
+    assert await queue.fan_out([running]) == 1
+    # running is not sent yet, so queued (late) still goes first, and running waits behind it
+    assert await queue.fan_out([queued, running, other]) == 2
+    assert await queue.fan_out([queued, running, other]) == 0  # a redelivered batch creates nothing
+    claimed = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
+    assert sorted((c.delivery.job_id == queued.job_id, c.delivery.version) for c in claimed) == [
+        (False, 1), (True, 1)]
+    for item in claimed:
+        await queue.finish(item, "test", time.time(), Outcome(status_code=200, latency_s=0.01), Plan("delivered"))
+    sent = await queue.claim("test", lease_s=30, per_target=8, limit=10, in_flight={})
+    assert [(c.delivery.version, c.delivery.type) for c in sent] == [(2, "job.running")]
+    assert await queue.fan_out([done]) == 0  # job.cancelled: not subscribed
+    # queued arrives once more, late, as if never seen (its row forgotten): running was sent
+    # meanwhile, so sending queued now would go back in time
+    await stores.sql("DELETE FROM webhook_deliveries WHERE job_id = $1 AND version = 1", queued.job_id)
+    assert await queue.fan_out([queued]) == 0
+    rows = await webhooks.list_deliveries(endpoint_row.id, status=None, before_seq=None, limit=10)
+    assert sorted((r.version, r.status) for r in rows if r.job_id == queued.job_id) == [
+        (1, "superseded"), (2, "pending")]
+
+
+async def test_callback_deliveries_skip_progress_and_sign_with_the_tenant_secret(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    await stores.jobs.accept(new_job(job_id="j1", callback_url="https://cb.example/done"))
+    assert await queue.fan_out([event("j1", 1, "job.progress")]) == 0  # callbacks never get progress
+    assert await queue.fan_out([event("j1", 2, "job.running")]) == 1
+    (item,) = await claim(queue)
+    assert item.url == "https://cb.example/done" and item.delivery.endpoint_id is None
+    assert item.delivery.url == "https://cb.example/done"
+    assert item.keys == (await webhooks.callback_key("t1"),)  # created on first use, the same one the API shows
+    payload = msgspec.json.decode(item.body)
+    assert payload == {"type": "job.running", "timestamp": "2026-01-01T00:00:00Z",
+                       "data": {"id": "j1", "version": 2}}
+
+
+# ----- order per job and target --------------------------------------------------------------
+
+
+async def test_newer_version_waits_while_an_older_one_is_pending(stores: Stores) -> None:
+    queue = stores.deliveries
+    await endpoint(stores.webhooks)
+    await queue.fan_out([event("j1", 1, "job.running"), event("j1", 2, "job.succeeded")])
+    (first,) = await claim(queue)
+    assert first.delivery.version == 1
+    assert await claim(queue, "n2") == []  # v1 is in flight: v2 must not overtake it
+    await finish(stores, first, OK, Plan("delivered"))
+    (second,) = await claim(queue)
+    assert second.delivery.version == 2
+
+
+async def test_superseding(stores: Stores) -> None:
+    queue = stores.deliveries
+    target = await endpoint(stores.webhooks)
+
+    # A failed v1 waiting for its retry is superseded by v2 arriving.
+    await queue.fan_out([event("a", 1, "job.running")])
+    (a1,) = await claim(queue)
+    done = await finish(stores, a1, FAILED, Plan("retry", delay_s=60))
+    assert done.status == "pending"
+    assert await queue.fan_out([event("a", 2, "job.succeeded")]) == 1
+    assert (await deliveries(stores, event_id="evt_a.1"))[0]["status"] == "superseded"
+    (a2,) = await claim(queue)
+    assert a2.delivery.version == 2
+
+    # A v1 failing after v2 was recorded is superseded instead of retried.
+    await queue.fan_out([event("b", 1, "job.running")])
+    (b1,) = [c for c in await claim(queue) if c.delivery.job_id == "b"]
+    await queue.fan_out([event("b", 2, "job.succeeded")])
+    done = await finish(stores, b1, FAILED, Plan("retry", delay_s=60))
+    assert (done.status, done.next_attempt_at) == ("superseded", None)
+
+    # An event arriving after a newer one of its job was sent would go back in time: superseded at once.
+    await queue.fan_out([event("c", 2, "job.succeeded")])
+    (c2,) = [c for c in await claim(queue) if c.delivery.job_id == "c"]
+    assert await queue.fan_out([event("c", 1, "job.running")]) == 0
+    assert [(r["version"], r["status"]) for r in await deliveries(stores, job_id="c")] == [
+        (2, "pending"), (1, "superseded")]
+    assert c2.delivery.target == target
+
+    # ... but if the newer one was not sent yet, the older one goes first.
+    await queue.fan_out([event("d", 2, "job.succeeded")])
+    assert await queue.fan_out([event("d", 1, "job.running")]) == 1
+    got = [c for c in await claim(queue, "n3") if c.delivery.job_id == "d"]
+    assert [c.delivery.version for c in got] == [1]
+
+
+async def test_progress_is_throttled_per_job_and_target(stores: Stores) -> None:
+    queue = stores.deliveries
+    await endpoint(stores.webhooks)
+    await queue.fan_out([event("j1", 1, "job.progress")])
+    (p1,) = await claim(queue)
+    await finish(stores, p1, OK, Plan("delivered"))
+    sent_at = p1.delivery.scheduled_at
+
+    await queue.fan_out([event("j1", 2, "job.progress")])
+    await queue.fan_out([event("j1", 3, "job.progress")])  # supersedes v2, which was not sent yet
+    rows = {r["version"]: r for r in await deliveries(stores, job_id="j1")}
+    assert rows[2]["status"] == "superseded"
+    assert rows[3]["status"] == "pending"
+    assert rows[3]["next_attempt_at"] == pytest.approx(sent_at + PROGRESS_INTERVAL_S)
+    assert await claim(queue) == []  # not yet: one per second
+
+    # A state change is not throttled and supersedes the waiting progress.
+    assert await queue.fan_out([event("j1", 4, "job.succeeded")]) == 1
+    assert (await deliveries(stores, event_id="evt_j1.3"))[0]["status"] == "superseded"
+    (last,) = await claim(queue)
+    assert last.delivery.version == 4
+
+
+async def test_order_holds_while_two_notifiers_fan_out_and_claim_concurrently(stores: Stores) -> None:
+    """v1 and v2 of each job are fanned out by different notifiers at the same moment, while
+    both claim and deliver: no v2 is ever claimed while its v1 can still be sent."""
+    await endpoint(stores.webhooks)
+    a, b = stores.deliveries, (await stores.another()).deliveries
+    jobs = [f"j{n}" for n in range(60)]
+    log: list[tuple[str, str]] = []  # ("claim" | "finish", delivery id), in order
+    fanning = True
+
+    async def fan(queue: DeliveryQueue, version: int, order: Sequence[str]) -> None:
+        for job in order:
+            await queue.fan_out([event(job, version, "job.running" if version == 1 else "job.succeeded")])
+            await asyncio.sleep(0)
+
+    async def notifier(queue: DeliveryQueue, owner: str) -> None:
+        while True:
+            batch = await claim(queue, owner, per_target=1000, limit=5)
+            log.extend(("claim", c.delivery.id) for c in batch)
+            for item in batch:
+                await queue.finish(item, owner, await stores.jobs.clock(), OK, Plan("delivered"))
+                log.append(("finish", item.delivery.id))
+            if not batch and not fanning and not await queue.anything_due():
+                return
+            await asyncio.sleep(0)
+
+    workers = [asyncio.create_task(notifier(q, f"n{n}")) for n, q in enumerate([a, b] * 3)]
+    # Several fan-outs per side, so that v1 and v2 of a job often meet in flight.
+    await asyncio.gather(*(fan(a, 2, jobs[n::3]) for n in range(3)), *(fan(b, 1, jobs[::-1][n::3]) for n in range(3)))
+    fanning = False
+    await asyncio.gather(*workers)
+
+    position = {(kind, delivery): n for n, (kind, delivery) in enumerate(log)}
+    assert len(position) == len(log)  # nothing claimed or finished twice
+    for row in await deliveries(stores):
+        assert row["status"] in ("delivered", "superseded"), row
+    for job in jobs:
+        rows = {r["version"]: r for r in await deliveries(stores, job_id=job)}
+        assert rows[2]["status"] == "delivered"
+        if rows[1]["status"] == "delivered":
+            assert position[("finish", rows[1]["id"])] < position[("claim", rows[2]["id"])], job
+        else:
+            assert ("claim", rows[1]["id"]) not in position
+
+
+# ----- claims ------------------------------------------------------------------------------------
+
+
+async def test_per_target_cap_counts_what_this_notifier_has_in_flight(stores: Stores) -> None:
+    queue = stores.deliveries
+    busy = await endpoint(stores.webhooks, url="https://busy.example/hook")
+    await queue.fan_out([event(f"j{n}", 1) for n in range(5)])
+    assert len(await claim(queue, per_target=2)) == 2
+    assert len(await claim(queue, "n2", per_target=2, in_flight={busy: 1})) == 1
+    assert await claim(queue, "n3", per_target=2, in_flight={busy: 2}) == []
+    assert len(await claim(queue, "n4", per_target=2, limit=1)) == 1
+
+
+async def test_two_notifiers_claiming_at_once_never_share_a_delivery(stores: Stores) -> None:
+    """ports.py, "Exclusive claims"."""
+    for n in range(20):
+        await endpoint(stores.webhooks, url=f"https://{n}.example/hook")
+    notifiers = [stores.deliveries, (await stores.another()).deliveries]
+    assert await notifiers[0].fan_out([event(f"j{n}", 1) for n in range(10)]) == 200
+
+    async def claimer(queue: DeliveryQueue, owner: str) -> list[str]:
+        got: list[str] = []
+        while batch := await claim(queue, owner, per_target=100, limit=7):
+            got += [c.delivery.id for c in batch]
+        return got
+
+    results = await asyncio.gather(*(claimer(notifiers[n % 2], f"n{n % 2}") for n in range(8)))
+    claimed = list(itertools.chain.from_iterable(results))
+    assert len(claimed) == len(set(claimed)) == 200
+    assert all(results[0::2]) and all(results[1::2])  # both notifiers got work
+    rows = await deliveries(stores)
+    assert {r["id"] for r in rows} == set(claimed)
+    assert all(r["lease_owner"] in ("n0", "n1") and r["lease_until"] is not None for r in rows)
+    assert not await notifiers[1].anything_due()
+
+
+async def test_leases_release_and_expiry(stores: Stores) -> None:
+    queue = stores.deliveries
+    await endpoint(stores.webhooks)
+    other = (await stores.another()).deliveries
+    await queue.fan_out([event("j1", 1), event("j2", 1)])
+    held = await claim(queue, "n1")
+    assert len(held) == 2 and await claim(other, "n2") == []
+
+    await queue.release([held[0].delivery.id], "someone-else")  # only the holder can release
+    assert await claim(other, "n2") == []
+    await queue.release([held[0].delivery.id], "n1")
+    (taken,) = await claim(other, "n2")
+    assert taken.delivery.id == held[0].delivery.id
+    assert taken.delivery.lease_owner == ("n2" if differs(stores, "claim-rows-as-leased") else None)
+
+    # A killed notifier's lease runs out on the store's clock; its late finish changes nothing.
+    await stores.sql("UPDATE webhook_deliveries SET lease_until = $2 WHERE id = $1",
+                     held[1].delivery.id, await stores.jobs.clock() - 1)
+    (recovered,) = await claim(other, "n2")
+    assert recovered.delivery.id == held[1].delivery.id
+    await finish(stores, held[1], OK, Plan("delivered"), owner="n1")
+    (row,) = await deliveries(stores, id=held[1].delivery.id)
+    assert (row["status"], row["lease_owner"]) == ("pending", "n2")
+
+
+# ----- outcomes ----------------------------------------------------------------------------------
+
+
+async def test_retry_is_scheduled_by_the_stores_clock(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    await queue.fan_out([event("j1", 1)])
+    (item,) = await claim(queue)
+    before = await stores.jobs.clock()
+    done = await finish(stores, item, FAILED, Plan("retry", delay_s=30))
+    after = await stores.jobs.clock()
+    assert done.status == "pending" and not done.endpoint_disabled
+    assert done.next_attempt_at is not None and before + 30 <= done.next_attempt_at <= after + 30
+
+    row = await webhooks.get_delivery(endpoint_id, item.delivery.id)
+    assert row is not None
+    assert (row.status, row.attempts, row.lease_owner, row.lease_until) == ("pending", 1, None, None)
+    assert row.next_attempt_at == done.next_attempt_at
+    (attempt,) = (await webhooks.attempts([row.id]))[row.id]
+    assert (attempt.n, attempt.status_code, attempt.error, attempt.response) == (1, 500, "HTTP 500", b"boom")
+    assert attempt.latency_ms == pytest.approx(20.0)
+    endpoint_row = await webhooks.get_endpoint("t1", endpoint_id)
+    assert endpoint_row is not None and endpoint_row.failing_since is not None
+
+    assert await claim(queue) == [] and not await queue.anything_due()
+    assert await queue.next_due_after(before) == pytest.approx(done.next_attempt_at)
+    await stores.sql("UPDATE webhook_deliveries SET next_attempt_at = next_attempt_at - 31")
+    (again,) = await claim(queue)
+    assert again.delivery.id == item.delivery.id and again.delivery.attempts == 1
+    done = await finish(stores, again, OK, Plan("delivered"))
+    assert (done.status, done.next_attempt_at) == ("delivered", None)
+    assert [a.n for a in (await webhooks.attempts([row.id]))[row.id]] == [1, 2]
+    endpoint_row = await webhooks.get_endpoint("t1", endpoint_id)
+    assert endpoint_row is not None and endpoint_row.failing_since is None  # healthy again
+
+
+async def test_410_disables_the_endpoint_and_fails_its_pending(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    gone = await endpoint(webhooks, url="https://gone.example/hook")
+    fine = await endpoint(webhooks, url="https://fine.example/hook")
+    await queue.fan_out([event(f"j{n}", 1) for n in range(3)])
+    item = next(c for c in await claim(queue, per_target=1) if c.delivery.endpoint_id == gone)
+    done = await finish(stores, item, GONE, Plan("failed", disable_endpoint=True))
+    assert (done.status, done.endpoint_disabled) == ("failed", True)
+    endpoint_row = await webhooks.get_endpoint("t1", gone)
+    assert endpoint_row is not None and endpoint_row.status == "disabled"
+    rows = await deliveries(stores, endpoint_id=gone)
+    assert sorted(r["status"] for r in rows) == ["failed"] * 3
+    attempted = next(r for r in rows if r["id"] == item.delivery.id)
+    assert attempted["attempts"] == (1 if differs(stores, "disable-keeps-attempt-count") else 0)
+    assert {r["status"] for r in await deliveries(stores, endpoint_id=fine)} == {"pending"}
+
+
+async def test_an_endpoint_failing_for_five_days_is_disabled(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_row, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",
+                                                        event_types=["job.queued"], kinds=None, signature="ed25519")
+    assert await queue.fan_out(await _two_jobs(stores.jobs)) == 2
+    await stores.sql("UPDATE webhook_endpoints SET failing_since = $2 WHERE id = $1",
+                     endpoint_row.id, await stores.jobs.clock() - ENDPOINT_DISABLE_AFTER_S - 1)
+    claimed = await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={})
+    assert len(claimed) == 1  # one slot per target here
+    assert claimed[0].keys and claimed[0].keys[0].algorithm == "ed25519"
+    finished = await finish(stores, claimed[0], FAILED, Plan("retry", delay_s=10), owner="test")
+    assert (finished.status, finished.next_attempt_at, finished.endpoint_disabled) == ("failed", None, True)
+    assert (await webhooks.get_endpoint("acme", endpoint_row.id)).status == "disabled"  # type: ignore[union-attr]
+    rows = await webhooks.list_deliveries(endpoint_row.id, status=None, before_seq=None, limit=10)
+    assert [r.status for r in rows] == ["failed", "failed"]  # the waiting one too: dropped, not queued
+    assert {r["status"] for r in await deliveries(stores)} == {"failed"}
+    assert [a.status_code for a in (await webhooks.attempts([claimed[0].delivery.id]))[claimed[0].delivery.id]] == [500]
+    assert await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={}) == []
+
+
+async def test_finish_after_the_endpoint_was_deleted_is_dropped(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    await queue.fan_out([event("j1", 1)])
+    (item,) = await claim(queue)
+    assert await webhooks.delete_endpoint("t1", endpoint_id)
+    done = await finish(stores, item, OK, Plan("delivered"))
+    assert done.status == "dropped"
+    assert await stores.count("webhook_attempts") == 0
+
+
+THANKED = Outcome(status_code=200, latency_s=0.012, response=b"thanks")
+BOOM = Outcome(status_code=500, latency_s=0.02, error=None, response=b"boom")
+CONNECTION_REFUSED = Outcome(status_code=None, latency_s=0.003, error="ClientConnectorError: refused")
+RETRY_IN_S = 300.0
+
+
+def _typed_event(job_id: str, type: str) -> JobEvent:
+    return JobEvent(seq=1, tenant="t1", job_id=job_id, kind="report", version=1, type=type,
+                    at="2026-01-01T00:00:00Z", data=msgspec.Raw(msgspec.json.encode({"id": job_id, "version": 1})))
+
+
+async def test_many_attempts_recorded_in_one_batch(stores: Stores) -> None:
+    """Deliveries to several endpoints finishing together, each with its own outcome, are all
+    recorded by one ``finish_many`` (issue 14): attempt rows, statuses, retries, leases,
+    endpoint health."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+
+    async def add(path: str, types: list[str]) -> str:
+        row, _ = await webhooks.create_endpoint("t1", url=f"https://hooks.example.com/{path}", event_types=types,
+                                                kinds=None, signature="hmac-sha256")
+        return row.id
+
+    ok_a, ok_b, failing, refusing = [await add(p, ["job.succeeded"]) for p in ("a", "b", "c", "r")]
+    gone = await add("g", ["job.failed"])
+    deleted = await add("d", ["job.succeeded"])
+    jobs = [f"job-{n}" for n in range(5)]
+    events = [_typed_event(j, "job.succeeded") for j in jobs] + [_typed_event("job-x", "job.failed")]
+    assert await queue.fan_out(events) == 5 * 5 + 1
+    claimed = await queue.claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
+    assert len(claimed) == 26
+    await webhooks.delete_endpoint("t1", deleted)  # while its attempts were in flight
+
+    def decide(item: Claimed) -> tuple[Outcome, Plan]:
+        d = item.delivery
+        if d.endpoint_id == failing:  # two will be retried, three have used up their schedule
+            return BOOM, Plan("retry", delay_s=RETRY_IN_S) if d.job_id in jobs[:2] else Plan("failed")
+        if d.endpoint_id == refusing:
+            return CONNECTION_REFUSED, Plan("retry", delay_s=RETRY_IN_S)
+        if d.endpoint_id == gone:
+            return GONE, Plan("failed", disable_endpoint=True)
+        return THANKED, Plan("delivered")
+
+    started = time.time()
+    attempts = [Attempted(claimed=item, started_at=started, outcome=decide(item)[0], plan=decide(item)[1])
+                for item in claimed]
+    finished = await queue.finish_many(attempts, "n1")
+    assert len(finished) == len(attempts)
+    for attempt, result in zip(attempts, finished, strict=True):  # in the order given
+        d = attempt.claimed.delivery
+        expected = {ok_a: "delivered", ok_b: "delivered", gone: "failed", deleted: "dropped",
+                    refusing: "pending"}.get(d.endpoint_id or "")
+        if d.endpoint_id == failing:
+            expected = "pending" if d.job_id in jobs[:2] else "failed"
+        assert result.status == expected, (d.endpoint_id, d.job_id, result)
+        assert result.endpoint_disabled == (d.endpoint_id == gone)
+        assert (result.next_attempt_at is not None) == (expected == "pending")
+        if result.next_attempt_at is not None:
+            assert result.next_attempt_at >= started + RETRY_IN_S - 5
+
+    # Durably there, as the portal and /webhooks/{id}/deliveries read them.
+    for endpoint_id, statuses, code, response, error in (
+        (ok_a, ["delivered"] * 5, 200, b"thanks", None),
+        (ok_b, ["delivered"] * 5, 200, b"thanks", None),
+        (failing, ["failed"] * 3 + ["pending"] * 2, 500, b"boom", None),
+        (refusing, ["pending"] * 5, None, None, CONNECTION_REFUSED.error),
+        (gone, ["failed"], 410, None, None),
+    ):
+        rows = await webhooks.list_deliveries(endpoint_id, status=None, before_seq=None, limit=100)
+        assert sorted(r.status for r in rows) == sorted(statuses), endpoint_id
+        assert all(r.lease_owner is None and r.lease_until is None for r in rows)
+        disabling = endpoint_id == gone and not differs(stores, "disable-keeps-attempt-count")
+        assert all(r.attempts == (0 if disabling else 1) for r in rows)
+        logged = await webhooks.attempts([r.id for r in rows])
+        for r in rows:
+            [attempt] = logged[r.id]
+            assert (attempt.n, attempt.status_code, attempt.error) == (1, code, error)
+            assert (bytes(attempt.response) if attempt.response is not None else None) == response
+            assert attempt.latency_ms is not None and attempt.latency_ms > 0
+            assert abs(attempt.at - started) < 1e-3
+    assert await webhooks.list_deliveries(deleted, status=None, before_seq=None, limit=100) == []
+    assert (await webhooks.get_endpoint("t1", gone)).status == "disabled"  # type: ignore[union-attr]
+    health = await webhooks.get_endpoint("t1", failing)
+    assert health is not None and health.status == "enabled" and health.failing_since is not None
+    healthy = await webhooks.get_endpoint("t1", ok_a)
+    assert healthy is not None and healthy.failing_since is None
+
+    # Every lease was released with its outcome: the retries are not due yet, nothing is held.
+    assert await queue.claim("n2", lease_s=30, per_target=10, limit=100, in_flight={}) == []
+    assert await queue.finish_many([], "n1") == []
+
+    # A second round for the retried ones, recorded the same way: attempt 2 after attempt 1.
+    for item in claimed:
+        if item.delivery.endpoint_id == failing and item.delivery.job_id in jobs[:2]:
+            await webhooks.retry_now(failing, item.delivery.id)
+    again = await queue.claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
+    assert sorted(c.delivery.job_id for c in again) == jobs[:2]
+    done = await queue.finish_many([Attempted(claimed=c, started_at=time.time(), outcome=THANKED, plan=Plan("delivered"))
+                                    for c in again], "n1")
+    assert [f.status for f in done] == ["delivered", "delivered"]
+    logged = await webhooks.attempts([c.delivery.id for c in again])
+    assert all([a.status_code for a in logged[c.delivery.id]] == [500, 200] for c in again)
+    health = await webhooks.get_endpoint("t1", failing)
+    assert health is not None and health.failing_since is None  # a success ends the failing streak
+
+
+# ----- retention -----------------------------------------------------------------------------------
+
+
+async def test_prune_forgets_finished_deliveries_with_their_attempts(stores: Stores) -> None:
+    queue = stores.deliveries
+    await endpoint(stores.webhooks)
+    await queue.fan_out([event("j1", 1), event("j2", 1), event("j3", 1)])
+    items = await claim(queue)
+    await finish(stores, items[0], OK, Plan("delivered"))
+    await finish(stores, items[1], FAILED, Plan("failed"))
+    cutoff = await stores.jobs.clock() + 1
+    assert await queue.prune(cutoff, limit=1) == 1
+    assert await queue.prune(cutoff) == 1
+    assert await queue.prune(cutoff) == 0
+    (left,) = await deliveries(stores)
+    assert left["id"] == items[2].delivery.id and left["status"] == "pending"
+    assert await stores.count("webhook_attempts") == 0
+    assert [r["event_id"] for r in await stores.sql("SELECT event_id FROM webhook_messages")] == ["evt_j3.1"]
+
+

@@ -1,0 +1,441 @@
+"""The job store's contract (``herald.storage.ports.JobStore``), on every backend.
+
+What a user relies on: one job per Idempotency-Key however many gateways race; a stale
+writer never overwrites a newer version; a tenant's event history is gap-free and readable
+in order while it grows; one start budget across gateways; retention leaves tombstones.
+"Two gateways" are two processes' stores on one database (``Stores.another``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import msgspec
+import pytest
+from prometheus_client import REGISTRY
+
+from herald.jobs import (
+    Accepted,
+    IdempotencyMismatch,
+    JobRow,
+    RateLimited,
+    Transition,
+    TransitionRejected,
+)
+from herald.storage.ports import JobStore, OutboxRow, StartBudget
+from herald.timefmt import rfc3339
+from herald.transitions import TENANT_AT_CAP, Change
+from schemas import JobEvent, JobMessage, Problem
+from tests.store_contract.conftest import Stores
+from tests.store_contract.support import CLAIM, claim_key, new_job, outcomes, running_job
+
+ENCODER = msgspec.json.Encoder()
+
+
+def rejected_total() -> float:
+    return REGISTRY.get_sample_value("herald_transitions_rejected_total") or 0.0
+
+
+def jobs_of(rows: list[OutboxRow]) -> set[str]:
+    return {r.msg_id.split(".")[1] if r.msg_id.startswith("ev.") else r.msg_id for r in rows}
+
+
+# ----- accepting ---------------------------------------------------------------------------
+
+
+async def test_accept_writes_job_event_and_outbox_rows(stores: Stores) -> None:
+    store = stores.jobs
+    heard: list[tuple[JobRow, JobEvent]] = []
+    store.on_commit(lambda job, event: heard.append((job, event)))
+
+    new = new_job(callback_url="https://example.com/hook")
+    accepted = await store.accept(new)
+
+    job, event = accepted.job, accepted.event
+    assert not accepted.replayed and event is not None
+    assert (job.id, job.tenant, job.kind, job.collection, job.state) == (new.id, "t1", "report", "/reports", "queued")
+    assert (job.version, job.attempt, job.progress, job.cancel_requested) == (1, 0, None, False)
+    assert job.params == new.params and job.callback_url == "https://example.com/hook"
+    assert job.created_at == job.updated_at and job.deadline_at == pytest.approx(job.created_at + 600.0)
+    assert await store.get(job.id) == job
+    assert await store.get_for_tenant("t1", job.id) == job
+    assert await store.get_for_tenant("other", job.id) is None
+
+    assert (event.seq, event.version, event.type, event.job_id) == (1, 1, "job.queued", job.id)
+    assert bytes(event.data) == ENCODER.encode(job.status())
+    assert event.at == rfc3339(job.updated_at)
+    assert [ENCODER.encode(e) for e in await store.job_events(job.id, 0)] == [ENCODER.encode(event)]
+    assert heard == [(job, event)]
+
+    rows = await store.outbox_batch(10)
+    assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}", f"ev.{job.id}.1"), ("jobs.report.t1", job.id)]
+    assert rows[0].payload == ENCODER.encode(event)  # the exact bytes, seq included
+    assert msgspec.msgpack.decode(rows[1].payload, type=JobMessage) == JobMessage(job_id=job.id, kind="report", attempt=0)
+
+    stats = await store.stats()
+    assert stats.outbox_pending == 2 and stats.oldest_queued_age_s >= 0 and stats.outbox_oldest_age_s >= 0
+    assert await store.last_event_seq("t1") == 1 and await store.last_event_seq("nobody") == 0
+
+
+async def test_an_accepted_job_is_the_row_another_process_reads(stores: Stores) -> None:
+    accepted = await stores.jobs.accept(new_job(callback_url="https://example.com/hook"))
+    assert await (await stores.another()).jobs.get(accepted.job.id) == accepted.job
+
+
+async def test_idempotency_key_replays_the_job_or_refuses_another_request(stores: Stores) -> None:
+    store = stores.jobs
+    first = await store.accept(new_job(), claim_key("k1"))
+    again = await store.accept(new_job(), claim_key("k1"))
+    assert again.replayed and again.event is None and again.job == first.job
+
+    with pytest.raises(IdempotencyMismatch):
+        await store.accept(new_job(), claim_key("k1", fingerprint="POST /reports {different}"))
+
+    elsewhere = await store.accept(new_job("t2"), claim_key("k1"))  # keys are per tenant
+    assert not elsewhere.replayed and elsewhere.job.id != first.job.id
+    assert [j.id for j in await store.list_jobs("t1", state=None, kind=None, before=None, limit=10)] == [first.job.id]
+    assert len(await store.outbox_batch(10)) == 4  # two jobs, two rows each: nothing queued twice
+
+
+async def test_fifty_concurrent_accepts_with_one_key_make_one_job(stores: Stores) -> None:
+    """ports.py, "Idempotency converges": never a unique-violation error, one job."""
+    a, b = stores.jobs, (await stores.another()).jobs
+    results = await outcomes([(a if i % 2 else b).accept(new_job(), claim_key("same")) for i in range(50)])
+
+    assert all(isinstance(r, Accepted) for r in results), [r for r in results if not isinstance(r, Accepted)]
+    assert len({r.job.id for r in results}) == 1
+    assert sum(not r.replayed for r in results) == 1
+    assert len(await a.list_jobs("t1", state=None, kind=None, before=None, limit=100)) == 1
+    assert [e.seq for e in await b.tenant_events("t1", 0, 100)] == [1]
+
+
+# ----- transitions -------------------------------------------------------------------------
+
+
+async def test_concurrent_changes_all_apply_in_consecutive_versions(stores: Stores) -> None:
+    store = stores.jobs
+    job = await running_job(store)
+    results = await outcomes(
+        [store.transition(job.id, Change(expect={"running"}, attempt=1, progress=p)) for p in range(1, 21)]
+    )
+
+    assert all(isinstance(r, Transition) and r.event is not None for r in results), results
+    assert sorted(r.after.version for r in results) == list(range(3, 23))  # no lost update
+    assert [e.version for e in await store.job_events(job.id, 0)] == list(range(1, 23))
+    final = await store.get(job.id)
+    assert final is not None and final.version == 22
+    assert final.progress == max(results, key=lambda r: r.after.version).after.progress
+
+
+async def test_conflicting_transitions_have_one_winner_per_expected_state(
+    stores: Stores, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ports.py, "Compare-and-set transitions": one writer per expected state wins, the rest are refused."""
+    store = stores.jobs
+    job = (await store.accept(new_job())).job
+    rejected_before = rejected_total()
+    finishes = [
+        Change(expect={"running"}, to="succeeded", attempt=1, result_path="r", media_type="application/pdf"),
+        Change(expect={"running"}, to="failed", attempt=1,
+               error=Problem(type="/problems/x", title="X", status=500, detail="boom")),
+        Change(expect={"running"}, to="cancelled", attempt=1),
+    ]
+
+    with caplog.at_level(logging.INFO, logger="herald.store"):
+        claims = await outcomes([store.transition(job.id, CLAIM) for _ in range(20)])
+        ends = await outcomes([store.transition(job.id, finishes[i % 3]) for i in range(20)])
+
+    for round_ in (claims, ends):
+        winners = [r for r in round_ if isinstance(r, Transition)]
+        assert len(winners) == 1
+        assert all(isinstance(r, TransitionRejected) for r in round_ if r is not winners[0])
+    assert [e.version for e in await store.job_events(job.id, 0)] == [1, 2, 3]
+    final = await store.get(job.id)
+    assert final is not None and final.terminal and final.expires_at is not None
+    assert rejected_total() - rejected_before == 38
+    logged = [r for r in caplog.records if r.getMessage() == "transition rejected"]
+    assert len(logged) == 38 and all(getattr(r, "job_id", None) == job.id for r in logged)
+
+
+async def test_fencing_by_attempt(stores: Stores) -> None:
+    store = stores.jobs
+    job = await running_job(store)
+    assert job.attempt == 1 and job.heartbeat_at == job.updated_at
+
+    requeued = await store.transition(job.id, Change(expect={"running"}, to="queued", attempt=1, requeue=True))
+    after = requeued.after
+    assert (after.state, after.attempt, after.heartbeat_at, after.progress) == ("queued", 2, None, None)
+    assert requeued.event is not None and requeued.event.type == "job.queued"
+    work = [r for r in await store.outbox_batch(100) if r.subject == "jobs.report.t1"]
+    assert [r.msg_id for r in work] == [job.id, f"{job.id}.a2"]
+    assert msgspec.msgpack.decode(work[-1].payload, type=JobMessage).attempt == 2
+
+    reclaimed = (await store.transition(job.id, CLAIM)).after
+    assert reclaimed.attempt == 2
+    with pytest.raises(TransitionRejected) as stale:
+        await store.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1))
+    assert stale.value.reason == "attempt is 2, writer has 1" and stale.value.current == reclaimed
+    assert await store.heartbeat(job.id, 1) is None
+    assert await store.get(job.id) == reclaimed
+
+
+async def test_unknown_job_and_invisible_changes(stores: Stores) -> None:
+    store = stores.jobs
+    with pytest.raises(TransitionRejected) as missing:
+        await store.transition("nope", CLAIM)
+    assert missing.value.reason == "no such job" and missing.value.current is None
+
+    job = await running_job(store)
+    same = await store.transition(job.id, Change(expect={"running"}, attempt=1, progress=None))
+    assert same.event is None and same.after == job and (await store.get(job.id)) == job
+
+
+async def test_heartbeat_moves_only_its_times(stores: Stores) -> None:
+    store = stores.jobs
+    job = await running_job(store)
+    events_before = await store.job_events(job.id, 0)
+    outbox_before = await store.outbox_batch(100)
+
+    beat = await store.heartbeat(job.id, 1)
+    assert beat is not None and beat.version == job.version
+    assert beat.heartbeat_at == beat.updated_at and beat.updated_at > job.updated_at
+    assert len(await store.job_events(job.id, 0)) == len(events_before)
+    assert await store.outbox_batch(100) == outbox_before
+
+    queued = (await store.accept(new_job())).job
+    assert await store.heartbeat(queued.id, 0) is None
+    assert await store.heartbeat("nope", 1) is None
+
+    sweep = Change(expect={"running"}, to="queued", attempt=1, requeue=True, stale_before=beat.heartbeat_at)
+    with pytest.raises(TransitionRejected, match="heartbeat is fresh"):
+        await store.transition(job.id, sweep)
+
+
+async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(stores: Stores) -> None:
+    """ports.py, "A capped claim counts under a lock" (SPEC §13 max_running): ten claims of one
+    tenant's jobs at once, from two processes, with a cap of 2: exactly two run, the rest stay
+    queued (TENANT_AT_CAP); another tenant's claim is not held back; once one ends, the next
+    claim succeeds."""
+    a, b = stores.jobs, (await stores.another()).jobs
+    jobs = [(await a.accept(new_job("capped"))).job.id for _ in range(10)]
+    capped = Change(expect={"queued"}, to="running", claim=True, max_running=2)
+    results = await outcomes([(a if n % 2 else b).transition(job_id, capped) for n, job_id in enumerate(jobs)])
+    won = [o.after.id for o in results if not isinstance(o, BaseException)]
+    refused = [o for o in results if isinstance(o, BaseException)]
+    assert len(won) == 2 and all(isinstance(o, TransitionRejected) and o.reason == TENANT_AT_CAP for o in refused)
+    assert (await a.running_counts(["capped", "nobody"])) == {"capped": 2, "nobody": 0}
+    assert await b.running_counts(["capped"]) == {"capped": 2}
+    assert [(await a.get(job_id)).state for job_id in jobs].count("queued") == 8  # type: ignore[union-attr]
+
+    other = (await a.accept(new_job("other"))).job.id
+    assert (await b.transition(other, capped)).after.state == "running"
+
+    await a.transition(won[0], Change(expect={"running"}, to="succeeded", attempt=1))
+    waiting = next(job_id for job_id in jobs if job_id not in won)
+    assert (await b.transition(waiting, capped)).after.state == "running"
+
+
+# ----- history -----------------------------------------------------------------------------
+
+
+async def test_tenant_seq_is_gap_free_and_read_in_order_while_it_grows(stores: Stores) -> None:
+    """ports.py, "Ordered history", with two processes writing and a third reading."""
+    a, b = stores.jobs, (await stores.another()).jobs
+    done = asyncio.Event()
+    read: list[int] = []
+
+    async def writer(store: JobStore, tenant: str, jobs: int) -> None:
+        for _ in range(jobs):
+            job = await running_job(store, tenant)
+            await store.transition(job.id, Change(expect={"running"}, attempt=1, progress=50))
+
+    async def reader() -> None:
+        # A reader that polls after its last seq must never see a hole: seq n+1 visible before n
+        # would make it skip n for ever.
+        while True:
+            finished = done.is_set()
+            batch = [e.seq for e in await b.tenant_events("t1", read[-1] if read else 0, 1000)]
+            assert batch == list(range(len(read) + 1, len(read) + 1 + len(batch))), (read[-3:], batch[:5])
+            read.extend(batch)
+            if finished:
+                return
+            await asyncio.sleep(0.001)
+
+    reading = asyncio.create_task(reader())
+    await asyncio.gather(*(writer(a if i % 2 else b, "t1", 8) for i in range(4)), writer(a, "t2", 5))
+    done.set()
+    await reading
+
+    assert read == list(range(1, 4 * 8 * 3 + 1))
+    assert await a.last_event_seq("t1") == 96
+    assert [e.seq for e in await a.tenant_events("t2", 0, 1000)] == list(range(1, 16))
+    assert [e.seq for e in await a.tenant_events("t1", 90, 1000, kind="report")] == list(range(91, 97))
+    assert await a.tenant_events("t1", 0, 10, kind="export") == []
+    # The outbox announces a tenant's events in the same order.
+    announced = [msgspec.json.decode(r.payload, type=JobEvent) for r in await a.outbox_batch(1000, stale_after_s=0)
+                 if r.subject.startswith("events.t1.")]
+    assert [e.seq for e in announced] == list(range(1, 97))
+
+
+# ----- start budget ------------------------------------------------------------------------
+
+
+async def test_one_start_budget_across_two_gateways(stores: Stores) -> None:
+    """ports.py, "One rate budget": every gateway draws on one bucket; a refused start writes nothing."""
+    a, b = stores.jobs, (await stores.another()).jobs
+    budget = StartBudget(rate=0.5, burst=5)
+    started = time.monotonic()
+    results = await outcomes([(a if i % 2 else b).accept(new_job(), budget=budget) for i in range(20)])
+    elapsed = time.monotonic() - started
+
+    admitted = [r for r in results if isinstance(r, Accepted)]
+    limited = [r for r in results if isinstance(r, RateLimited)]
+    assert len(admitted) + len(limited) == 20, results
+    assert 5 <= len(admitted) <= 5 + int(elapsed * budget.rate) + 1
+    assert all(0 < r.wait_s <= 1 / budget.rate and r.tenant == "t1" for r in limited)
+    # A refused start wrote nothing.
+    assert len(await a.list_jobs("t1", state=None, kind=None, before=None, limit=100)) == len(admitted)
+    assert len(await b.outbox_batch(1000, stale_after_s=0)) == 2 * len(admitted)
+
+
+async def test_replays_spend_the_budget_and_mismatches_do_not(stores: Stores) -> None:
+    store = stores.jobs
+    budget = StartBudget(rate=0.001, burst=2)
+    await store.accept(new_job(), claim_key("k"), budget)  # 1 left
+    with pytest.raises(IdempotencyMismatch):
+        await store.accept(new_job(), claim_key("k", "other request"), budget)  # still 1 left
+    assert (await store.accept(new_job(), claim_key("k"), budget)).replayed  # 0 left
+    with pytest.raises(RateLimited) as caught:
+        await store.accept(new_job(), claim_key("k"), budget)
+    assert caught.value.wait_s > 0
+    unlimited = await store.accept(new_job())  # no budget given: no limit
+    assert not unlimited.replayed
+
+
+# ----- outbox, sweeping, retention --------------------------------------------------------
+
+
+async def test_each_process_publishes_its_own_rows_and_anyone_those_left_behind(stores: Stores) -> None:
+    other = await stores.another()
+    a, b = stores.jobs, other.jobs
+    from_a = [(await a.accept(new_job())).job.id for _ in range(2)]
+    from_b = [(await b.accept(new_job())).job.id for _ in range(3)]
+
+    assert jobs_of(await a.outbox_batch(100)) == set(from_a)  # a's relay, woken by a's commits
+    assert jobs_of(await b.outbox_batch(100)) == set(from_b)
+    assert await a.outbox_batch(100, stale_after_s=60) == []  # nothing is left behind yet...
+    # ...but b's rows, b gone, are any relay's after a while (the store's clock).
+    await b.close()
+    stale = await a.outbox_batch(100, stale_after_s=0)
+    assert jobs_of(stale) == set(from_a) | set(from_b) and [r.seq for r in stale] == sorted(r.seq for r in stale)
+    await a.outbox_done([r.seq for r in stale])
+    assert await a.outbox_batch(100, stale_after_s=0) == []
+
+
+async def test_outbox_batch_and_done(stores: Stores) -> None:
+    store = stores.jobs
+    for _ in range(3):
+        await store.accept(new_job())
+    first = await store.outbox_batch(4)
+    assert len(first) == 4 and [r.seq for r in first] == sorted(r.seq for r in first)
+    await store.outbox_done([r.seq for r in first])
+    rest = await store.outbox_batch(10)
+    assert len(rest) == 2 and rest[0].seq > first[-1].seq
+    await store.outbox_done([])
+    assert (await store.stats()).outbox_pending == 2
+    await store.outbox_done([r.seq for r in rest])
+    stats = await store.stats()
+    assert (stats.outbox_pending, stats.outbox_oldest_age_s) == (0, 0.0)
+
+
+async def test_live_jobs_for_the_sweeper(stores: Stores) -> None:
+    store = stores.jobs
+    late = (await store.accept(new_job(deadline_s=0.0))).job
+    running = await running_job(store)
+    fresh = (await store.accept(new_job())).job
+    now = await store.clock()
+
+    stale = {j.id for j in await store.live_jobs(stale_before=now + 1, deadline_before=now)}
+    assert stale == {late.id, running.id}
+    assert fresh.id not in stale
+    assert {j.id for j in await store.live_jobs(stale_before=0, deadline_before=now)} == {late.id}
+
+
+async def test_retention_forgets_jobs_and_leaves_tombstones(stores: Stores) -> None:
+    store = (await stores.another(retention_s=0.0)).jobs
+    key = claim_key("kept")
+    job = (await store.accept(new_job(), key)).job
+    await store.transition(job.id, CLAIM)
+    done = (await store.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1,
+                                                  result_path="results/x.pdf", media_type="application/pdf"))).after
+    assert (done.progress, done.result_path, done.media_type) == (100, "results/x.pdf", "application/pdf")
+    assert done.expires_at == done.finished_at == done.updated_at
+    other = (await store.accept(new_job())).job  # alive: not expired
+
+    at = await store.clock()
+    expired = await store.expired(at)
+    assert [j.id for j in expired] == [job.id]
+    await store.forget(expired + expired, at)  # listed twice: still one tombstone
+
+    assert await store.get(job.id) is None
+    assert await store.tombstone_tenant(job.id) == "t1"
+    assert await store.tombstone_tenant(other.id) is None
+    assert await store.job_events(job.id, 0) == []
+    assert await store.get(other.id) == other
+    again = await store.accept(new_job(), key)  # the key went with the job
+    assert not again.replayed and again.job.id != job.id
+
+
+async def test_two_gateways_forget_the_same_jobs_at_once(stores: Stores) -> None:
+    a, b = (await stores.another(retention_s=0.0)).jobs, (await stores.another(retention_s=0.0)).jobs
+    ids = []
+    for i in range(30):
+        job = (await a.accept(new_job(), claim_key(f"k{i}"))).job
+        await a.transition(job.id, Change(expect={"queued"}, to="cancelled"))
+        ids.append(job.id)
+    at = await a.clock()
+    doomed = await a.expired(at)
+    assert sorted(j.id for j in doomed) == sorted(ids)
+
+    # Each sweep forgets what the other is not forgetting at that moment; neither waits.
+    results = await outcomes([sweeper.forget(doomed, at) for sweeper in (a, b, a, b)])
+    assert results == [None] * 4
+
+    assert await a.expired(await a.clock()) == []
+    assert [await b.tombstone_tenant(i) for i in ids] == ["t1"] * 30
+    assert [await b.get(i) for i in ids] == [None] * 30
+    assert not (await a.accept(new_job(), claim_key("k7"))).replayed  # keys went with their jobs
+
+
+async def test_list_jobs_newest_first_with_filters_and_cursor(stores: Stores) -> None:
+    store = stores.jobs
+    ids = [(await store.accept(new_job())).job.id for _ in range(5)]
+    await store.transition(ids[1], Change(expect={"queued"}, to="cancelled"))
+
+    page = await store.list_jobs("t1", state=None, kind=None, before=None, limit=3)
+    assert [j.id for j in page] == ids[::-1][:3]
+    cursor = (page[-1].created_at, page[-1].id)
+    assert [j.id for j in await store.list_jobs("t1", state=None, kind=None, before=cursor, limit=3)] == ids[1::-1]
+    assert [j.id for j in await store.list_jobs("t1", state="cancelled", kind="report", before=None, limit=9)] == [ids[1]]
+    assert await store.list_jobs("t1", state=None, kind="export", before=None, limit=9) == []
+
+
+# ----- queue ages, shared secrets ----------------------------------------------------------
+
+
+async def test_a_tenants_own_queue_age(stores: Stores) -> None:
+    """The backlog guard's read: the age of one tenant's oldest queued job of a kind."""
+    store = stores.jobs
+    await store.accept(new_job("slow"))
+    assert await store.tenant_queued_age("report", "slow") >= 0.0
+    assert await store.tenant_queued_age("report", "idle") == 0.0
+    assert await store.tenant_queued_age("export", "slow") == 0.0
+
+
+async def test_signing_key_is_the_same_for_every_process(stores: Stores) -> None:
+    a, b = stores.jobs, (await stores.another()).jobs
+    keys = await asyncio.gather(*((a if i % 2 else b).signing_key() for i in range(10)))
+    assert len(set(keys)) == 1 and len(keys[0]) == 32
+    assert await a.signing_key() == keys[0]
