@@ -107,55 +107,37 @@ class Database:
     async def _open(self) -> None:
         private_dir(self.path.parent)
 
-        def _connect() -> sqlite3.Connection:
+        def _open() -> None:
             private_file(self.path)  # before SQLite makes it (and its -wal, -shm alike) 0644
             self._lock_fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-            return connect(self.path, check_same_thread=False)
+            writer = connect(self.path, check_same_thread=False)
+            try:
+                self._migrate(writer)
+                writer.execute("PRAGMA wal_autocheckpoint=0")
+            except BaseException:
+                writer.close()
+                raise
+            self._writer = writer
 
-        writer = await self._on_writer_thread(_connect)
-        try:
-            await self._migrate(writer)
-            await self._on_writer_thread(lambda: writer.execute("PRAGMA wal_autocheckpoint=0"))
-        except BaseException:
-            await self._on_writer_thread(writer.close)
-            raise
-        # Only now: a write queued meanwhile would have run inside the migration's transaction.
-        self._writer = writer
+        # One job on the writer thread: a write queued meanwhile runs after it, on the schema it made.
+        await asyncio.get_running_loop().run_in_executor(self._executor, _open)
         self.reader = connect(self.path, busy_timeout_ms=2_000)
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="sqlite-checkpointer", daemon=True)
         self._checkpointer.start()
 
-    async def _on_writer_thread(self, fn: Callable[[], T]) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn)
-
-    async def _migrate(self, writer: sqlite3.Connection) -> None:
-        """The schema brought up to date in one transaction under the write lock: of several
-        processes opening at once, the first migrates and the others find it done."""
-
-        def begin() -> None:
-            assert self._lock_fd is not None
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX)
+    def _migrate(self, writer: sqlite3.Connection) -> None:
+        """Writer thread: the schema brought up to date in one transaction under the write lock
+        (``herald.storage.migrations``); of several processes opening at once, the first
+        migrates and the others find it done. The runner is a coroutine; here it only ever
+        waits for this thread's own SQLite calls, so it runs on a loop of its own."""
+        with self._write_lock():
+            writer.execute("BEGIN IMMEDIATE")
             try:
-                writer.execute("BEGIN IMMEDIATE")
+                asyncio.run(migrate(_Session(writer), self.schema))
             except BaseException:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+                writer.execute("ROLLBACK")
                 raise
-
-        def end(commit: bool) -> None:
-            assert self._lock_fd is not None
-            try:
-                if writer.in_transaction:
-                    writer.execute("COMMIT" if commit else "ROLLBACK")
-            finally:
-                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
-
-        await self._on_writer_thread(begin)
-        try:
-            await migrate(_Session(self, writer), self.schema)
-        except BaseException:
-            await self._on_writer_thread(lambda: end(False))
-            raise
-        await self._on_writer_thread(lambda: end(True))
+            writer.execute("COMMIT")
 
     @contextlib.contextmanager
     def _write_lock(self) -> Iterator[None]:
@@ -273,28 +255,23 @@ class Database:
 
 
 class _Session:
-    """The migration runner's view of the writer connection (``herald.storage.migrations.Session``),
-    each call a hop to the writer thread: the open's transaction stays on that thread."""
+    """The migration runner's view of the writer connection (``herald.storage.migrations.Session``)."""
 
-    def __init__(self, db: Database, conn: sqlite3.Connection) -> None:
-        self._db = db
+    def __init__(self, conn: sqlite3.Connection) -> None:
         self._conn = conn
 
     async def execute(self, sql: str) -> None:
-        def run() -> None:
-            # Statement by statement: executescript would COMMIT the open transaction first.
-            for statement in statements(sql):
-                self._conn.execute(statement)
-
-        await self._db._on_writer_thread(run)
+        # Statement by statement: executescript would COMMIT the open transaction first.
+        for statement in statements(sql):
+            self._conn.execute(statement)
 
     async def fetch(self, sql: str) -> list[tuple[Any, ...]]:
-        return await self._db._on_writer_thread(lambda: [tuple(row) for row in self._conn.execute(sql)])
+        return [tuple(row) for row in self._conn.execute(sql)]
 
     async def record(self, migration: Migration) -> None:
-        await self._db._on_writer_thread(lambda: self._conn.execute(
+        self._conn.execute(
             "INSERT INTO herald_schema_migrations (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)",
-            (migration.version, migration.name, migration.checksum, time.time())))
+            (migration.version, migration.name, migration.checksum, time.time()))
 
 
 def statements(script: str) -> Iterator[str]:
