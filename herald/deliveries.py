@@ -8,20 +8,15 @@ from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, fields
-from typing import TYPE_CHECKING, Any
+from typing import Any, Literal
 
 import msgspec
 
 from herald.jobs import ColumnAccess
-from notifier.signing import SigningKey
+from herald.webhook_signing import SigningKey
 from schemas import JobEvent
 from schemas.webhooks import TEST_EVENT_TYPE
 
-if TYPE_CHECKING:
-    from notifier.delivery import Outcome
-    from notifier.retry import Plan
-
-PROGRESS_INTERVAL_S = 1.0  # at most one job.progress delivery per job and endpoint per second
 CALLBACK_PREFIX = "callback:"
 # herald_webhook_deliveries_total{outcome}: what became of an attempt ("retry": it is pending again;
 # "paced": not attempted but rescheduled, its target being paced by the notifier's breaker).
@@ -192,6 +187,33 @@ class Finished:
     status: str  # delivered, pending (retry), failed, superseded; dropped: deleted meanwhile
     next_attempt_at: float | None
     endpoint_disabled: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one attempt came to (the notifier's sender makes it). ``status_code`` is None
+    when no answer arrived."""
+
+    status_code: int | None
+    latency_s: float
+    error: str | None = None
+    response: bytes = b""  # the answer's head, at most RESPONSE_KEEP_BYTES (herald.delivery_rules)
+    retry_after_s: float | None = None
+    timed_out: bool = False
+    unreachable: bool = False  # no answer at all: a timeout, a refused or failed connection (notifier.breaker)
+
+    @property
+    def ok(self) -> bool:
+        return self.status_code is not None and 200 <= self.status_code < 300
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """What the retry policy (``notifier.retry``) made of an outcome."""
+
+    status: Literal["delivered", "retry", "failed"]
+    delay_s: float | None = None
+    disable_endpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

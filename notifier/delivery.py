@@ -21,7 +21,6 @@ import errno
 import functools
 import socket
 import time
-from dataclasses import dataclass
 from types import TracebackType
 
 import aiohttp
@@ -30,32 +29,16 @@ from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 import herald
+from herald.deliveries import Outcome
+from herald.delivery_rules import RESPONSE_KEEP_BYTES
 from herald.ssrf import UnsafeUrl, check_url_syntax, is_public_address, numeric_host
 
 SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
 # A receiver that does not even accept the connection is known sooner than one that does not
 # answer: connecting gets a third of the answer's time, so a dead host holds a slot 5 s, not 15.
 CONNECT_WITHIN_S = 5.0
-RESPONSE_KEEP_BYTES = 1024
 USER_AGENT = f"Herald/{herald.__version__}"
 MAX_CONNECTIONS = 256
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What one attempt came to. ``status_code`` is None when no answer arrived."""
-
-    status_code: int | None
-    latency_s: float
-    error: str | None = None
-    response: bytes = b""
-    retry_after_s: float | None = None
-    timed_out: bool = False
-    unreachable: bool = False  # no answer at all: a timeout, a refused or failed connection (notifier.breaker)
-
-    @property
-    def ok(self) -> bool:
-        return self.status_code is not None and 200 <= self.status_code < 300
 
 
 class NonPublicAddress(OSError):

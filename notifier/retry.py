@@ -12,20 +12,11 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Literal
 
-from notifier.delivery import Outcome
+from herald.deliveries import Outcome, Plan
 
-ENDPOINT_DISABLE_AFTER_S = 5 * 86400.0  # an endpoint failing continuously this long is disabled
 RETRY_AFTER_STATUSES = frozenset({429, 503})
 BACKOFF_FLOOR_STATUSES = frozenset({429})
-
-
-@dataclass(frozen=True, slots=True)
-class Plan:
-    status: Literal["delivered", "retry", "failed"]
-    delay_s: float | None = None
-    disable_endpoint: bool = False
 
 
 @dataclass(frozen=True, slots=True)

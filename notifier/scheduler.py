@@ -32,13 +32,13 @@ from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.timefmt import now
 from notifier.breaker import Breaker, origin_of
-from notifier.delivery import SUCCESS_WITHIN_S, Outcome, Sender
-from herald.deliveries import Attempted, Claimed
+from notifier.delivery import SUCCESS_WITHIN_S, Sender
+from herald.deliveries import Attempted, Claimed, Outcome
 from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
 from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
-from notifier.signing import signature_header
+from herald.webhook_signing import signature_header
 
 log = logging.getLogger("herald.notifier")
 

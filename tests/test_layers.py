@@ -20,29 +20,6 @@ LAYERS = {"launcher": 3, "gateway": 2, "workers": 2, "notifier": 2, "herald": 1,
 
 Edge = tuple[str, str]  # (importing module, imported module)
 
-# Issue 23, section 1 moves the webhook types and constants the stores need (Outcome, Plan,
-# SigningKey, new_key, the keep/disable/overlap constants) from the notifier into the core.
-# Until it lands, these imports remain; nothing else may join them, and each one has to be
-# struck from this list once it is gone (the stale check below insists).
-PENDING_ISSUE_23_SECTION_1: frozenset[Edge] = frozenset({
-    ("herald.deliveries", "notifier.delivery"),
-    ("herald.deliveries", "notifier.retry"),
-    ("herald.deliveries", "notifier.signing"),
-    ("herald.storage.ports", "notifier.delivery"),
-    ("herald.storage.ports", "notifier.retry"),
-    ("herald.storage.ports", "notifier.signing"),
-    ("herald.storage.sqlite.queue", "notifier.delivery"),
-    ("herald.storage.sqlite.queue", "notifier.retry"),
-    ("herald.storage.sqlite.queue", "notifier.signing"),
-    ("herald.storage.sqlite.webhooks", "notifier.signing"),
-    ("herald.storage.postgres.webhooks", "notifier.delivery"),
-    ("herald.storage.postgres.webhooks", "notifier.retry"),
-    ("herald.storage.postgres.webhooks", "notifier.signing"),
-    # Sideways, gateway → notifier, for the same SigningKey type moving into the core.
-    ("gateway.routes.webhooks", "notifier.signing"),
-})
-
-
 def module_name(path: Path, root: Path = ROOT) -> str:
     parts = list(path.relative_to(root).with_suffix("").parts)
     if parts[-1] == "__init__":
@@ -124,12 +101,6 @@ def test_the_walk_finds_arrows_up_and_sideways_wherever_they_hide(tmp_path: Path
 
 
 def test_no_import_runs_up_or_sideways() -> None:
-    unexpected = sorted(crossing_edges() - PENDING_ISSUE_23_SECTION_1)
+    unexpected = sorted(crossing_edges())
     assert not unexpected, "imports against the layers (launcher → services → herald → schemas):\n" + "\n".join(
         f"  {importer} imports {imported}" for importer, imported in unexpected)
-
-
-def test_the_pending_list_holds_only_imports_that_still_exist() -> None:
-    stale = sorted(PENDING_ISSUE_23_SECTION_1 - crossing_edges())
-    assert not stale, "gone, strike from PENDING_ISSUE_23_SECTION_1:\n" + "\n".join(
-        f"  {importer} imports {imported}" for importer, imported in stale)

@@ -34,8 +34,8 @@ from herald.sealing import KEY_FILE, SealError, Sealer, key_aad, load_or_create_
 from herald.settings import Settings, SettingsError
 from herald.signing import UrlSigner
 from herald.storage import build_storage, open_storage
+from herald.webhook_signing import new_key
 from launcher.pgserver import PostgresServer
-from notifier.signing import new_key
 from tests.harness import SECRET_KEY, Deployment, client, new_database, wait_for_state, wait_until
 from tests.test_webhooks import Receiver, terminal_hit
 

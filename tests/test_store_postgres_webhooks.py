@@ -16,11 +16,10 @@ from collections.abc import AsyncIterator
 import asyncpg
 import pytest
 
-from herald.deliveries import Attempted
+from herald.deliveries import Attempted, Plan
 from herald.settings import Settings
 from herald.storage import build_storage
 from herald.storage.ports import Storage
-from notifier.retry import Plan
 from tests.harness import SECRET_KEY
 from tests.store_contract.support import FAILED, claim, endpoint, event
 

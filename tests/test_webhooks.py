@@ -37,9 +37,10 @@ from herald.storage.sqlite.jobs import SqliteJobStore as Store
 from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
 from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
-from notifier.delivery import Outcome, Sender
+from herald.deliveries import Outcome, Plan
+from notifier.delivery import Sender
 from notifier.recorder import Recorder
-from notifier.retry import Plan, RetryPolicy
+from notifier.retry import RetryPolicy
 from schemas import JobEvent
 from tests.harness import Deployment, client, free_port, make_sealer, new_database, wait_for_state, wait_until
 
@@ -748,7 +749,8 @@ def test_receiver_down_notifier_killed_and_restarted_still_delivers(
 
 def test_test_event_is_a_signed_delivery_through_the_queue(http: httpx.Client, herald_wh: Deployment,
                                                            receiver: Receiver) -> None:
-    endpoint = register(http, receiver, "/tested", event_types=["job.succeeded"])
+    path = f"/tested-{uuid.uuid4().hex[:8]}"  # the receiver is the module's, shared by both stores' runs
+    endpoint = register(http, receiver, path, event_types=["job.succeeded"])
     sent = http.post(f"/webhooks/{endpoint['id']}/test")
     assert sent.status_code == 202, sent.text
     delivery = sent.json()
@@ -759,7 +761,7 @@ def test_test_event_is_a_signed_delivery_through_the_queue(http: httpx.Client, h
     assert set(payload) == {"type", "timestamp", "data"} and payload["data"]["message"]
 
     # Signed with the endpoint's secret (the receiver verifies it) and recorded like any delivery.
-    hit = settle(lambda: next(iter(receiver.hits_for("/tested")), None), what="the test event")
+    hit = settle(lambda: next(iter(receiver.hits_for(path)), None), what="the test event")
     assert hit.webhook_id == delivery["event_id"] and hit.type == "webhook.test"
     assert hit.body.decode() == delivery["payload"]  # the payload shown is the body signed and sent
     logged = settle(lambda: (d := http.get(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}").json())
@@ -774,8 +776,8 @@ def test_test_event_is_a_signed_delivery_through_the_queue(http: httpx.Client, h
 
     # Resent with the same webhook-id, like any delivery.
     assert http.post(f"/webhooks/{endpoint['id']}/deliveries/{delivery['id']}/retry").status_code == 202
-    wait_until(lambda: len(receiver.hits_for("/tested")) == 2, what="the test event resent")
-    assert {h.webhook_id for h in receiver.hits_for("/tested")} == {delivery["event_id"]}
+    wait_until(lambda: len(receiver.hits_for(path)) == 2, what="the test event resent")
+    assert {h.webhook_id for h in receiver.hits_for(path)} == {delivery["event_id"]}
 
     # It cannot be subscribed to; a disabled endpoint gets none; another tenant sees none of it.
     refused = http.post("/webhooks", json={"url": "https://hooks.example.com/t", "event_types": ["webhook.test"]})

@@ -39,7 +39,7 @@ from gateway.problems import (
 from gateway.services import Services, services
 from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S, RETRY_FRAME, EventStream, frame
 from herald.timefmt import rfc3339
-from notifier.signing import SigningKey
+from herald.webhook_signing import SigningKey
 from herald.deliveries import (
     HEALTH_WINDOW,
     TEST_EVENT_TYPE,

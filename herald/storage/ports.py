@@ -33,6 +33,20 @@ Concurrency rules (each backend must keep them without relying on a database-wid
 * **Ordered history.** Events of one tenant get gap-free, increasing ``seq`` numbers in
   commit order of their transactions (a per-tenant counter row, updated in the
   transaction), and one job's events have consecutive versions.
+* **One webhook rulebook.** Where a fanned-out event goes (superseded, pending, its
+  progress slot), what an attempt leaves behind (delivered, retried, superseded, failed,
+  the endpoint disabled) and what a key rotation does are decided by
+  ``herald.delivery_rules``, never by a backend on its own: SQLite calls it, PostgreSQL's
+  plpgsql makes the same decisions with its numbers passed in. Fan-out and ``finish`` decide and write in one transaction, in turn with
+  any other fan-out or finish of the same job and target; a rotation, in turn with any other
+  change of the owner's keys.
+
+What the backends may do differently, and callers must allow for:
+
+* ``DeliveryQueue.claim`` may return fewer than ``limit`` while more are due: PostgreSQL
+  passes over rows another notifier's claim holds locked at that moment.
+* The ``DeliveryRow`` in a ``Claimed`` shows the delivery's lease as PostgreSQL leased it
+  and as SQLite read it just before: callers know their lease and do not read it there.
 """
 
 from __future__ import annotations
@@ -40,18 +54,24 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
-from herald.deliveries import Attempted, AttemptRow, Claimed, DeliveryRow, EndpointRow, Finished, HealthRow
+from herald.deliveries import (
+    Attempted,
+    AttemptRow,
+    Claimed,
+    DeliveryRow,
+    EndpointRow,
+    Finished,
+    HealthRow,
+    Outcome,
+    Plan,
+)
 from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
 from herald.tenants import AuditRow, DirectorySnapshot, KeyRow, TenantRow
 from herald.transitions import Change
+from herald.webhook_signing import SigningKey
 from schemas import JobEvent
-
-if TYPE_CHECKING:
-    from notifier.delivery import Outcome
-    from notifier.retry import Plan
-    from notifier.signing import SigningKey
 
 CommitListener = Callable[[JobRow, JobEvent], None]
 
@@ -225,7 +245,8 @@ class WebhookStore(Protocol):
     async def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None: ...
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
-        """Make a delivery due now, whatever its status (same id, same webhook-id)."""
+        """Make a delivery due now, whatever its status (same id, same webhook-id). None: the
+        endpoint has no such delivery."""
 
     async def recover(self, tenant: str, endpoint_id: str, since: float) -> int:
         """Make every ``failed`` delivery of the endpoint created at or after ``since`` due now,
@@ -307,8 +328,9 @@ class DeliveryQueue(Protocol):
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` (one per matching endpoint, one for the job's
-        callback URL) in one transaction, idempotent per target and event; superseding and
-        progress throttling as in ``herald.storage.sqlite.queue``. Returns how many are pending."""
+        callback URL) in one transaction, idempotent per target and event; each placed as
+        ``herald.delivery_rules.place`` says (superseding, progress slots). Returns how many are
+        pending."""
 
     async def anything_due(self) -> bool: ...
 
@@ -334,7 +356,9 @@ class DeliveryQueue(Protocol):
         delivery of ``targets`` is moved to then as well."""
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
-        """Record the attempt and apply its plan in one transaction."""
+        """Record the attempt and settle it (``herald.delivery_rules.settle``) in one transaction.
+        When it disables the endpoint, the endpoint's other pending deliveries fail and this one
+        keeps its attempt count. ``dropped``: the delivery was deleted meanwhile."""
 
     async def finish_many(self, attempts: Sequence[Attempted], owner: str) -> list[Finished]:
         """``finish`` for each of ``attempts``, in order, all in one transaction: every attempt and

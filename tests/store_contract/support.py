@@ -9,12 +9,10 @@ from typing import Any
 
 import msgspec
 
-from herald.deliveries import Claimed, Finished
+from herald.deliveries import Claimed, Finished, Outcome, Plan
 from herald.jobs import IdempotencyClaim, JobRow, NewJob
 from herald.storage.ports import DeliveryQueue, JobStore, WebhookStore
 from herald.transitions import Change
-from notifier.delivery import Outcome
-from notifier.retry import Plan
 from schemas import JobEvent
 
 CLAIM = Change(expect={"queued"}, to="running", claim=True)
@@ -80,18 +78,12 @@ async def finish(stores: Any, item: Claimed, outcome: Outcome, plan: Plan, owner
     return await stores.deliveries.finish(item, owner, await stores.jobs.clock(), outcome, plan)
 
 
-# Where the backends still answer differently (listed in the header of
-# herald/storage/postgres/webhooks.py; issue 23 §1 removes them or states them in ports.py).
-# A case that meets one asserts each backend's own answer through ``differs``, so that
-# removing a difference is deleting its line here and the branch in the case.
+# Where the backends still answer differently: each one is stated as allowed in
+# herald/storage/ports.py. A case that meets one asserts each backend's own answer through
+# ``differs``, so that removing a difference is deleting its line here and the branch in the case.
 KNOWN_DIFFERENCES: dict[str, str] = {
     # PostgreSQL hands out a claim's rows as leased (lease_owner/lease_until set), SQLite as read.
     "claim-rows-as-leased": "postgres",
-    # A finish that disables its endpoint: SQLite fails the pending deliveries first, so the
-    # attempted one keeps attempts = 0; PostgreSQL counts the attempt.
-    "disable-keeps-attempt-count": "postgres",
-    # retry_now of another endpoint's delivery: PostgreSQL answers None, SQLite that row, unchanged.
-    "retry-now-of-another-endpoint-is-none": "postgres",
 }
 
 

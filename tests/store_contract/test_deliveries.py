@@ -14,12 +14,11 @@ from collections.abc import Sequence
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, PROGRESS_INTERVAL_S, Attempted, Claimed
+from herald.deliveries import CALLBACK_PREFIX, Attempted, Claimed, Outcome, Plan
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S
 from herald.jobs import NewJob
 from herald.storage.ports import DeliveryQueue, JobStore
 from herald.transitions import Change
-from notifier.delivery import Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
 from schemas import JobEvent
 from tests.store_contract.conftest import Stores
 from tests.store_contract.support import (
@@ -364,7 +363,7 @@ async def test_410_disables_the_endpoint_and_fails_its_pending(stores: Stores) -
     rows = await deliveries(stores, endpoint_id=gone)
     assert sorted(r["status"] for r in rows) == ["failed"] * 3
     attempted = next(r for r in rows if r["id"] == item.delivery.id)
-    assert attempted["attempts"] == (1 if differs(stores, "disable-keeps-attempt-count") else 0)
+    assert attempted["attempts"] == 1  # the attempt that disabled it is counted
     assert {r["status"] for r in await deliveries(stores, endpoint_id=fine)} == {"pending"}
 
 
@@ -469,8 +468,7 @@ async def test_many_attempts_recorded_in_one_batch(stores: Stores) -> None:
         rows = await webhooks.list_deliveries(endpoint_id, status=None, before_seq=None, limit=100)
         assert sorted(r.status for r in rows) == sorted(statuses), endpoint_id
         assert all(r.lease_owner is None and r.lease_until is None for r in rows)
-        disabling = endpoint_id == gone and not differs(stores, "disable-keeps-attempt-count")
-        assert all(r.attempts == (0 if disabling else 1) for r in rows)
+        assert all(r.attempts == 1 for r in rows)
         logged = await webhooks.attempts([r.id for r in rows])
         for r in rows:
             [attempt] = logged[r.id]

@@ -1,8 +1,10 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
-The behaviour is the SQLite backend's (``sqlite/webhooks.py`` and ``sqlite/queue.py``) rule for
-rule; what changes is how it stays correct without SQLite's single writer, when several
-gateways and notifiers on several machines use the same tables at once.
+The decisions are ``herald.delivery_rules``' (the rulebook both stores keep): the plpgsql
+functions (``sql/0007``-``0010``) make them next to the data, with the rulebook's numbers passed in as
+arguments. What this module
+adds is how it stays correct without SQLite's single writer, when several gateways and
+notifiers on several machines use the same tables at once.
 
 Clock. Every time is ``clock_timestamp()`` of the server, in Unix seconds, so leases
 and retry times are judged by one clock. Inside SQL it is read once per statement into a
@@ -56,13 +58,8 @@ Schema notes: ``event_types``/``kinds`` are ``TEXT[]``; message bodies are store
 event (``webhook_messages``); ``UNIQUE (event_id, target)`` is both the idempotency key of
 fan-out and the index that pruning orphaned messages probes.
 
-Where this deliberately differs from the SQLite code, in what callers can see:
-
-* a claim returns the rows as leased (``lease_owner``/``lease_until`` set), and may return
-  fewer than ``limit`` while another notifier holds the rest;
-* when ``finish`` disables an endpoint, the delivery just attempted keeps its attempt count
-  (SQLite's fail_pending released it first, so its final UPDATE matched nothing);
-* ``retry_now`` of another endpoint's delivery returns None rather than that row, unchanged.
+What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim's
+rows as leased, and fewer than ``limit`` while another notifier holds the rest).
 """
 
 from __future__ import annotations
@@ -77,7 +74,6 @@ import msgspec
 
 from herald.deliveries import (
     Attempted,
-    PROGRESS_INTERVAL_S,
     TEST_EVENT_TYPE,
     TEST_EVENT_WINDOW_S,
     TEST_EVENTS_PER_WINDOW,
@@ -90,15 +86,16 @@ from herald.deliveries import (
     EndpointRow,
     Finished,
     HealthRow,
+    Outcome,
+    Plan,
     TestEventsLimited,
     callback_owner,
     event_id,
 )
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES, ROTATION_OVERLAP_S
 from herald.sealing import Sealer, key_aad
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
-from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
-from notifier.signing import HMAC, ROTATION_OVERLAP_S, SigningKey, new_key
+from herald.webhook_signing import HMAC, SigningKey, new_key
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 

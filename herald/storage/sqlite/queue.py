@@ -9,10 +9,10 @@
   records many (the notifier's attempts that finished together) in one transaction.
 
 Order per job and target: a delivery is claimable only while no older version of the
-same job is pending for the same target; an event reaching the notifier after a newer
-one of its job was already sent is recorded ``superseded`` at once; and a failed delivery
-with a newer one behind it is ``superseded`` instead of retried (every payload carries
-the whole status). A target is an endpoint id, or ``callback:<url>`` for a job's
+same job is pending for the same target. Where a new event goes (superseded at once, or
+pending and superseding older ones that wait) and what an attempt leaves behind are
+decided by ``herald.delivery_rules``; this module reads what those decisions need and
+writes what they say. A target is an endpoint id, or ``callback:<url>`` for a job's
 callback URL.
 """
 
@@ -25,24 +25,25 @@ from collections.abc import Collection, Mapping, Sequence
 
 import msgspec
 
+from herald import delivery_rules as rules
 from herald.deliveries import (
     CALLBACK_PREFIX,
     Attempted,
-    PROGRESS_INTERVAL_S,
     Claimed,
     DeliveryRow,
     EndpointRow,
     Finished,
+    Outcome,
+    Plan,
     callback_owner,
     event_id,
 )
+from herald.delivery_rules import RESPONSE_KEEP_BYTES
 from herald.sealing import Sealer
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, live_keys
 from herald.timefmt import now
-from notifier.delivery import RESPONSE_KEEP_BYTES, Outcome
-from notifier.retry import ENDPOINT_DISABLE_AFTER_S, Plan
-from notifier.signing import SigningKey
+from herald.webhook_signing import SigningKey
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 
@@ -101,55 +102,35 @@ def _targets(conn: sqlite3.Connection, event: JobEvent, endpoints: Sequence[Endp
     return targets
 
 
+# What ``delivery_rules.place`` needs: the job's deliveries at the target, in one probe of
+# (target, job_id). ``event_id`` is made of job id and version, so a redelivered event is
+# among them.
+_SIBLINGS_SQL = (
+    "SELECT event_id, version, type, status, attempts, scheduled_at, lease_until FROM webhook_deliveries"
+    " WHERE target = ? AND job_id = ?"
+)
+
+
 def _add_delivery(
     conn: sqlite3.Connection, event: JobEvent, target: str, endpoint_id: str | None, url: str | None, ts: float
 ) -> bool:
     eid = event_id(event)
-    # What this job already has at this target, in one probe of (target, job_id): this very
-    # event (a redelivered NATS message), a newer one sent or being sent, an older one
-    # waiting that this one makes stale. (Three statements per delivery before; fan-out was
-    # a tenth of a busy notifier's CPU.) ``event_id`` is made of job id and version, so the
-    # same event at this target is among these rows.
-    seen, newer_sent, stale = conn.execute(
-        "SELECT COALESCE(MAX(event_id = :eid), 0),"
-        " COALESCE(MAX(version > :v AND (attempts > 0 OR lease_until > :ts)), 0),"
-        " COALESCE(MAX(version < :v AND status = 'pending' AND (lease_until IS NULL OR lease_until <= :ts)"
-        "              AND (attempts > 0 OR type = 'job.progress')), 0)"
-        " FROM webhook_deliveries WHERE target = :t AND job_id = :j",
-        {"eid": eid, "v": event.version, "ts": ts, "t": target, "j": event.job_id},
-    ).fetchone()
-    if seen:
+    siblings = [rules.Sibling(*row) for row in conn.execute(_SIBLINGS_SQL, (target, event.job_id))]
+    placement = rules.place(siblings, event_id=eid, version=event.version, type=event.type, at=ts)
+    if placement is None:
         return False  # a redelivered NATS message: already fanned out
-    # A newer event of this job can reach us first (several notifiers, redelivery). If a
-    # newer delivery was already sent or is being sent, this one would go back in time;
-    # otherwise it goes first, since the newer one waits behind it (see ``claim``).
-    status, due = "pending", ts
-    if newer_sent:
-        status = "superseded"
-    else:
-        if stale:
-            # Older deliveries waiting for a retry (or a progress slot) say less than this one.
-            conn.execute(
-                "UPDATE webhook_deliveries SET status = 'superseded', next_attempt_at = NULL, updated_at = ?"
-                " WHERE target = ? AND job_id = ? AND version < ? AND status = 'pending'"
-                " AND (lease_until IS NULL OR lease_until <= ?) AND (attempts > 0 OR type = 'job.progress')",
-                (ts, target, event.job_id, event.version, ts),
-            )
-        if event.type == "job.progress":
-            (last,) = conn.execute(
-                "SELECT MAX(scheduled_at) FROM webhook_deliveries WHERE target = ? AND job_id = ?"
-                " AND type = 'job.progress' AND (status != 'superseded' OR attempts > 0)",  # sent, or to be
-                (target, event.job_id),
-            ).fetchone()
-            if last is not None:
-                due = max(ts, last + PROGRESS_INTERVAL_S)
+    conn.executemany(
+        "UPDATE webhook_deliveries SET status = 'superseded', next_attempt_at = NULL, updated_at = ?"
+        " WHERE target = ? AND job_id = ? AND version = ?",
+        [(ts, target, event.job_id, version) for version in placement.supersede],
+    )
     conn.execute(
         "INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,"
         " status, scheduled_at, next_attempt_at, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
         (str(uuid.uuid4()), event.tenant, target, endpoint_id, url, eid, event.job_id, event.version, event.type,
-         status, due, due if status == "pending" else None, ts, ts),
+         placement.status, placement.due, placement.next_attempt_at, ts, ts),
     )
-    return status == "pending"
+    return placement.status == "pending"
 
 
 class SqliteDeliveryQueue:
@@ -339,7 +320,7 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
     results: list[Finished | None] = [None] * len(attempts)
     times = Counter(a.claimed.delivery.id for a in attempts)
     fast = [i for i, a in enumerate(attempts)
-            if a.plan.status == "delivered" and a.outcome.ok and times[a.claimed.delivery.id] == 1]
+            if rules.settles_alone(a.plan, ok=a.outcome.ok) and times[a.claimed.delivery.id] == 1]
     if fast:
         ids = [attempts[i].claimed.delivery.id for i in fast]
         present: set[str] = set()
@@ -378,10 +359,10 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
 
 
 def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float) -> Finished:
-    """Log one attempt and apply its plan, inside the caller's transaction."""
+    """Log one attempt and settle it (``delivery_rules.settle``), inside the caller's transaction."""
     d, outcome, plan = attempt.claimed.delivery, attempt.outcome, attempt.plan
     if not conn.execute("SELECT 1 FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone():
-        return Finished(status="dropped", next_attempt_at=None, endpoint_disabled=False)  # endpoint deleted
+        return _DROPPED
     (n,) = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM webhook_attempts WHERE delivery_id = ?",
                         (d.id,)).fetchone()
     conn.execute(
@@ -390,48 +371,26 @@ def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float)
         (d.id, n, attempt.started_at, outcome.status_code, round(outcome.latency_s * 1000, 3), outcome.error,
          outcome.response[:RESPONSE_KEEP_BYTES] or None),
     )
-    status, next_at = _status_after(conn, d, plan, ts)
-    disabled = False
-    if d.endpoint_id is not None:
-        disabled = _endpoint_health(conn, d.endpoint_id, ok=outcome.ok, gone=plan.disable_endpoint, at=ts)
-        if disabled and status == "pending":
-            status, next_at = "failed", None
-    conn.execute(
-        "UPDATE webhook_deliveries SET status = ?, attempts = ?, next_attempt_at = ?, lease_owner = NULL,"
-        " lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
-        (status, n, next_at, ts, d.id, owner),
-    )
-    return Finished(status=status, next_attempt_at=next_at, endpoint_disabled=disabled)
-
-
-def _status_after(conn: sqlite3.Connection, d: DeliveryRow, plan: Plan, ts: float) -> tuple[str, float | None]:
-    if plan.status == "delivered":
-        return "delivered", None
-    if plan.status == "failed":
-        return "failed", None
     newer = conn.execute(
         "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ? LIMIT 1",
         (d.target, d.job_id, d.version),
-    ).fetchone()
-    if newer:
-        return "superseded", None  # the newer one carries the whole status; no need to retry this one
-    assert plan.delay_s is not None
-    return "pending", ts + plan.delay_s
-
-
-def _endpoint_health(conn: sqlite3.Connection, endpoint_id: str, *, ok: bool, gone: bool, at: float) -> bool:
-    """Track continuous failure; disable on 410 or after 5 days of it. True if now disabled."""
-    if ok:
-        conn.execute("UPDATE webhook_endpoints SET failing_since = NULL WHERE id = ? AND failing_since IS NOT NULL",
-                     (endpoint_id,))
-        return False
-    conn.execute("UPDATE webhook_endpoints SET failing_since = COALESCE(failing_since, ?) WHERE id = ?",
-                 (at, endpoint_id))
-    row = conn.execute("SELECT status, failing_since FROM webhook_endpoints WHERE id = ?", (endpoint_id,)).fetchone()
-    if row is None or row["status"] != "enabled":
-        return row is not None
-    if gone or at - row["failing_since"] >= ENDPOINT_DISABLE_AFTER_S:
-        conn.execute("UPDATE webhook_endpoints SET status = 'disabled', updated_at = ? WHERE id = ?", (at, endpoint_id))
-        fail_pending(conn, endpoint_id, at)
-        return True
-    return False
+    ).fetchone() is not None
+    row = conn.execute("SELECT status, failing_since FROM webhook_endpoints WHERE id = ?",
+                       (d.endpoint_id,)).fetchone() if d.endpoint_id is not None else None
+    endpoint = rules.EndpointState(row["status"], row["failing_since"]) if row is not None else None
+    settled = rules.settle(plan, ok=outcome.ok, newer=newer, endpoint=endpoint, at=ts)
+    if endpoint is not None and d.endpoint_id is not None:
+        if settled.failing_since != endpoint.failing_since:
+            conn.execute("UPDATE webhook_endpoints SET failing_since = ? WHERE id = ?",
+                         (settled.failing_since, d.endpoint_id))
+        if settled.disable:
+            conn.execute("UPDATE webhook_endpoints SET status = 'disabled', updated_at = ? WHERE id = ?",
+                         (ts, d.endpoint_id))
+            fail_pending(conn, d.endpoint_id, ts, sparing=d.id)  # this one is settled just below
+    conn.execute(
+        "UPDATE webhook_deliveries SET status = ?, attempts = ?, next_attempt_at = ?, lease_owner = NULL,"
+        " lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
+        (settled.status, n, settled.next_attempt_at, ts, d.id, owner),
+    )
+    return Finished(status=settled.status, next_attempt_at=settled.next_attempt_at,
+                    endpoint_disabled=settled.endpoint_disabled)

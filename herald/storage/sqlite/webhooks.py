@@ -29,10 +29,11 @@ from herald.deliveries import (
     TestEventsLimited,
     callback_owner,
 )
+from herald import delivery_rules as rules
 from herald.sealing import Sealer, key_aad
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now
-from notifier.signing import ROTATION_OVERLAP_S, SigningKey, new_key
+from herald.webhook_signing import HMAC, SigningKey, new_key
 
 # The tables: sql/0002_webhooks.sql beside this package's schema.py.
 
@@ -47,37 +48,42 @@ def _key_from_row(row: sqlite3.Row, sealer: Sealer) -> SigningKey:
     return SigningKey(algorithm=row["algorithm"], secret=secret, public_key=public_key)
 
 
+def _times(row: sqlite3.Row) -> rules.KeyTimes:
+    return rules.KeyTimes(created_at=row["created_at"], retire_at=row["retire_at"])
+
+
 def live_keys(conn: sqlite3.Connection, owner: str, at: float, sealer: Sealer) -> list[SigningKey]:
-    """The keys that sign now: the current one first, then any in their 24 h overlap."""
-    rows = conn.execute(
-        "SELECT * FROM webhook_keys WHERE owner = ? AND (retire_at IS NULL OR retire_at > ?) ORDER BY created_at DESC",
-        (owner, at),
-    ).fetchall()
-    return [_key_from_row(r, sealer) for r in rows]
+    """The keys that sign now (``delivery_rules.signing_keys``): the current one first, then any
+    in their overlap. An owner has a few rows at most: rotation forgets the retired ones."""
+    rows = conn.execute("SELECT * FROM webhook_keys WHERE owner = ?", (owner,)).fetchall()
+    return [_key_from_row(r, sealer) for r in rules.signing_keys(((_times(r), r) for r in rows), at)]
 
 
 def add_key(conn: sqlite3.Connection, owner: str, algorithm: str, at: float, sealer: Sealer) -> SigningKey:
-    """A new current key; the previous current key keeps signing for the overlap, then retires."""
-    conn.execute("DELETE FROM webhook_keys WHERE owner = ? AND retire_at IS NOT NULL AND retire_at <= ?", (owner, at))
-    conn.execute("UPDATE webhook_keys SET retire_at = ? WHERE owner = ? AND retire_at IS NULL",
-                 (at + ROTATION_OVERLAP_S, owner))
-    latest = conn.execute("SELECT MAX(created_at) AS t FROM webhook_keys WHERE owner = ?", (owner,)).fetchone()["t"]
-    created = max(at, latest + 1e-6) if latest is not None else at  # the key's primary key must move forward
+    """A new current key, as ``delivery_rules.rotate`` says: the previous current key keeps
+    signing for the overlap, then retires."""
+    rows = conn.execute("SELECT created_at, retire_at FROM webhook_keys WHERE owner = ?", (owner,)).fetchall()
+    rotation = rules.rotate([_times(r) for r in rows], at)
+    conn.executemany("DELETE FROM webhook_keys WHERE owner = ? AND created_at = ?",
+                     [(owner, t) for t in rotation.forget])
+    conn.executemany("UPDATE webhook_keys SET retire_at = ? WHERE owner = ? AND created_at = ?",
+                     [(rotation.retire_at, owner, t) for t in rotation.retire])
     key = new_key(algorithm)
     conn.execute(
         "INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key) VALUES (?,?,?,?,?)",
-        (owner, created, key.algorithm, sealer.seal(key.secret, key_aad(owner, key.algorithm, key.public_key)),
-         key.public_key),
+        (owner, rotation.created_at, key.algorithm,
+         sealer.seal(key.secret, key_aad(owner, key.algorithm, key.public_key)), key.public_key),
     )
     return key
 
 
-def fail_pending(conn: sqlite3.Connection, endpoint_id: str, at: float) -> None:
-    """An endpoint was disabled: its waiting deliveries end ``failed`` (and are not sent)."""
+def fail_pending(conn: sqlite3.Connection, endpoint_id: str, at: float, *, sparing: str = "") -> None:
+    """An endpoint was disabled: its waiting deliveries end ``failed`` (and are not sent), but
+    for ``sparing``, the delivery whose attempt disabled it (settled by its caller)."""
     conn.execute(
         "UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,"
-        " lease_until = NULL, updated_at = ? WHERE endpoint_id = ? AND status = 'pending'",
-        (at, endpoint_id),
+        " lease_until = NULL, updated_at = ? WHERE endpoint_id = ? AND status = 'pending' AND id != ?",
+        (at, endpoint_id, sparing),
     )
 
 
@@ -194,7 +200,7 @@ class SqliteWebhookStore:
 
     async def rotate_callback_key(self, tenant: str) -> SigningKey:
         def tx(conn: sqlite3.Connection) -> SigningKey:
-            return add_key(conn, callback_owner(tenant), "hmac-sha256", now(), self.sealer)
+            return add_key(conn, callback_owner(tenant), HMAC, now(), self.sealer)
 
         return await self.db.write(tx)
 
@@ -243,7 +249,8 @@ class SqliteWebhookStore:
                 " WHERE id = ? AND endpoint_id = ?",
                 (ts, ts, delivery_id, endpoint_id),
             )
-            row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ?", (delivery_id,)).fetchone()
+            row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ? AND endpoint_id = ?",
+                               (delivery_id, endpoint_id)).fetchone()
             return DeliveryRow.from_mapping(row) if row else None
 
         return await self.db.write(tx)
@@ -319,4 +326,4 @@ def current_callback_key(conn: sqlite3.Connection, tenant: str, at: float, seale
     row = conn.execute(
         "SELECT * FROM webhook_keys WHERE owner = ? AND retire_at IS NULL ORDER BY created_at DESC LIMIT 1", (owner,)
     ).fetchone()
-    return _key_from_row(row, sealer) if row else add_key(conn, owner, "hmac-sha256", at, sealer)
+    return _key_from_row(row, sealer) if row else add_key(conn, owner, HMAC, at, sealer)

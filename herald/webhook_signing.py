@@ -1,9 +1,13 @@
 """Standard Webhooks signatures: HMAC-SHA256 (``v1,``) and Ed25519 (``v1a,``).
 
 The signed content is ``"<webhook-id>.<webhook-timestamp>.<body>"``. Every key an owner
-holds signs (the current one and, for 24 h after a rotation, the previous one), and the
-signatures are sent space-separated in one ``webhook-signature`` header, so a receiver
-that still knows only the old secret keeps verifying while it updates.
+holds signs (the current one and, for 24 h after a rotation, the previous one: see
+``herald.delivery_rules``), and the signatures are sent space-separated in one
+``webhook-signature`` header, so a receiver that still knows only the old secret keeps
+verifying while it updates.
+
+Core, not the notifier's: the stores make, seal and hand out these keys, the gateway shows
+them once, the notifier signs with them.
 """
 
 from __future__ import annotations
@@ -23,7 +27,6 @@ PUBLIC_KEY_PREFIX = "whpk_"
 HMAC = "hmac-sha256"
 ED25519 = "ed25519"
 SECRET_BYTES = 32  # Standard Webhooks asks for 24..64 random bytes
-ROTATION_OVERLAP_S = 24 * 3600.0
 
 
 @dataclass(frozen=True, slots=True)
