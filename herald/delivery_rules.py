@@ -22,9 +22,11 @@ what the answer says.
   keeps signing for ``ROTATION_OVERLAP_S`` and is forgotten at the next rotation after
   that. The keys that sign are those not yet retired, newest first.
 
-SQLite calls these functions. PostgreSQL runs the same decisions in plpgsql, next to the
-data, so that a fan-out or a finish stays one round trip (the measured fast path,
-``bench/RESULTS.md``); it takes the numbers below as arguments.
+SQLite calls these functions, and so does PostgreSQL for key rotation. For fan-out and
+finish PostgreSQL makes the same decisions in plpgsql, next to the data, so that each stays
+one round trip (the measured fast path, ``bench/RESULTS.md``); it takes the numbers below as
+arguments, and the store contract suite (``tests/store_contract/test_rulebook.py``) runs one
+table of cases through both stores and requires the answers these functions give.
 """
 
 from __future__ import annotations

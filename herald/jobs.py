@@ -46,6 +46,9 @@ class JobRow:
     # The job's W3C trace context (herald.tracing): the accept span's, kept for every later span.
     traceparent: str | None = None
     tracestate: str | None = None
+    # A small JSON result kept in the row itself (stores with ``keeps_results``), instead of
+    # a file or an object named by ``result_path``.
+    result_body: bytes | None = None
 
     @classmethod
     def from_mapping(cls, row: ColumnAccess) -> JobRow:
@@ -55,6 +58,12 @@ class JobRow:
         for name in ("params", "error"):
             if values[name] is not None:
                 values[name] = bytes(values[name])
+        try:
+            body = row["result_body"]
+        except (KeyError, IndexError):  # a store that keeps no result in the row
+            body = None
+        if body is not None:
+            values["result_body"] = bytes(body)
         return cls(**values)
 
     @property
@@ -163,4 +172,4 @@ class Transition:
 def _job_columns() -> tuple[str, ...]:
     """The row's column names, read once (``dataclasses.fields`` walks the class on every call:
     a visible share of the status poll's CPU)."""
-    return tuple(f.name for f in fields(JobRow))
+    return tuple(f.name for f in fields(JobRow) if f.name != "result_body")

@@ -43,6 +43,9 @@ class Change:
     error: Problem | None = None
     result_path: str | None = None
     media_type: str | None = None
+    # A success's JSON result kept in the row, in the same transaction (only for a store that
+    # ``keeps_results``): no file, no second write, nothing a power cut can split.
+    result_body: bytes | None = None
     stale_before: float | None = None  # only if the heartbeat is older than this
     # A test seam, not dead code: called with the row as read, after the rules above, so a
     # test can commit a competing write before the compare-and-set (test_store_postgres_jobs).
@@ -102,6 +105,9 @@ def changed_row(before: JobRow, change: Change, *, at: float, retention_s: float
         values["error"] = _error_encoder.encode(change.error)
     if change.result_path is not None:
         values["result_path"] = change.result_path
+        values["media_type"] = change.media_type
+    if change.result_body is not None:
+        values["result_body"] = change.result_body
         values["media_type"] = change.media_type
     if to in TERMINAL_STATES:
         values["finished_at"] = at

@@ -62,3 +62,17 @@ EMIT = KindDeclaration(
     example={"count": 3},
     description="Streams output chunks of given sizes (a test kind).",
 )
+
+
+class SizedParams(JobParams, kw_only=True):
+    size: Annotated[int, msgspec.Meta(ge=0, le=1_000_000)]
+
+
+SIZED = KindDeclaration(
+    name="sized",
+    params=SizedParams,
+    collection="/sized",
+    handler="tests.kinds_fixture_handlers:sized",
+    example={"size": 10},
+    description="Returns a JSON result of about `size` bytes (a test kind).",
+)

@@ -32,3 +32,7 @@ async def echo(ctx: JobContext, params: Any) -> dict[str, Any]:
 
 def not_async(ctx: JobContext, params: Any) -> None:
     return None
+
+
+async def sized(ctx: JobContext, params: Any) -> dict[str, Any]:
+    return {"data": "x" * params.size}

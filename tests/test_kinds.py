@@ -168,6 +168,35 @@ def test_workers_serve_only_their_kinds_and_the_rest_wait(fresh: Deployment, tmp
     assert not fresh.logged("echoes", "job started", kind="report")
 
 
+def test_small_json_results_live_in_the_row_where_the_store_keeps_them(fresh: Deployment) -> None:
+    """SQLite keeps a small JSON result in the job's row, written by the success itself (no
+    file, no fsync); a large one, and every one on PostgreSQL, goes to the result store.
+    Both are served alike: body, type, attachment name, ETag and 304, the signed URL."""
+    from workers.runner import ROW_RESULT_MAX_BYTES
+
+    fresh.env_overrides.update(HERALD_KINDS=f"{FIXTURE}:SIZED")
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    sizes = {"small": 100, "large": ROW_RESULT_MAX_BYTES + 1}
+    with client(base) as http:
+        started = {name: http.post("/sized", json={"size": size}).json()["id"] for name, size in sizes.items()}
+        for name, job_id in started.items():
+            done = wait_for_state(http, job_id, {"succeeded"})
+            result = http.get(f"/sized/{job_id}")
+            assert result.status_code == 200, result.text
+            assert result.headers["content-type"] == "application/json"
+            assert result.headers["content-disposition"] == f'attachment; filename="sized-{job_id}.json"'
+            assert result.json() == {"data": "x" * sizes[name]}
+            again = http.get(f"/sized/{job_id}", headers={"If-None-Match": result.headers["etag"]})
+            assert again.status_code == 304 and again.headers["etag"] == result.headers["etag"]
+            assert httpx.get(base + done["links"]["result"]).json() == {"data": "x" * sizes[name]}
+    in_row = fresh.database_url is None  # SQLite
+    assert fresh.result_names(started["small"]) == ([] if in_row else ["1.json"])
+    assert fresh.result_names(started["large"]) == ["1.json"]
+    if in_row:  # and no scratch directory was made for a result that never needed one
+        assert not (fresh.data_dir / "results" / started["small"][:2] / started["small"]).exists()
+
+
 def test_per_kind_concurrency_and_openapi_of_a_users_kind(fresh: Deployment, tmp_path: Path) -> None:
     log = tmp_path / "kinds.log"
     fresh.env_overrides.update(HERALD_KINDS=f"{FIXTURE}:ECHO", KINDS_TEST_LOG=str(log))

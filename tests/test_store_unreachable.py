@@ -27,8 +27,7 @@ from herald.storage.ports import DeliveryQueue, JobStore, StartBudget, Storage, 
 from herald.tenants import KeyRow
 from herald.transitions import Change
 from launcher.pgserver import PostgresServer
-from notifier.delivery import Outcome
-from notifier.retry import Plan
+from herald.deliveries import Outcome, Plan
 from schemas import JobEvent
 from tests.harness import ADMIN_KEY, SECRET_KEY, Deployment, free_port, wait_until
 from tests.store_contract.support import event, new_job

@@ -27,6 +27,7 @@ A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <J
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -40,30 +41,43 @@ from workers.output import OutputWriter
 
 class JobContext:
     def __init__(
-        self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path, kind: str = "",
-        writer: OutputWriter | None = None,
+        self, *, store: JobStore, settings: Settings, job_id: str, attempt: int, output: Path | Callable[[], Path],
+        kind: str = "", writer: OutputWriter | None = None,
     ) -> None:
         self.store = store
         self.settings = settings
         self.job_id = job_id
         self.attempt = attempt  # 1 on the first run, +1 each time the job was handed back or re-queued
         self.kind = kind
-        self.output = output  # write a file result here (a local file, only yours, removed unless you succeed)
+        # Where a file result goes: made on first use (a handler that returns JSON makes no directory).
+        self._output: Path | Callable[[], Path] = output
         self._progress: int | None = None
         self._writer = writer
 
-    def _output(self) -> OutputWriter:
+    @property
+    def output(self) -> Path:
+        """Write a file result here (a local file, only yours, removed unless you succeed)."""
+        if not isinstance(self._output, Path):
+            self._output = self._output()
+        return self._output
+
+    @property
+    def output_made(self) -> Path | None:
+        """``output`` if the handler asked for it, else None (nothing to clean up)."""
+        return self._output if isinstance(self._output, Path) else None
+
+    def _stream(self) -> OutputWriter:
         if self._writer is None:
             raise RuntimeError("this job context has no output stream (no JetStream connection)")
         return self._writer
 
     async def emit(self, value: Any) -> None:
         """Stream one output chunk; returns once it is stored (durable). See the module's doc."""
-        await self._output().emit(value)
+        await self._stream().emit(value)
 
     def emit_nowait(self, value: Any) -> asyncio.Future[None]:
         """Stream one output chunk without waiting: the future is done once it is stored."""
-        return self._output().emit_nowait(value)
+        return self._stream().emit_nowait(value)
 
     async def checkpoint(self) -> None:
         """Call between steps: raises JobCancelled or JobLost when the job must stop."""

@@ -50,6 +50,10 @@ from workers.output import OutputWriter
 log = logging.getLogger("herald.worker")
 
 FETCH_BATCH = 16  # at most this many slots handed out at once
+# A JSON result up to this size is kept in the job's row by the success's own transaction,
+# where the store keeps results (SQLite): no file, no fsync, no second write. Larger ones,
+# and every result on a store that keeps none, go through the result store.
+ROW_RESULT_MAX_BYTES = 64 * 1024
 PARKED_POLL_S = 0.25  # a claim refused at the tenant's max_running tries again this often
 _message_decoder = msgspec.msgpack.Decoder(JobMessage)
 
@@ -254,13 +258,15 @@ class Worker:
 
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
-        output = self.results.scratch_path(job.id, job.attempt, kind.suffix(params))
         writer = (OutputWriter(self.js, job.tenant, job.id, max_bytes=self.settings.output_max_bytes)
                   if self.js is not None else None)
-        context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt, output=output,
+        context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt,
+                             output=functools.partial(self.results.scratch_path, job.id, job.attempt,
+                                                      kind.suffix(params)),
                              kind=job.kind, writer=writer)
         log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
+        json_scratch: Path | None = None  # a JSON result too large for the row, on its way to the result store
         try:
             with tracing.span(f"handler {job.kind}", attributes={"herald.job.attempt": job.attempt}):
                 value = await kind.handler(context, params)
@@ -270,54 +276,63 @@ class Worker:
             await _flush(writer)
             if writer is not None and writer.too_large is not None:
                 raise writer.too_large
-            if value is not None:  # a JSON result: stored like a file, served as application/json
-                _remove_scratch(output)
-                output = self.results.scratch_path(job.id, job.attempt, ".json")
-                await asyncio.to_thread(output.write_bytes, msgspec.json.encode(value))
-                media_type = JSON_MEDIA_TYPE
+            body = msgspec.json.encode(value) if value is not None else None
+            key: str | None = None
+            if body is not None and self.store.keeps_results and len(body) <= ROW_RESULT_MAX_BYTES:
+                # Kept in the row by the success itself: stored exactly when the job is marked
+                # succeeded (SPEC §6), in one commit, with no file and no fsync of its own.
+                _remove_scratch(context.output_made)
+                success = Change(expect={"running"}, to="succeeded", attempt=job.attempt, result_body=body,
+                                 media_type=JSON_MEDIA_TYPE)
             else:
-                media_type = kind.media_type(params)
-                if not output.exists():
-                    raise RuntimeError(f"the {job.kind} handler returned None but wrote no result to ctx.output")
-            # The heartbeat (and the JetStream lease) keeps running until the success is
-            # committed: storing the result can take seconds (a NATS leader election), and a
-            # silent job would be swept away from under a live worker.
-            with tracing.span("result commit"):
-                key = await self.results.commit(job.id, job.attempt, output)
+                if body is not None:  # a JSON result: stored like a file, served as application/json
+                    _remove_scratch(context.output_made, json_scratch)
+                    output = json_scratch = self.results.scratch_path(job.id, job.attempt, ".json")
+                    await asyncio.to_thread(output.write_bytes, body)
+                    media_type = JSON_MEDIA_TYPE
+                else:
+                    output = context.output
+                    media_type = kind.media_type(params)
+                    if not output.exists():
+                        raise RuntimeError(f"the {job.kind} handler returned None but wrote no result to ctx.output")
+                # The heartbeat (and the JetStream lease) keeps running until the success is
+                # committed: storing the result can take seconds (a NATS leader election), and a
+                # silent job would be swept away from under a live worker.
+                with tracing.span("result commit"):
+                    key = await self.results.commit(job.id, job.attempt, output)
+                success = Change(expect={"running"}, to="succeeded", attempt=job.attempt, result_path=key,
+                                 media_type=media_type)
             try:
-                await self.store.transition(
-                    job.id,
-                    Change(expect={"running"}, to="succeeded", attempt=job.attempt, result_path=key,
-                           media_type=media_type),
-                )
+                await self.store.transition(job.id, success)
             except TransitionRejected as exc:
-                await self.results.discard(key)
+                if key is not None:
+                    await self.results.discard(key)
                 log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
             else:
                 log.info("job succeeded", extra={"job_id": job.id})
         except JobCancelled:
-            _remove_scratch(output)
+            _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
             log.info("job cancelled", extra={"job_id": job.id})
         except JobFailed as exc:
-            _remove_scratch(output)
+            _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             problem = writer.too_large.problem if writer is not None and writer.too_large is not None else exc.problem
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
             log.info("job failed", extra={"job_id": job.id, "problem_type": problem.type})
         except JobLost as exc:
-            _remove_scratch(output)
+            _remove_scratch(context.output_made, json_scratch)
             log.info("job lost to another writer", extra={"job_id": job.id, "reason": str(exc)})
         except asyncio.CancelledError:
             # Shutdown or lost lease: hand the job back so another worker starts it afresh.
-            _remove_scratch(output)
+            _remove_scratch(context.output_made, json_scratch)
             if self._stopping.is_set():
                 await self._finish(job, Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True))
                 log.info("job handed back on shutdown", extra={"job_id": job.id})
             raise  # cleaned up; the cancellation still ends this task (whoever cancelled awaits it)
         except Exception:
-            _remove_scratch(output)
+            _remove_scratch(context.output_made, json_scratch)
             log.exception("job handler raised", extra={"job_id": job.id})
             await _flush(writer)
             problem = JOB_FAILED.problem(
@@ -372,9 +387,11 @@ async def _flush(writer: OutputWriter | None) -> None:
         await writer.flush()
 
 
-def _remove_scratch(path: Path) -> None:
+def _remove_scratch(*paths: Path | None) -> None:
     """An attempt that did not succeed leaves no partial output behind."""
-    path.unlink(missing_ok=True)
+    for path in paths:
+        if path is not None:
+            path.unlink(missing_ok=True)
 
 
 async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSource | None = None) -> None:

@@ -1,7 +1,8 @@
 """Results: ``GET /{collection}/{id}`` with the bearer key or a signed URL (SPEC §6).
 
 The bytes come from the result store (local files or the NATS object store), streamed a
-chunk at a time: a download never holds the whole result in the gateway's memory.
+chunk at a time: a download never holds the whole result in the gateway's memory. A small
+JSON result kept in the job's row (SQLite, ``JobStore.keeps_results``) is answered from it.
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | 
         raise NotFound("no such result")
     if not job.terminal:
         raise ResultNotReady(f"the job is {job.state}; poll /jobs/{job.id} until it answers 303", retry_after=1)
-    if job.state != "succeeded" or job.result_path is None:
+    if job.state != "succeeded" or (job.result_path is None and job.result_body is None):
         raise NoResult(f"the job ended {job.state} and has no result")
     tag = f'"{job.id}-{job.attempt}"'
     if etag_matches(request.headers.get("if-none-match"), tag):
         return Response(None, status_code=304, headers={"ETag": tag, **caching})
+    media_type = job.media_type or "application/octet-stream"
+    if job.result_body is not None:
+        headers = {"Content-Type": _content_type(media_type),
+                   "Content-Disposition": _attachment(f"{kind.name}-{job.id}.json"), "ETag": tag, **caching}
+        return Response(job.result_body, media_type=media_type, headers=headers)
+    assert job.result_path is not None
     body = await _open_result(request, job.result_path)
     filename = f"{kind.name}-{job.id}{PurePosixPath(job.result_path).suffix}"
-    media_type = job.media_type or "application/octet-stream"
     return Stream(
         body.chunks,
         media_type=media_type,

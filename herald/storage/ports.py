@@ -37,7 +37,8 @@ Concurrency rules (each backend must keep them without relying on a database-wid
   progress slot), what an attempt leaves behind (delivered, retried, superseded, failed,
   the endpoint disabled) and what a key rotation does are decided by
   ``herald.delivery_rules``, never by a backend on its own: SQLite calls it, PostgreSQL's
-  plpgsql makes the same decisions with its numbers passed in. Fan-out and ``finish`` decide and write in one transaction, in turn with
+  plpgsql makes the same decisions for fan-out and finish with its numbers passed in, and
+  ``tests/store_contract/test_rulebook.py`` holds both stores to it, case by case. Fan-out and ``finish`` decide and write in one transaction, in turn with
   any other fan-out or finish of the same job and target; a rotation, in turn with any other
   change of the owner's keys.
 
@@ -45,8 +46,6 @@ What the backends may do differently, and callers must allow for:
 
 * ``DeliveryQueue.claim`` may return fewer than ``limit`` while more are due: PostgreSQL
   passes over rows another notifier's claim holds locked at that moment.
-* The ``DeliveryRow`` in a ``Claimed`` shows the delivery's lease as PostgreSQL leased it
-  and as SQLite read it just before: callers know their lease and do not read it there.
 """
 
 from __future__ import annotations
@@ -105,6 +104,11 @@ class StoreStats:
 
 class JobStore(Protocol):
     """Jobs, their history (events), the outbox, idempotency keys, tombstones, shared secrets."""
+
+    # True: a success may carry its small JSON result in ``Change.result_body``, kept in the
+    # job's row by the same transaction (SQLite). False: every result goes through the
+    # ``ResultStore`` and the row names it (PostgreSQL: its results live in NATS, §11).
+    keeps_results: bool
 
     async def open(self) -> None:
         """Connect and create or migrate the schema, seal plaintext secrets an older Herald left

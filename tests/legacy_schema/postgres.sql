@@ -1,5 +1,5 @@
 -- The PostgreSQL schema as Herald made it before herald/storage/migrations.py (main at
--- 8f46068): every migration of that time, in its order, and its record of them.
+-- 0df50e7): every migration of that time, in its order, and its record of them.
 -- tests/test_migrations.py upgrades a database made from this file.
 
 -- ===== jobs-1
@@ -428,6 +428,8 @@ END
 $fn$;
 
 -- ===== webhooks-1-tables
+-- PostgreSQL migration 6: the webhook tables (endpoints, keys, messages, deliveries, attempts).
+
 CREATE TABLE webhook_endpoints (
     id TEXT PRIMARY KEY,
     tenant TEXT NOT NULL,
@@ -503,6 +505,9 @@ CREATE TABLE webhook_attempts (
 );
 
 -- ===== webhooks-1-functions
+-- PostgreSQL migration 7: the webhook functions (keys, fan-out, claim, finish).
+-- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+
 -- A new current key; the previous current one signs for the overlap, then retires.
 CREATE FUNCTION herald_webhook_add_key(
     p_owner TEXT, p_algorithm TEXT, p_secret BYTEA, p_public_key BYTEA, p_overlap DOUBLE PRECISION
@@ -538,6 +543,7 @@ BEGIN
     RETURN QUERY SELECT p_algorithm, p_secret, p_public_key;
 END $$;
 
+-- notifier.queue's fan_out and _add_delivery, statement for statement, after the locks.
 CREATE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION
@@ -660,6 +666,8 @@ BEGIN
     RETURN pending;
 END $$;
 
+-- notifier.queue's first claim (a window over everything pending); migration 9 replaces it
+-- with the claim per target.
 CREATE FUNCTION herald_webhook_claim(
     p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
     p_busy_targets TEXT[], p_busy_counts INTEGER[]
@@ -736,6 +744,7 @@ BEGIN
      ORDER BY (l.d).next_attempt_at, (l.d).seq;
 END $$;
 
+-- notifier.queue's finish, _status_after and _endpoint_health in one transaction.
 CREATE FUNCTION herald_webhook_finish(
     p_id TEXT, p_target TEXT, p_job_id TEXT, p_owner TEXT, p_started_at DOUBLE PRECISION,
     p_status_code INTEGER, p_latency_ms DOUBLE PRECISION, p_error TEXT, p_response BYTEA, p_ok BOOLEAN,
@@ -807,6 +816,12 @@ BEGIN
 END $$;
 
 -- ===== webhooks-2-finish-many
+-- PostgreSQL migration 8: herald_webhook_finish_many.
+-- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+
+-- Several attempts recorded in one transaction, one round trip: herald_webhook_finish for
+-- each, in the caller's order. The order locks of the whole batch are taken first and
+-- sorted, as fan-out takes its own, so a batch and a fan-out cannot deadlock on them.
 CREATE FUNCTION herald_webhook_finish_many(
     p_ids TEXT[], p_targets TEXT[], p_job_ids TEXT[], p_owner TEXT, p_started_at DOUBLE PRECISION[],
     p_status_codes INTEGER[], p_latency_ms DOUBLE PRECISION[], p_errors TEXT[], p_responses BYTEA[],
@@ -880,6 +895,14 @@ BEGIN
 END $$;
 
 -- ===== webhooks-3-claim-by-target
+-- PostgreSQL migration 9: the claim read per target.
+-- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+
+-- The claim of webhooks migration 3, replacing 0007's: the same rules, read per target. The
+-- targets with pending deliveries come from a loose index scan (one probe per target), and
+-- each target's oldest claimable deliveries from its own range of a partial index, at most
+-- the slots it has left (LATERAL ... LIMIT). The window over every pending row, run on every
+-- claim, grew with the backlog and was the claim's whole cost (bench/RESULTS.md, issue 14).
 CREATE INDEX webhook_deliveries_pending_by_target ON webhook_deliveries (target, next_attempt_at, seq)
     WHERE status = 'pending';
 
@@ -977,6 +1000,19 @@ BEGIN
 END $$;
 
 -- ===== webhooks-4-fair-claim
+-- PostgreSQL migration 10: the claim fair among tenants.
+-- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+
+-- The claim fair among tenants, and within a tenant among its targets (SPEC §13; "migration
+-- 3" in the comments is 0009, from when each store numbered its own). The candidates are
+-- read as in migration 3 (per target, at most the slots the
+-- target has left in this notifier), minus the targets the notifier holds back (p_held: at
+-- their cap per origin, or paced by its circuit breaker). Then, instead of "oldest first
+-- over everything" (which let a tenant's backlog take every slot before another tenant's
+-- due delivery), each tenant's candidates are ranked round robin over its targets and cut
+-- at the slots the tenant has left here (p_per_tenant minus p_busy_tenants' counts), and
+-- the free slots go to the tenant with the fewest in flight first (water-filling: slot k
+-- of a tenant with n in flight sorts at n + k), oldest first among equals.
 DROP FUNCTION herald_webhook_claim(TEXT, DOUBLE PRECISION, INTEGER, INTEGER, TEXT[], INTEGER[]);
 
 CREATE FUNCTION herald_webhook_claim(
@@ -1071,6 +1107,131 @@ BEGIN
      ORDER BY array_position(ids, (l.d).id);
 END $$;
 
+-- ===== webhooks-5-claim-skips-capped-tenants
+-- PostgreSQL migration 12: the claim passes over a tenant at its cap before reading.
+-- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+
+-- Migration 10's claim read every pending target's candidates, then dropped those of tenants
+-- with no slot left here (p_per_tenant). A tenant at its cap behind many targets (the noisy
+-- bench: 40 hanging callback receivers) was read in full on every claim for nothing, and its
+-- older deliveries to a target another tenant shares took that target's room. Now the claim
+-- walks tenants first (a loose scan of the index below: one probe per tenant), leaves out
+-- those at their cap, then each remaining tenant's targets and their candidates (at most the
+-- target's room each; a target several tenants share keeps its room for the oldest over
+-- them). The same rules as SQLite's claim (herald/storage/sqlite/queue.py), same signature.
+CREATE INDEX webhook_deliveries_pending_by_tenant ON webhook_deliveries (tenant, target, next_attempt_at, seq)
+    WHERE status = 'pending';
+
+CREATE OR REPLACE FUNCTION herald_webhook_claim(
+    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_busy_targets TEXT[], p_busy_counts INTEGER[],
+    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
+) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
+                 job_traceparent TEXT, job_tracestate TEXT)
+LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
+#variable_conflict use_column
+DECLARE
+    ts DOUBLE PRECISION := extract(epoch from clock_timestamp())::double precision;
+    ids TEXT[];
+BEGIN
+    SELECT coalesce(array_agg(locked.id), '{}') INTO ids FROM (
+        SELECT d.id
+          FROM webhook_deliveries d
+          JOIN (
+            WITH RECURSIVE pending_tenants(tenant) AS (
+                SELECT (SELECT min(w.tenant) FROM webhook_deliveries w WHERE w.status = 'pending')
+                UNION ALL
+                SELECT (SELECT min(w.tenant) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.tenant > t.tenant)
+                  FROM pending_tenants t WHERE t.tenant IS NOT NULL
+            ), open_tenants AS (
+                SELECT t.tenant FROM pending_tenants t
+                 WHERE t.tenant IS NOT NULL
+                   AND NOT EXISTS (SELECT 1 FROM unnest(p_busy_tenants, p_tenant_counts) AS bt(tenant, n)
+                                    WHERE p_per_tenant > 0 AND bt.tenant = t.tenant AND bt.n >= p_per_tenant)
+            ), targets(tenant, target) AS (
+                SELECT o.tenant, (SELECT min(w.target) FROM webhook_deliveries w
+                                   WHERE w.status = 'pending' AND w.tenant = o.tenant)
+                  FROM open_tenants o
+                UNION ALL
+                SELECT t.tenant, (SELECT min(w.target) FROM webhook_deliveries w
+                                   WHERE w.status = 'pending' AND w.tenant = t.tenant AND w.target > t.target)
+                  FROM targets t WHERE t.target IS NOT NULL
+            ), candidates AS (
+                SELECT cand.id, cand.tenant, cand.next_attempt_at, cand.seq,
+                       greatest(p_per_target - coalesce(b.n, 0), 0) AS room,
+                       row_number() OVER (PARTITION BY t.target ORDER BY cand.next_attempt_at, cand.seq) AS target_rank
+                  FROM targets t
+                  LEFT JOIN unnest(p_busy_targets, p_busy_counts) AS b(target, n) ON b.target = t.target
+                 CROSS JOIN LATERAL (
+                    SELECT c.id, c.tenant, c.next_attempt_at, c.seq
+                      FROM webhook_deliveries c
+                      LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+                     WHERE c.tenant = t.tenant AND c.target = t.target AND c.status = 'pending'
+                       AND c.next_attempt_at <= ts
+                       AND (c.lease_until IS NULL OR c.lease_until <= ts)
+                       AND (c.endpoint_id IS NULL OR e.status = 'enabled')
+                       AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
+                       -- one probe of (target, job_id) per candidate (see migration 3)
+                       AND (SELECT min(older.version) FROM webhook_deliveries older
+                             WHERE older.target = c.target AND older.job_id = c.job_id
+                               AND older.status = 'pending') = c.version
+                     ORDER BY c.next_attempt_at, c.seq
+                     LIMIT greatest(p_per_target - coalesce(b.n, 0), 0)
+                 ) cand
+                 WHERE t.target IS NOT NULL AND NOT (t.target = ANY(p_held))
+            ), per_target AS (
+                -- a target several tenants send to: its room goes to the oldest over them
+                SELECT r.id, r.tenant, r.next_attempt_at, r.seq, r.target_rank FROM candidates r WHERE r.target_rank <= r.room
+            ), per_tenant AS (
+                SELECT pt.id, pt.next_attempt_at, pt.seq, coalesce(bt.n, 0) AS busy,
+                       row_number() OVER (PARTITION BY pt.tenant
+                                          ORDER BY pt.target_rank, pt.next_attempt_at, pt.seq) AS tenant_rank
+                  FROM per_target pt
+                  LEFT JOIN unnest(p_busy_tenants, p_tenant_counts) AS bt(tenant, n) ON bt.tenant = pt.tenant
+            )
+            SELECT pt.id, pt.next_attempt_at, pt.seq, pt.busy + pt.tenant_rank AS share
+              FROM per_tenant pt
+             WHERE p_per_tenant <= 0 OR pt.busy + pt.tenant_rank <= p_per_tenant
+          ) c ON c.id = d.id
+         WHERE d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
+         ORDER BY c.share, c.next_attempt_at, c.seq
+         LIMIT p_limit
+           FOR UPDATE OF d SKIP LOCKED
+    ) locked;
+    IF cardinality(ids) = 0 THEN
+        RETURN;
+    END IF;
+
+    -- A new snapshot: an older version committed by a fan-out since the candidates were
+    -- read holds its newer one back (see migration 3).
+    RETURN QUERY
+    WITH leased AS (
+        UPDATE webhook_deliveries d SET lease_owner = p_owner, lease_until = ts + p_lease_s
+         WHERE d.id = ANY(ids)
+           AND (SELECT min(older.version) FROM webhook_deliveries older
+                 WHERE older.target = d.target AND older.job_id = d.job_id
+                   AND older.status = 'pending') = d.version
+        RETURNING d
+    )
+    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys,
+           j.traceparent, j.tracestate
+      FROM leased l
+      JOIN webhook_messages m ON m.event_id = (l.d).event_id
+      LEFT JOIN webhook_endpoints e ON e.id = (l.d).endpoint_id
+      LEFT JOIN jobs j ON j.id = (l.d).job_id
+     CROSS JOIN LATERAL (
+        SELECT array_agg(wk.algorithm ORDER BY wk.created_at DESC) AS algorithms,
+               array_agg(wk.secret ORDER BY wk.created_at DESC) AS secrets,
+               array_agg(wk.public_key ORDER BY wk.created_at DESC) AS public_keys
+          FROM webhook_keys wk
+         WHERE wk.owner = coalesce((l.d).endpoint_id, 'callback:' || (l.d).tenant)
+           AND (wk.retire_at IS NULL OR wk.retire_at > ts)
+     ) k
+     ORDER BY array_position(ids, (l.d).id);
+END $$;
+
 -- ===== tenants-1
 CREATE TABLE IF NOT EXISTS herald_tenants (
     id TEXT PRIMARY KEY,
@@ -1116,4 +1277,5 @@ INSERT INTO herald_migrations (name, applied_at) VALUES ('webhooks-1-functions',
 INSERT INTO herald_migrations (name, applied_at) VALUES ('webhooks-2-finish-many', extract(epoch from clock_timestamp()));
 INSERT INTO herald_migrations (name, applied_at) VALUES ('webhooks-3-claim-by-target', extract(epoch from clock_timestamp()));
 INSERT INTO herald_migrations (name, applied_at) VALUES ('webhooks-4-fair-claim', extract(epoch from clock_timestamp()));
+INSERT INTO herald_migrations (name, applied_at) VALUES ('webhooks-5-claim-skips-capped-tenants', extract(epoch from clock_timestamp()));
 INSERT INTO herald_migrations (name, applied_at) VALUES ('tenants-1', extract(epoch from clock_timestamp()));

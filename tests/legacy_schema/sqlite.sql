@@ -1,4 +1,4 @@
--- The SQLite schema as Herald made it before herald/storage/migrations.py (main at 8f46068):
+-- The SQLite schema as Herald made it before herald/storage/migrations.py (main at 0df50e7):
 -- the script every open ran. tests/test_migrations.py upgrades a database made from this file.
 
 CREATE TABLE IF NOT EXISTS jobs (
@@ -23,7 +23,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error BLOB,
     callback_url TEXT,
     traceparent TEXT,
-    tracestate TEXT
+    tracestate TEXT,
+    result_body BLOB
 );
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
@@ -141,8 +142,12 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due ON webhook_deliveries (next_attempt_at) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS webhook_deliveries_order ON webhook_deliveries (target, job_id, version);
--- The claim: which targets have pending deliveries, and each one's in due order (seq, the
--- rowid, ends every index, so ties are in seq order too).
+-- The claim: which tenants have pending deliveries, each one's targets, and each target's in
+-- due order (seq, the rowid, ends every index, so ties are in seq order too).
+CREATE INDEX IF NOT EXISTS webhook_deliveries_pending_by_tenant
+    ON webhook_deliveries (tenant, target, next_attempt_at) WHERE status = 'pending';
+-- The claim of Herald before the one above (a notifier of it may still run during an upgrade),
+-- and rescheduling a paced target's due deliveries.
 CREATE INDEX IF NOT EXISTS webhook_deliveries_pending_by_target ON webhook_deliveries (target, next_attempt_at)
     WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS webhook_deliveries_by_endpoint ON webhook_deliveries (endpoint_id, seq);

@@ -4,13 +4,16 @@
 ``postgres`` by default, the same session-scoped ``store`` parameter the deployment tests
 use, so tests group by backend). Each test gets the ports ``herald.storage.build_storage``
 makes for the settings a deployment would use: a real SQLite file in the test's temp dir,
-or a new database on the session's PostgreSQL server (one server per test process).
+or a new database on the session's PostgreSQL server (one server per test process), copied
+from a template the session migrated once (``CREATE DATABASE ... TEMPLATE``: a file copy,
+instead of a psql process and every migration per test).
 """
 
 from __future__ import annotations
 
 import re
 import sqlite3
+import uuid
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -96,11 +99,43 @@ class Stores:
         await self.storage.close()
 
 
+class _Databases:
+    """New PostgreSQL databases, each a copy of one this process migrated once."""
+
+    def __init__(self, admin: asyncpg.Connection, template: str, url: Any) -> None:
+        self._admin = admin
+        self._template = template
+        self._url = url
+
+    async def new(self) -> str:
+        name = f"contract_{uuid.uuid4().hex[:16]}"
+        await self._admin.execute(f'CREATE DATABASE "{name}" TEMPLATE "{self._template}"')
+        return str(self._url(name))
+
+
+@pytest.fixture(scope="session")
+async def pg_databases(store_server: PostgresServer | None) -> AsyncIterator[_Databases | None]:
+    """The template: a database the ports opened (every migration applied), then closed (a
+    template takes no other connection while it is copied)."""
+    if store_server is None:
+        yield None
+        return
+    template_url = new_database(store_server)
+    storage = build_storage(Settings(database_url=template_url, secret_keys=(SECRET_KEY,)))
+    await storage.jobs.open()
+    await storage.close()
+    admin = await asyncpg.connect(store_server.url("postgres"))
+    try:
+        yield _Databases(admin, template_url.rsplit("/", 1)[1], store_server.url)
+    finally:
+        await admin.close()
+
+
 @pytest.fixture()
-async def stores(store: str, store_server: PostgresServer | None, tmp_path: Path) -> AsyncIterator[Stores]:
+async def stores(store: str, pg_databases: _Databases | None, tmp_path: Path) -> AsyncIterator[Stores]:
     """The backend's ports, opened on a database of this test's own."""
     settings = Settings(data_dir=tmp_path / "data", secret_keys=(SECRET_KEY,), retention_s=RETENTION_S,
-                        database_url=new_database(store_server) if store == "postgres" else None)
+                        database_url=await pg_databases.new() if pg_databases is not None else None)
     opened = Stores(store, settings)
     await opened.jobs.open()
     try:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Collection
 from typing import Any
 
 import msgspec
@@ -63,8 +63,10 @@ async def endpoint(webhooks: WebhookStore, tenant: str = "t1", **options: Any) -
 
 
 async def claim(queue: DeliveryQueue, owner: str = "n1", *, per_target: int = 10, limit: int = 100,
-                lease_s: float = 30.0, in_flight: dict[str, int] | None = None) -> list[Claimed]:
-    return await queue.claim(owner, lease_s=lease_s, per_target=per_target, limit=limit, in_flight=in_flight or {})
+                lease_s: float = 30.0, in_flight: dict[str, int] | None = None, per_tenant: int = 0,
+                tenant_in_flight: dict[str, int] | None = None, held: Collection[str] = ()) -> list[Claimed]:
+    return await queue.claim(owner, lease_s=lease_s, per_target=per_target, limit=limit, in_flight=in_flight or {},
+                             per_tenant=per_tenant, tenant_in_flight=tenant_in_flight, held=held)
 
 
 async def deliveries(stores: Any, **where: Any) -> list[dict[str, Any]]:
@@ -81,10 +83,7 @@ async def finish(stores: Any, item: Claimed, outcome: Outcome, plan: Plan, owner
 # Where the backends still answer differently: each one is stated as allowed in
 # herald/storage/ports.py. A case that meets one asserts each backend's own answer through
 # ``differs``, so that removing a difference is deleting its line here and the branch in the case.
-KNOWN_DIFFERENCES: dict[str, str] = {
-    # PostgreSQL hands out a claim's rows as leased (lease_owner/lease_until set), SQLite as read.
-    "claim-rows-as-leased": "postgres",
-}
+KNOWN_DIFFERENCES: dict[str, str] = {}
 
 
 def differs(stores: Any, difference: str) -> bool:

@@ -28,7 +28,6 @@ from tests.store_contract.support import (
     OK,
     claim,
     deliveries,
-    differs,
     endpoint,
     event,
     finish,
@@ -215,7 +214,11 @@ async def test_order_holds_while_two_notifiers_fan_out_and_claim_concurrently(st
     await endpoint(stores.webhooks)
     a, b = stores.deliveries, (await stores.another()).deliveries
     jobs = [f"j{n}" for n in range(60)]
-    log: list[tuple[str, str]] = []  # ("claim" | "finish", delivery id), in order
+    # ("claim", id) once a claim returned, ("finishing", id) before its finish is called, in
+    # order. A v2 legally claimed was claimed after v1's finish committed, so after it was
+    # called: "finishing v1" comes first. ("Finished" would not do: with two processes, the
+    # caller of a later commit can hear back first.)
+    log: list[tuple[str, str]] = []
     fanning = True
 
     async def fan(queue: DeliveryQueue, version: int, order: Sequence[str]) -> None:
@@ -228,8 +231,9 @@ async def test_order_holds_while_two_notifiers_fan_out_and_claim_concurrently(st
             batch = await claim(queue, owner, per_target=1000, limit=5)
             log.extend(("claim", c.delivery.id) for c in batch)
             for item in batch:
-                await queue.finish(item, owner, await stores.jobs.clock(), OK, Plan("delivered"))
-                log.append(("finish", item.delivery.id))
+                started = await stores.jobs.clock()
+                log.append(("finishing", item.delivery.id))
+                await queue.finish(item, owner, started, OK, Plan("delivered"))
             if not batch and not fanning and not await queue.anything_due():
                 return
             await asyncio.sleep(0)
@@ -248,7 +252,7 @@ async def test_order_holds_while_two_notifiers_fan_out_and_claim_concurrently(st
         rows = {r["version"]: r for r in await deliveries(stores, job_id=job)}
         assert rows[2]["status"] == "delivered"
         if rows[1]["status"] == "delivered":
-            assert position[("finish", rows[1]["id"])] < position[("claim", rows[2]["id"])], job
+            assert position[("finishing", rows[1]["id"])] < position[("claim", rows[2]["id"])], job
         else:
             assert ("claim", rows[1]["id"]) not in position
 
@@ -264,6 +268,29 @@ async def test_per_target_cap_counts_what_this_notifier_has_in_flight(stores: St
     assert len(await claim(queue, "n2", per_target=2, in_flight={busy: 1})) == 1
     assert await claim(queue, "n3", per_target=2, in_flight={busy: 2}) == []
     assert len(await claim(queue, "n4", per_target=2, limit=1)) == 1
+
+
+async def test_a_tenant_at_its_cap_leaves_a_shared_target_to_the_others(stores: Stores) -> None:
+    """SPEC §13: slots go to the tenant with the fewest in flight, at most ``per_tenant`` each.
+    A tenant at its cap is passed over: its due deliveries (older ones, to a callback URL
+    another tenant uses too) do not take that target's room here."""
+    queue = stores.deliveries
+    jobs = []
+    for tenant in ("noisy", "noisy", "noisy", "quiet"):  # the noisy tenant's are the oldest
+        accepted = await stores.jobs.accept(new_job(tenant, callback_url="https://cb.example/shared"))
+        jobs.append(accepted.job.id)
+    assert await queue.fan_out([event(j, 2, "job.running", tenant=t)
+                                for j, t in zip(jobs, ("noisy", "noisy", "noisy", "quiet"))]) == 4
+
+    async def fair_claim(owner: str, busy: dict[str, int]) -> list[tuple[str, str]]:
+        claimed = await queue.claim(owner, lease_s=30.0, per_target=2, limit=10, in_flight={}, per_tenant=1,
+                                    tenant_in_flight=busy)
+        return [(c.delivery.tenant, c.delivery.job_id) for c in claimed]
+
+    # The noisy tenant has its one slot in flight: the target's two places are the quiet one's.
+    assert await fair_claim("n1", {"noisy": 1}) == [("quiet", jobs[3])]
+    # With a slot each, each tenant gets one, its oldest.
+    assert await fair_claim("n2", {"quiet": 1}) == [("noisy", jobs[0])]
 
 
 async def test_two_notifiers_claiming_at_once_never_share_a_delivery(stores: Stores) -> None:
@@ -302,7 +329,8 @@ async def test_leases_release_and_expiry(stores: Stores) -> None:
     await queue.release([held[0].delivery.id], "n1")
     (taken,) = await claim(other, "n2")
     assert taken.delivery.id == held[0].delivery.id
-    assert taken.delivery.lease_owner == ("n2" if differs(stores, "claim-rows-as-leased") else None)
+    assert taken.delivery.lease_owner == "n2"  # the row as leased
+    assert taken.delivery.lease_until is not None and taken.delivery.lease_until > await stores.jobs.clock()
 
     # A killed notifier's lease runs out on the store's clock; its late finish changes nothing.
     await stores.sql("UPDATE webhook_deliveries SET lease_until = $2 WHERE id = $1",
@@ -312,6 +340,69 @@ async def test_leases_release_and_expiry(stores: Stores) -> None:
     await finish(stores, held[1], OK, Plan("delivered"), owner="n1")
     (row,) = await deliveries(stores, id=held[1].delivery.id)
     assert (row["status"], row["lease_owner"]) == ("pending", "n2")
+
+
+async def test_a_claim_is_fair_among_tenants_and_keeps_their_caps(stores: Stores) -> None:
+    """ports.py, ``claim``: the slots go to the tenant with the fewest in flight first, within a
+    tenant round robin over its targets, oldest first only among equals; ``per_tenant`` caps
+    what a tenant has in flight, and ``held`` targets get nothing."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    a1 = await endpoint(webhooks, "a", url="https://a1.example/hook")
+    a2 = await endpoint(webhooks, "a", url="https://a2.example/hook")
+    b1 = await endpoint(webhooks, "b", url="https://b1.example/hook")
+    assert await queue.fan_out([event(f"a-{n}", 1, tenant="a") for n in range(3)]) == 6  # a's backlog: older
+    assert await queue.fan_out([event("b-0", 1, tenant="b")]) == 1
+
+    async def targets(**options: object) -> list[str]:
+        claimed = await claim(queue, **options)  # type: ignore[arg-type]
+        await queue.release([c.delivery.id for c in claimed], "n1")
+        return sorted(c.delivery.target for c in claimed)
+
+    # a's oldest, b's one, then a's other target: b does not wait behind a's backlog.
+    assert await targets(limit=3) == sorted([a1, a2, b1])
+    assert await targets(limit=1, tenant_in_flight={"a": 2}) == [b1]  # the fewest in flight first
+    capped = await targets(limit=10, per_tenant=2, tenant_in_flight={"a": 1})  # one slot left for a, two for b
+    assert len(capped) == 2 and b1 in capped and len(set(capped) & {a1, a2}) == 1
+    assert await targets(limit=10, per_tenant=1, tenant_in_flight={"a": 1, "b": 1}) == []
+    assert await targets(limit=10, held={a1, b1}) == [a2] * 3
+    assert len(await targets(limit=10, per_tenant=0)) == 7  # 0: no cap
+
+
+async def test_a_claim_carries_its_jobs_trace_context(stores: Stores) -> None:
+    """``Claimed.trace_context``: the job's kept context, read with the claim; None without one."""
+    await endpoint(stores.webhooks)
+    traced = new_job()
+    traced = NewJob(**{**{f: getattr(traced, f) for f in traced.__dataclass_fields__},
+                       "traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01",
+                       "tracestate": "vendor=1"})
+    events = [(await stores.jobs.accept(job)).event for job in (traced, new_job())]
+    assert await stores.deliveries.fan_out([e for e in events if e is not None]) == 2
+    contexts = {c.delivery.job_id: c.trace_context for c in await claim(stores.deliveries)}
+    assert contexts == {traced.id: ("00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01", "vendor=1"),
+                        next(j for j in contexts if j != traced.id): None}
+
+
+async def test_defer_hands_deliveries_back_later_without_an_attempt(stores: Stores) -> None:
+    """ports.py, ``defer`` (a paced target): the leased ones come back due in ``delay_s``, and
+    every due, unleased pending delivery of the target moves to then as well; nothing is
+    counted as an attempt, and other targets keep their times."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    paced = await endpoint(webhooks, url="https://paced.example/hook")
+    other = await endpoint(webhooks, url="https://other.example/hook")
+    await queue.fan_out([event(f"j{n}", 1) for n in range(3)])
+    [held] = [c for c in await claim(queue, per_target=1) if c.delivery.target == paced]
+    before = await stores.jobs.clock()
+    await queue.defer([held.delivery.id], "someone-else", [], 60.0)  # only the holder hands it back
+    [row] = await deliveries(stores, id=held.delivery.id)
+    assert row["lease_owner"] is not None
+    await queue.defer([held.delivery.id], "n1", [paced], 60.0)
+    after = await stores.jobs.clock()
+    rows = await deliveries(stores, target=paced)
+    assert len(rows) == 3 and all(r["attempts"] == 0 and r["lease_owner"] is None for r in rows)
+    assert all(before + 60.0 <= r["next_attempt_at"] <= after + 60.0 for r in rows), rows
+    assert await stores.count("webhook_attempts") == 0
+    assert {c.delivery.target for c in await claim(queue, "n2")} == {other}  # the paced target is not due
+    assert await queue.next_due_after(after) == pytest.approx(min(r["next_attempt_at"] for r in rows))
 
 
 # ----- outcomes ----------------------------------------------------------------------------------

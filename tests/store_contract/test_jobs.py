@@ -434,6 +434,22 @@ async def test_a_tenants_own_queue_age(stores: Stores) -> None:
     assert await store.tenant_queued_age("export", "slow") == 0.0
 
 
+async def test_queued_ages_per_kind(stores: Stores) -> None:
+    """Per-kind queue age (/metrics, back-pressure): the oldest queued job's age, 0.0 when none is queued."""
+    store = stores.jobs
+    first = (await store.accept(new_job("t1"))).job
+    await store.accept(new_job("t2"))
+    ages = await store.queued_ages(["report", "export"])
+    assert set(ages) == {"report", "export"} and ages["export"] == 0.0
+    assert 0.0 <= ages["report"] <= await store.clock() - first.created_at + 1e-6
+    older = ages["report"]
+    assert (await store.queued_ages(["report"]))["report"] >= older  # the oldest one's, and it ages
+    for job in await store.list_jobs("t1", state="queued", kind=None, before=None, limit=10) + \
+            await store.list_jobs("t2", state="queued", kind=None, before=None, limit=10):
+        await store.transition(job.id, CLAIM)
+    assert await store.queued_ages(["report"]) == {"report": 0.0}
+
+
 async def test_signing_key_is_the_same_for_every_process(stores: Stores) -> None:
     a, b = stores.jobs, (await stores.another()).jobs
     keys = await asyncio.gather(*((a if i % 2 else b).signing_key() for i in range(10)))

@@ -10,11 +10,22 @@ import time
 import msgspec
 import pytest
 
-from herald.deliveries import TEST_EVENT_TYPE, HealthRow, Outcome, Plan, callback_owner, new_test_event
+from herald.deliveries import (
+    TEST_EVENT_TYPE,
+    TEST_EVENT_WINDOW_S,
+    TEST_EVENTS_PER_WINDOW,
+    EndpointLimitReached,
+    HealthRow,
+    Outcome,
+    Plan,
+    TestEventsLimited,
+    callback_owner,
+    new_test_event,
+)
 from herald.delivery_rules import ROTATION_OVERLAP_S
 from schemas import JobEvent
 from tests.store_contract.conftest import Stores
-from tests.store_contract.support import FAILED, OK, claim, deliveries, endpoint, event, finish
+from tests.store_contract.support import FAILED, OK, claim, deliveries, endpoint, event, finish, outcomes
 
 
 async def test_endpoint_crud_and_tenant_isolation(stores: Stores) -> None:
@@ -230,3 +241,37 @@ async def test_recover_and_test_events_wait_for_nothing_a_concurrent_disable_mis
             other.update_endpoint("t1", endpoint_id, {"status": "disabled"}),
         )
         assert [r for r in await deliveries(stores, endpoint_id=endpoint_id) if r["status"] == "pending"] == []
+
+
+async def test_max_endpoints_holds_for_creations_at_two_gateways_at_once(stores: Stores) -> None:
+    """ports.py, ``create_endpoint``: counted and inserted as one step, so concurrent creations
+    at several gateways cannot pass the cap together."""
+    a, b = stores.webhooks, (await stores.another()).webhooks
+    results = await outcomes([(a if n % 2 else b).create_endpoint(
+        "t1", url=f"https://{n}.example/hook", event_types=["job.succeeded"], kinds=None, signature="hmac-sha256",
+        max_endpoints=3) for n in range(10)])
+    refused = [r for r in results if isinstance(r, BaseException)]
+    assert len(refused) == 7 and all(isinstance(r, EndpointLimitReached) and r.limit == 3 for r in refused), refused
+    assert len(await a.list_endpoints("t1", before=None, limit=100)) == 3
+    await endpoint(b, tenant="t2", max_endpoints=3)  # another tenant's count is its own
+    await endpoint(a, max_endpoints=0)  # 0: no cap
+    assert len(await b.list_endpoints("t1", before=None, limit=100)) == 4
+
+
+async def test_test_events_are_limited_per_endpoint_across_gateways(stores: Stores) -> None:
+    """ports.py, ``add_test_delivery``: at most TEST_EVENTS_PER_WINDOW per endpoint in the
+    window, counted from the store, so across every gateway."""
+    a, b = stores.webhooks, (await stores.another()).webhooks
+    endpoint_id, other_id = await endpoint(a), await endpoint(a, url="https://other.example/hook")
+    body = b'{"type":"webhook.test"}'
+    for n in range(TEST_EVENTS_PER_WINDOW):
+        assert await (a if n % 2 else b).add_test_delivery("t1", endpoint_id, *new_test_event(), body) is not None
+    for gateway in (a, b):
+        try:
+            await gateway.add_test_delivery("t1", endpoint_id, *new_test_event(), body)
+        except TestEventsLimited as limited:
+            assert 0 < limited.retry_after_s <= TEST_EVENT_WINDOW_S
+        else:
+            raise AssertionError("a test event past the window's limit was queued")
+    assert await b.add_test_delivery("t1", other_id, *new_test_event(), body) is not None  # per endpoint
+    assert len(await a.list_deliveries(endpoint_id, status=None, before_seq=None, limit=100)) == TEST_EVENTS_PER_WINDOW

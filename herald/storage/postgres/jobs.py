@@ -176,6 +176,8 @@ def _queued_row(new: NewJob, ts: float) -> JobRow:
 
 def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
     """The row after ``change`` at time ``ts`` (``herald.transitions.changed_row``: one rule for both stores)."""
+    if change.result_body is not None:
+        raise ValueError("the PostgreSQL job store keeps no result in the row (keeps_results is False)")
     return changed_row(before, change, at=ts, retention_s=retention_s)[0]
 
 
@@ -229,6 +231,8 @@ def _age(now: float, since: float | None) -> float:
 @unavailable_on_connection_errors
 class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
+
+    keeps_results = False  # results live in the result store (NATS by default), the row names them
 
     def __init__(self, db: PgDatabase, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db

@@ -31,6 +31,7 @@ LEGACY_NAMES = {
     "webhooks-2-finish-many": 8,
     "webhooks-3-claim-by-target": 9,
     "webhooks-4-fair-claim": 10,
+    "webhooks-5-claim-skips-capped-tenants": 12,  # in the order that code applied them
     "tenants-1": 11,
 }
 

@@ -1,8 +1,9 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
 The decisions are ``herald.delivery_rules``' (the rulebook both stores keep): the plpgsql
-functions (``sql/0007``-``0010``) make them next to the data, with the rulebook's numbers passed in as
-arguments. What this module
+functions (``sql/0007``-``0012``) make them next to the data, with the rulebook's numbers passed in as
+arguments (``tests/store_contract/test_rulebook.py`` checks them against the rulebook, case by
+case); key rotation, a rare API write, calls the rulebook itself. What this module
 adds is how it stays correct without SQLite's single writer, when several gateways and
 notifiers on several machines use the same tables at once.
 
@@ -58,8 +59,8 @@ Schema notes: ``event_types``/``kinds`` are ``TEXT[]``; message bodies are store
 event (``webhook_messages``); ``UNIQUE (event_id, target)`` is both the idempotency key of
 fan-out and the index that pruning orphaned messages probes.
 
-What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim's
-rows as leased, and fewer than ``limit`` while another notifier holds the rest).
+What callers can see differ from SQLite is stated in ``herald.storage.ports`` (a claim may
+return fewer than ``limit`` while another notifier holds the rest).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ from herald.deliveries import (
     callback_owner,
     event_id,
 )
-from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES, ROTATION_OVERLAP_S
+from herald import delivery_rules as rules
+from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES
 from herald.sealing import Sealer, key_aad
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.webhook_signing import HMAC, SigningKey, new_key
@@ -111,7 +113,7 @@ ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpo
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
 
-# The tables and functions: sql/0006-0010 beside this package's schema.py.
+# The tables and functions: sql/0006-0010 and 0012 beside this package's schema.py.
 
 _FAIL_PENDING_SQL = f"""
 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,
@@ -155,17 +157,42 @@ def _sealed(sealer: Sealer, owner: str, key: SigningKey) -> bytes:
 
 async def _ensure_current_key(db: PgDatabase, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
     """The owner's current key, made now if it has none; concurrent first calls agree on one."""
-    candidate = new_key(algorithm)
-    row = await db.pool.fetchrow("SELECT * FROM herald_webhook_ensure_key($1, $2, $3, $4)",
-                                 owner, candidate.algorithm, _sealed(sealer, owner, candidate), candidate.public_key)
-    assert row is not None
-    return _key(sealer, owner, row["algorithm"], row["secret"], row["public_key"])
+    async with db.pool.acquire() as conn, conn.transaction():
+        await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", KEY_LOCK_CLASS, owner)
+        row = await conn.fetchrow(
+            "SELECT algorithm, secret, public_key FROM webhook_keys WHERE owner = $1 AND retire_at IS NULL", owner)
+        if row is not None:
+            return _key(sealer, owner, row["algorithm"], row["secret"], row["public_key"])
+        return await _rotate(conn, sealer, owner, algorithm)
 
 
-async def _add_key(conn: asyncpg.Connection | asyncpg.Pool, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
-    key = new_key(algorithm)
-    await conn.execute("SELECT herald_webhook_add_key($1, $2, $3, $4, $5)",
-                       owner, key.algorithm, _sealed(sealer, owner, key), key.public_key, ROTATION_OVERLAP_S)
+async def _add_key(conn: asyncpg.Connection, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
+    """A new current key, inside the caller's transaction."""
+    await conn.execute("SELECT pg_advisory_xact_lock($1, hashtext($2))", KEY_LOCK_CLASS, owner)
+    return await _rotate(conn, sealer, owner, algorithm)
+
+
+async def _rotate(conn: asyncpg.Connection, sealer: Sealer, owner: str, algorithm: str) -> SigningKey:
+    """What ``delivery_rules.rotate`` says, written: under the owner's key lock (taken by the
+    caller, in its transaction), so that its changes never interleave with another's. A
+    rare API write, so plain statements rather than a plpgsql function: the rule stays
+    the rulebook's."""
+    key = new_key(algorithm)  # an unknown scheme fails before anything is written
+    at, created, retires = await conn.fetchrow(
+        f"SELECT {NOW_SQL}, coalesce(array_agg(created_at), '{{}}'), coalesce(array_agg(retire_at), '{{}}')"
+        " FROM webhook_keys WHERE owner = $1", owner)
+    rotation = rules.rotate([rules.KeyTimes(c, r) for c, r in zip(created, retires, strict=True)], at)
+    await conn.execute(
+        """
+        WITH forgotten AS (DELETE FROM webhook_keys WHERE owner = $1 AND created_at = ANY($2::DOUBLE PRECISION[]))
+        UPDATE webhook_keys SET retire_at = $4 WHERE owner = $1 AND created_at = ANY($3::DOUBLE PRECISION[])
+        """,
+        owner, list(rotation.forget), list(rotation.retire), rotation.retire_at)
+    # A statement of its own: the new current key must not meet the old one in the
+    # one-current-key index before that one's retirement is written.
+    await conn.execute(
+        "INSERT INTO webhook_keys (owner, created_at, algorithm, secret, public_key) VALUES ($1, $2, $3, $4, $5)",
+        owner, rotation.created_at, key.algorithm, _sealed(sealer, owner, key), key.public_key)
     return key
 
 
@@ -299,7 +326,8 @@ class PgWebhookStore:
         return await _ensure_current_key(self.db, self.sealer, owner, HMAC)
 
     async def rotate_callback_key(self, tenant: str) -> SigningKey:
-        return await _add_key(self.db.pool, self.sealer, callback_owner(tenant), HMAC)
+        async with self.db.pool.acquire() as conn, conn.transaction():
+            return await _add_key(conn, self.sealer, callback_owner(tenant), HMAC)
 
     # ----- the delivery log ----------------------------------------------------------------
 

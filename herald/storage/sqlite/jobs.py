@@ -115,6 +115,8 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
 class SqliteJobStore(CommitListeners):
     """The job store on one SQLite file. One per process; processes of one machine share the file."""
 
+    keeps_results = True  # a small JSON result rides in the success's transaction (jobs.result_body)
+
     def __init__(self, db: Database, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db
         self.retention_s = retention_s

@@ -22,6 +22,7 @@ import sqlite3
 import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
+from dataclasses import replace
 
 import msgspec
 
@@ -49,17 +50,31 @@ from schemas.webhooks import WebhookPayload
 
 _payload_encoder = msgspec.json.Encoder()
 
-# The claim reads per target, never everything pending: the targets that have pending
-# deliveries (a loose index scan: one index probe per target, however long each one's
-# backlog), then each target's oldest claimable deliveries through its own index range,
-# at most the slots it has left. The old single query ranked every pending row with a
-# window function (ROW_NUMBER() OVER (PARTITION BY target ...)) on every claim: its cost
-# grew with the backlog, and it was the notifier's biggest database cost (bench/RESULTS.md).
+# The claim reads per tenant and target, never everything pending: the tenants that have
+# pending deliveries (a loose index scan: one index probe per tenant, however long each one's
+# backlog), then, for each tenant with slots left here, its targets that have pending
+# deliveries (one probe per target), then each target's oldest claimable deliveries through
+# its own index range, at most the slots the target has left. A tenant at its cap is one
+# probe, however many targets and deliveries it has: its candidates could only be dropped
+# (``_fair_order``), and reading them was a busy notifier's largest write-lock hold, which
+# every other process's writes wait for (bench/RESULTS.md, issue 21). The single query
+# before that ranked every pending row with a window function on every claim: its cost grew
+# with the backlog (bench/RESULTS.md, issue 14).
+_PENDING_TENANTS_SQL = """
+WITH RECURSIVE t(tenant) AS (
+    SELECT (SELECT MIN(tenant) FROM webhook_deliveries WHERE status = 'pending')
+    UNION ALL
+    SELECT (SELECT MIN(tenant) FROM webhook_deliveries WHERE status = 'pending' AND tenant > t.tenant)
+      FROM t WHERE t.tenant IS NOT NULL
+) SELECT tenant FROM t WHERE tenant IS NOT NULL
+"""
+
 _PENDING_TARGETS_SQL = """
 WITH RECURSIVE t(target) AS (
-    SELECT (SELECT MIN(target) FROM webhook_deliveries WHERE status = 'pending')
+    SELECT (SELECT MIN(target) FROM webhook_deliveries WHERE status = 'pending' AND tenant = :tenant)
     UNION ALL
-    SELECT (SELECT MIN(target) FROM webhook_deliveries WHERE status = 'pending' AND target > t.target)
+    SELECT (SELECT MIN(target) FROM webhook_deliveries
+             WHERE status = 'pending' AND tenant = :tenant AND target > t.target)
       FROM t WHERE t.target IS NOT NULL
 ) SELECT target FROM t WHERE target IS NOT NULL
 """
@@ -69,11 +84,11 @@ WITH RECURSIVE t(target) AS (
 _TARGET_CANDIDATES_SQL = """
 SELECT d.*, e.url AS endpoint_url, m.body AS body, j.traceparent AS job_traceparent,
        j.tracestate AS job_tracestate
-FROM webhook_deliveries d INDEXED BY webhook_deliveries_pending_by_target
+FROM webhook_deliveries d INDEXED BY webhook_deliveries_pending_by_tenant
 JOIN webhook_messages m ON m.event_id = d.event_id
 LEFT JOIN webhook_endpoints e ON e.id = d.endpoint_id
 LEFT JOIN jobs j ON j.id = d.job_id
-WHERE d.target = :target AND d.status = 'pending' AND d.next_attempt_at <= :now
+WHERE d.tenant = :tenant AND d.target = :target AND d.status = 'pending' AND d.next_attempt_at <= :now
   AND (d.lease_until IS NULL OR d.lease_until <= :now)
   AND (d.endpoint_id IS NULL OR e.status = 'enabled')
   AND NOT EXISTS (
@@ -187,17 +202,8 @@ class SqliteDeliveryQueue:
 
         def tx(conn: sqlite3.Connection) -> list[Claimed]:
             ts = now()
-            # Each target's oldest claimable deliveries, at most the slots it has left here
-            # (a target with none left, or held back by the notifier, is not read at all, so
-            # it cannot crowd out the rest).
-            by_tenant: dict[str, list[tuple[int, sqlite3.Row]]] = {}
-            for (target,) in conn.execute(_PENDING_TARGETS_SQL).fetchall():
-                room = per_target - in_flight.get(target, 0)
-                if room > 0 and target not in held:
-                    for rank, row in enumerate(conn.execute(_TARGET_CANDIDATES_SQL,
-                                                            {"target": target, "now": ts, "room": room})):
-                        by_tenant.setdefault(row["tenant"], []).append((rank, row))
-            rows = _fair_order(by_tenant, tenants_busy, per_tenant)[:limit]
+            rows = _fair_order(_candidates(conn, ts, per_target, in_flight, per_tenant, tenants_busy, held),
+                               tenants_busy, per_tenant)[:limit]
             keys_by_owner: dict[str, tuple[SigningKey, ...]] = {}
             claimed: list[Claimed] = []
             conn.executemany("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
@@ -208,7 +214,7 @@ class SqliteDeliveryQueue:
                     if row["endpoint_id"] is None:
                         current_callback_key(conn, row["tenant"], ts, self.sealer)  # created on first use
                     keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts, self.sealer))
-                delivery = DeliveryRow.from_mapping(row)
+                delivery = replace(DeliveryRow.from_mapping(row), lease_owner=owner, lease_until=ts + lease_s)  # as leased
                 url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
                 trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
                 claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner],
@@ -281,6 +287,33 @@ class SqliteDeliveryQueue:
             return len(ids)
 
         return await self.db.write(tx)
+
+
+def _candidates(
+    conn: sqlite3.Connection, ts: float, per_target: int, in_flight: Mapping[str, int], per_tenant: int,
+    busy: Mapping[str, int], held: Collection[str],
+) -> dict[str, list[tuple[int, sqlite3.Row]]]:
+    """Each target's oldest claimable deliveries, at most the slots it has left here, by tenant,
+    each with its rank in its target. Not read at all: a tenant at its cap (none of its
+    deliveries could be taken), a target with no slot left or held back by the notifier (so
+    they cannot crowd out the rest either)."""
+    held = set(held)
+    by_target: dict[str, list[sqlite3.Row]] = {}
+    for (tenant,) in conn.execute(_PENDING_TENANTS_SQL).fetchall():
+        if per_tenant > 0 and busy.get(tenant, 0) >= per_tenant:
+            continue
+        for (target,) in conn.execute(_PENDING_TARGETS_SQL, {"tenant": tenant}).fetchall():
+            room = per_target - in_flight.get(target, 0)
+            if room > 0 and target not in held:
+                by_target.setdefault(target, []).extend(conn.execute(
+                    _TARGET_CANDIDATES_SQL, {"tenant": tenant, "target": target, "now": ts, "room": room}))
+    by_tenant: dict[str, list[tuple[int, sqlite3.Row]]] = {}
+    for target, rows in by_target.items():
+        if len(rows) > 1:  # a target several tenants send to (a shared callback URL): oldest first over them
+            rows.sort(key=lambda r: (r["next_attempt_at"], r["seq"]))
+        for rank, row in enumerate(rows[:per_target - in_flight.get(target, 0)]):
+            by_tenant.setdefault(row["tenant"], []).append((rank, row))
+    return by_tenant
 
 
 def _fair_order(

@@ -14,8 +14,12 @@ from herald.storage.migrations import Migration, Schema, Session, load
 
 # The versions the pre-runner script consisted of.
 _ADOPTED = (1, 2, 3)
-# The columns added after the first data dirs were made (trace contexts, outbox origins).
-_LATER_COLUMNS = {"jobs": ("traceparent", "tracestate"), "outbox": ("traceparent", "tracestate", "origin")}
+# The columns added after the first data dirs were made (trace contexts, outbox origins,
+# results in the row).
+_LATER_COLUMNS = {
+    "jobs": (("traceparent", "TEXT"), ("tracestate", "TEXT"), ("result_body", "BLOB")),
+    "outbox": (("traceparent", "TEXT"), ("tracestate", "TEXT"), ("origin", "TEXT")),
+}
 
 
 async def adopt(session: Session, migrations: Sequence[Migration]) -> Collection[int]:
@@ -26,9 +30,9 @@ async def adopt(session: Session, migrations: Sequence[Migration]) -> Collection
         await session.execute(migrations[version - 1].sql)
     for table, added in _LATER_COLUMNS.items():
         columns = {row[1] for row in await session.fetch(f"PRAGMA table_info({table})")}
-        for column in added:
+        for column, type_ in added:
             if column not in columns:
-                await session.execute(f"ALTER TABLE {table} ADD COLUMN {column} TEXT")
+                await session.execute(f"ALTER TABLE {table} ADD COLUMN {column} {type_}")
     return _ADOPTED
 
 

@@ -26,7 +26,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     error BLOB,
     callback_url TEXT,
     traceparent TEXT,
-    tracestate TEXT
+    tracestate TEXT,
+    result_body BLOB
 );
 CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
 CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');

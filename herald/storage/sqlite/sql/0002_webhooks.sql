@@ -53,8 +53,12 @@ CREATE TABLE IF NOT EXISTS webhook_deliveries (
 );
 CREATE INDEX IF NOT EXISTS webhook_deliveries_due ON webhook_deliveries (next_attempt_at) WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS webhook_deliveries_order ON webhook_deliveries (target, job_id, version);
--- The claim: which targets have pending deliveries, and each one's in due order (seq, the
--- rowid, ends every index, so ties are in seq order too).
+-- The claim: which tenants have pending deliveries, each one's targets, and each target's in
+-- due order (seq, the rowid, ends every index, so ties are in seq order too).
+CREATE INDEX IF NOT EXISTS webhook_deliveries_pending_by_tenant
+    ON webhook_deliveries (tenant, target, next_attempt_at) WHERE status = 'pending';
+-- The claim of Herald before the one above (a notifier of it may still run during an upgrade),
+-- and rescheduling a paced target's due deliveries.
 CREATE INDEX IF NOT EXISTS webhook_deliveries_pending_by_target ON webhook_deliveries (target, next_attempt_at)
     WHERE status = 'pending';
 CREATE INDEX IF NOT EXISTS webhook_deliveries_by_endpoint ON webhook_deliveries (endpoint_id, seq);
