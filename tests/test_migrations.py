@@ -353,7 +353,9 @@ async def test_postgres_database_part_way_through_the_old_chain_gets_the_rest(
     with caplog.at_level(logging.INFO, logger="herald.migrations"):
         await _open_pg(old)
     applied = [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"]  # type: ignore[attr-defined]
-    assert applied == [v for v in PG_VERSIONS if v >= 9]
+    names = [name for name, _ in _legacy_sections()]
+    had = {pg_schema.LEGACY_NAMES[name] for name in names[:names.index("webhooks-2-finish-many") + 1]}
+    assert 10 not in had and applied == [v for v in PG_VERSIONS if v not in had]
     await _open_pg(fresh_database)
     assert await _pg_schema(old) == await _pg_schema(fresh_database)
 

@@ -63,6 +63,39 @@ async def test_a_batch_commits_together_and_a_refused_transaction_leaves_no_trac
     assert _count(tmp_path / "herald.db") == {n for n in range(1, 301) if n % 7}
 
 
+async def test_a_write_that_may_wait_rides_with_the_next_batch_or_commits_alone(tmp_path: Path) -> None:
+    """``write_soon`` (the relay's outbox deletes): committed with the next write, in the
+    same commit; with no write coming, alone after ``RIDE_WAIT_S``; at close, before the
+    writer closes."""
+    path = tmp_path / "herald.db"
+    db = Database(path, SCHEMA)
+    await db.open()
+    try:
+        rider = db.write_soon(_insert(1))
+        seen_before: list[bool] = []
+
+        def after_rider(conn: sqlite3.Connection) -> int:
+            seen_before.append(rider.done())
+            return _insert(2)(conn)
+
+        assert await db.write(after_rider) == 2
+        assert rider.done() and await rider == 1, "the rider was answered with the batch it rode in"
+        assert seen_before == [False], "and was in that batch, not committed before it"
+        assert _count(path) == {1, 2}
+
+        alone = db.write_soon(_insert(3))
+        assert await asyncio.wait_for(alone, timeout=10) == 3  # no other write: committed by itself
+        assert _count(path) == {1, 2, 3}
+        refused = db.write_soon(_insert(4, refuse=True))
+        with pytest.raises(Refused):
+            await asyncio.wait_for(refused, timeout=10)
+        last = db.write_soon(_insert(5))
+    finally:
+        await db.close()
+    assert last.done() and last.result() == 5, "close commits what was still waiting"
+    assert _count(path) == {1, 2, 3, 5}
+
+
 async def test_a_caller_hears_back_only_after_its_commit(tmp_path: Path) -> None:
     path = tmp_path / "herald.db"
     db = Database(path, SCHEMA)

@@ -1,4 +1,4 @@
--- The SQLite schema as Herald made it before herald/storage/migrations.py (main at 0df50e7):
+-- The SQLite schema as Herald made it before herald/storage/migrations.py (main at 3411d9e):
 -- the script every open ran. tests/test_migrations.py upgrades a database made from this file.
 
 CREATE TABLE IF NOT EXISTS jobs (

@@ -217,16 +217,16 @@ class PgDatabase:
         """``fetchval`` of a statement that is a transaction on its own, committed together
         with the others queued meanwhile (group commit).
 
-        A commit waits for its WAL flush while it still holds its row locks: a tenant's
-        counter row is one, so one commit per event would bound a tenant's events to one
-        per flush. Queued statements run one after another on one connection in one
-        transaction, and everyone hears back after its commit. If one of them fails, the
+        A commit waits for its WAL flush while it still holds its row locks (a tenant's
+        rate bucket, a capped claim's counter row), and each flush costs the server a
+        write and an fsync. Queued statements run one after another on one connection in
+        one transaction, and everyone hears back after its commit. If one of them fails, the
         batch is rolled back and each is run again in a transaction of its own, so only
         the failing one fails.
 
         ``order`` is the tenant whose rows the statement locks. A batch holds every lock
-        until its commit, so two processes' batches taking two tenants' counter rows in
-        opposite orders would deadlock (each cycle costs ``deadlock_timeout``, 1 s, and a
+        until its commit, so two processes' batches taking two tenants' rows in opposite
+        orders would deadlock (each cycle costs ``deadlock_timeout``, 1 s, and a
         rerun: with ten tenants the bench's end-to-end rate fell to a third). So a batch
         runs in ``order`` order (stable: one tenant's statements keep theirs), the same
         in every process.

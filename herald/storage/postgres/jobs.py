@@ -7,11 +7,11 @@ it keeps the concurrency rules of ``herald.storage.ports`` without a database-wi
 **Round trips.** Every write is one statement, so it runs as one implicit transaction with
 no ``BEGIN``/``COMMIT`` round trips: the multi-step writes are plpgsql functions created by
 the migration (``herald_accept``, ``herald_transition``, both ending in
-``herald_append_event``: bump the tenant's counter, insert the event, insert the outbox
-rows). The one thing the database cannot compute is the event's payload: it is the status
-object encoded by Python (``JobRow.status()``), and it contains the change's time, which
-must come from the server's clock. So a write first reads that clock (for a transition,
-in the same round trip as the row it judges), encodes, then sends the one statement:
+``herald_append_event``: insert the event, insert the outbox rows). The one thing the
+database cannot compute is the event's payload: it is the status object encoded by Python
+(``JobRow.status()``), and it contains the change's time, which must come from the
+server's clock. So a write first reads that clock (for a transition, in the same round
+trip as the row it judges), encodes, then sends the one statement:
 
 * ``accept``: 2 round trips (clock; ``herald_accept``), on one pooled connection;
 * ``transition``: 2 round trips (row + clock; ``herald_transition``), 2 more per lost race;
@@ -20,9 +20,20 @@ in the same round trip as the row it judges), encodes, then sends the one statem
 (asyncpg's pool adds its reset query when a connection goes back: that is ``PgDatabase``'s
 choice, one per call above however many statements it runs.)
 
-The event's ``seq`` is known only inside the function, so the outbox payload (the JSON
-``JobEvent``, whose first field is ``seq``) is sent without its ``{"seq":N,`` head, which
-the function prepends: the bytes are exactly what ``msgspec`` would encode.
+**Numbered after commit.** An event's tenant-wide ``seq`` is not given by its write: the
+write inserts the event with a global identity (``events.id``, from a sequence) and no
+seq, and holds no tenant-wide lock (one would be held through the commit's WAL flush, and
+a tenant's writes would go one commit at a time, however many processes write them). The
+relay's ``outbox_batch`` numbers first: ``herald_number_events`` takes the tenant's
+``tenant_seq`` row, then numbers every committed unnumbered event of the tenant in id
+order, after the row's ``last``, and commits (the next pass of the tenant waits on the row
+for this one's numbers). Readers read numbered events only, by seq: see
+``sql/0013_events_numbered_after_commit.sql`` for why nothing is missed or read twice and
+each job keeps its order. So the outbox payload of an event (the JSON ``JobEvent``, whose
+first field is ``seq``) is stored without its ``{"seq":N,`` head, and ``outbox_batch``
+prepends it once numbered: the bytes are exactly what ``msgspec`` would encode. A write
+answers with the event at seq 0, which is what the committing process's own listeners
+hear (the gateway's hub sends it to the job's streams, not to the tenant's).
 
 **Compare-and-set.** ``transition`` judges the row it read with ``refusal()`` (the rules
 live in ``herald.transitions``, in Python), then updates ``WHERE id AND version AND
@@ -37,10 +48,9 @@ job, tenant counter), so no deadlocks:
 * ``idempotency_keys``: ``INSERT ... ON CONFLICT DO NOTHING`` claims a key; the loser of a
   race waits for the winner's commit, then reads its job (replay) or its different
   fingerprint (mismatch), never a unique violation;
-* the tenant's ``tenant_seq`` row, taken last and held until commit: a tenant's appends
-  are serialised, so its ``seq`` is gap-free and a reader polling ``tenant_events`` never
-  sees seq n+1 before n. Every outbox row is inserted under that lock too, so one tenant's
-  outbox rows become visible in ``outbox.seq`` order.
+* the tenant's ``tenant_seq`` row: taken by a numbering pass, and by a capped claim (SPEC
+  §13), which counts the tenant's running jobs under it; never by other writes. A pass
+  takes its tenants' rows in byte order, the order a group commit sorts its statements by.
 
 Retention (``forget``) never waits for a lock (``SKIP LOCKED``), so sweeps in several
 gateways at once share the work instead of deadlocking with each other or with accepts.
@@ -100,6 +110,8 @@ _ACCEPT = (
 # The row to judge and the server's time to stamp the change with, in one round trip.
 _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
 
+_OUTBOX_BATCH = "SELECT * FROM herald_outbox_batch($1, $2, $3)"
+
 _TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 22)) + ")"
 _CAPPED_TRANSITION = "SELECT herald_claim_capped(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
 
@@ -145,7 +157,9 @@ _FORGET = """
 WITH doomed AS (
          SELECT id, tenant FROM jobs WHERE id = ANY($1::text[]) AND expires_at <= $2 FOR UPDATE SKIP LOCKED
      ),
-     gone_events AS (DELETE FROM events WHERE job_id IN (SELECT id FROM doomed)),
+     gone_events AS (DELETE FROM events WHERE job_id IN (SELECT id FROM doomed) RETURNING id),
+     -- An event not published yet is not numbered either: nobody will, once it is gone.
+     gone_outbox AS (DELETE FROM outbox WHERE event_id IN (SELECT id FROM gone_events)),
      gone_keys AS (
          DELETE FROM idempotency_keys WHERE ctid IN (
              SELECT ctid FROM idempotency_keys
@@ -185,8 +199,8 @@ _SEQ_HEAD = b'{"seq":0,'
 
 
 def _unnumbered_event(job: JobRow, kind_of_change: str) -> tuple[JobEvent, bytes]:
-    """The job's event for its current version, without its seq (known only in the database),
-    and the outbox payload minus its ``{"seq":N,`` head, which ``herald_append_event`` adds."""
+    """The job's event for its current version, without its seq (given after commit), and the
+    outbox payload minus its ``{"seq":N,`` head, which the relay's ``outbox_batch`` adds."""
     event = JobEvent(
         seq=0,
         tenant=job.tenant,
@@ -213,7 +227,7 @@ def _work_message(job: JobRow) -> tuple[str, str, bytes]:
 
 def _event_from_record(record: asyncpg.Record) -> JobEvent:
     return JobEvent(
-        seq=record["seq"],
+        seq=record["seq"] or 0,  # 0: committed, not numbered yet (job_events reads those too)
         tenant=record["tenant"],
         job_id=record["job_id"],
         kind=record["kind"],
@@ -469,19 +483,13 @@ class PgJobStore(CommitListeners):
     # ----- outbox ------------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
-        # A tenant's rows are inserted under its counter lock, so they commit in seq order;
-        # rows of different tenants may commit out of seq order, and a later batch picks up
-        # a lower seq that committed late (rows are deleted by seq, never by range).
-        if stale_after_s is None:
-            records = await self._fetch(
-                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox WHERE origin = $2"
-                " ORDER BY seq LIMIT $1", limit, self._db.origin,
-            )
-        else:
-            records = await self._fetch(
-                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox"
-                f" WHERE created_at < {NOW_SQL} - $2 ORDER BY seq LIMIT $1", limit, float(stale_after_s),
-            )
+        # One round trip: the batch's events are numbered first (herald_number_events, a
+        # short transaction under each of their tenants' counter rows), so each event row
+        # comes back with its seq in its payload. Rows of different processes commit out of
+        # outbox order, and a later batch picks up a lower seq that committed late (rows
+        # are deleted by seq, never by range).
+        records = await self._fetch(_OUTBOX_BATCH, self._db.origin,
+                                    None if stale_after_s is None else float(stale_after_s), limit)
         return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
                           traceparent=r["traceparent"], tracestate=r["tracestate"])
                 for r in records]

@@ -26,12 +26,13 @@ LEGACY_NAMES = {
     "jobs-queued-by-kind": 3,
     "outbox-origin": 4,
     "jobs-tenant-fair-share": 5,
+    "jobs-events-numbered-after-commit": 13,  # in the order that code applied them
     "webhooks-1-tables": 6,
     "webhooks-1-functions": 7,
     "webhooks-2-finish-many": 8,
     "webhooks-3-claim-by-target": 9,
     "webhooks-4-fair-claim": 10,
-    "webhooks-5-claim-skips-capped-tenants": 12,  # in the order that code applied them
+    "webhooks-5-claim-skips-capped-tenants": 12,
     "tenants-1": 11,
 }
 

@@ -49,6 +49,9 @@ from herald.storage.migrations import Migration, Schema, migrate
 T = TypeVar("T")
 
 CHECKPOINT_INTERVAL_S = 0.25
+# A write that may wait (``write_soon``) rides with the next batch, or runs on its own this
+# long after it was asked for when no other write comes.
+RIDE_WAIT_S = 0.05
 
 PRAGMAS = (
     "PRAGMA journal_mode=WAL",
@@ -79,6 +82,10 @@ class Database:
     after the batch has committed, so nothing is reported that is not durable. Each
     process takes the database-wide write lock once per batch instead of once per
     transaction: under load that lock, shared by every process, is Herald's ceiling.
+
+    ``write_soon`` queues a transaction that need not commit now (the relay's outbox
+    deletes): it rides in the next batch this process commits anyway, and only when none
+    comes within ``RIDE_WAIT_S`` does it get a commit of its own.
     """
 
     def __init__(self, path: Path, schema: Schema, *, max_batch: int = 64) -> None:
@@ -92,6 +99,8 @@ class Database:
         self._closed = False
         self._max_batch = max_batch
         self._queue: deque[_Pending[Any]] = deque()
+        self._riders: list[_Pending[Any]] = []  # write_soon: waiting for the next batch
+        self._riders_due = False  # their wait is over: the next drain commits them, alone if need be
         self._queue_lock = threading.Lock()
         self._draining = False
         self._lock_fd: int | None = None
@@ -180,15 +189,42 @@ class Database:
             self._executor.submit(self._drain)
         return await pending.future
 
+    def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
+        """Run ``fn`` as one transaction of the next batch this process commits, or on its own
+        ``RIDE_WAIT_S`` from now; the future is answered once it has committed."""
+        if self._closed:
+            raise sqlite3.ProgrammingError("database is closed")
+        loop = asyncio.get_running_loop()
+        pending: _Pending[T] = _Pending(fn, loop.create_future(), loop)
+        with self._queue_lock:
+            self._riders.append(pending)
+            first = len(self._riders) == 1
+        if first:
+            loop.call_later(RIDE_WAIT_S, self._riders_wait_over)
+        return pending.future
+
+    def _riders_wait_over(self) -> None:
+        with self._queue_lock:
+            if not self._riders:  # they rode with a batch meanwhile
+                return
+            self._riders_due = True
+            start = not self._draining
+            self._draining = True
+        if start:
+            with contextlib.suppress(RuntimeError):  # closed meanwhile: close() committed them
+                self._executor.submit(self._drain)
+
     def _drain(self) -> None:
-        """Writer thread: commit batches until the queue is empty."""
+        """Writer thread: commit batches until the queue is empty (riders go with any batch)."""
         while True:
             with self._queue_lock:
-                if not self._queue:
+                if not self._queue and not self._riders_due:
                     self._draining = False
                     return
-                batch = [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
-            self._commit_batch(batch)
+                batch, self._riders, self._riders_due = self._riders, [], False
+                batch += [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
+            if batch:
+                self._commit_batch(batch)
 
     def _commit_batch(self, batch: list[_Pending[Any]]) -> None:
         conn = self._writer
@@ -207,15 +243,17 @@ class Database:
                     conn.execute("ROLLBACK")
                     raise
                 conn.execute("COMMIT")
+                # Answered before the lock is let go (each answer is a call_soon_threadsafe):
+                # so callers on one event loop hear of commits in the order they were made, even
+                # from two Databases on one file (the store contract's "two processes").
+                for pending, (result, error) in zip(batch, outcomes):
+                    pending.answer(result, error)
         except BaseException as exc:  # BEGIN, COMMIT or a savepoint step failed: nothing of the batch stands
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             for pending in batch:
                 pending.answer(None, exc)
-            return
-        for pending, (result, error) in zip(batch, outcomes):
-            pending.answer(result, error)
 
     async def read_in_thread(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """For scans too long to run on the event loop (sweeps, retention)."""
@@ -237,6 +275,7 @@ class Database:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
+        self._riders_wait_over()  # queued before the writer closes: the executor runs in order
         self._stop_checkpointing.set()
         if self._checkpointer is not None:
             await asyncio.to_thread(self._checkpointer.join)

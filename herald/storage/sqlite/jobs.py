@@ -14,6 +14,7 @@ from those rows.
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import sqlite3
 from collections.abc import Sequence
@@ -121,6 +122,9 @@ class SqliteJobStore(CommitListeners):
         self._db = db
         self.retention_s = retention_s
         self._sealer = sealer
+        # Outbox rows published, whose delete waits to ride with this process's next commit:
+        # never handed out again, nor counted as pending, meanwhile.
+        self._deleting: set[int] = set()
         super().__init__()
 
     async def open(self) -> None:
@@ -313,7 +317,9 @@ class SqliteJobStore(CommitListeners):
     async def stats(self) -> StoreStats:
         ts = now()
         queued = self._db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued'")[0]["t"]
-        outbox = self._db.read("SELECT COUNT(*) AS n, MIN(created_at) AS t FROM outbox")[0]
+        deleting = list(self._deleting)
+        outbox = self._db.read(f"SELECT COUNT(*) AS n, MIN(created_at) AS t FROM outbox"
+                               f" WHERE seq NOT IN ({','.join('?' * len(deleting))})", deleting)[0]
         return StoreStats(
             oldest_queued_age_s=max(0.0, ts - queued) if queued is not None else 0.0,
             outbox_pending=int(outbox["n"]),
@@ -353,19 +359,36 @@ class SqliteJobStore(CommitListeners):
 
         # On the loop, like the point reads: the outbox holds what is not yet published (a
         # few rows, at most a batch of them), cheaper to read than a hop to the writer thread.
+        deleting = list(self._deleting)
         rows = self._db.read(
             f"SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox WHERE {where}"
-            " ORDER BY seq LIMIT ?", params,
+            f" AND seq NOT IN ({','.join('?' * len(deleting))}) ORDER BY seq LIMIT ?",
+            (*params[:-1], *deleting, params[-1]),
         )
         return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
                           traceparent=r["traceparent"], tracestate=r["tracestate"])
                 for r in rows]
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
-        def tx(conn: sqlite3.Connection) -> None:
-            conn.executemany("DELETE FROM outbox WHERE seq = ?", [(s,) for s in seqs])
+        """The rows leave the outbox at once for this process (never handed out again); their
+        delete rides with the next transaction this process commits (``Database.write_soon``),
+        so a published batch costs no commit of its own. A crash before that commit leaves
+        them to a stale pass: published again, dropped by JetStream's duplicate window."""
+        done = [s for s in seqs if s not in self._deleting]
+        if not done:
+            return
+        self._deleting.update(done)
 
-        await self._db.write(tx)
+        def tx(conn: sqlite3.Connection) -> None:
+            conn.executemany("DELETE FROM outbox WHERE seq = ?", [(s,) for s in done])
+
+        def committed(future: asyncio.Future[None]) -> None:
+            # Committed: the rows are gone. Failed: they are handed out (and published) again.
+            self._deleting.difference_update(done)
+            if not future.cancelled():
+                future.exception()  # retrieved: a failed delete is not an error of anyone's
+
+        self._db.write_soon(tx).add_done_callback(committed)
 
     # ----- sweeping -------------------------------------------------------------------
 
