@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 
 from herald import jetstream, tracing
 from herald.kinds import JSON_MEDIA_TYPE
-from herald.logs import log_transition
+from herald.logs import log_event, log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
 from herald.jobs import JobRow, TransitionRejected
@@ -47,6 +47,9 @@ from workers.dispatch import Dispatch, KindQueue, TenantQueue
 from workers.errors import JobCancelled, JobFailed, JobLost
 from workers.output import OutputWriter
 
+# A run's own lines (started, succeeded...) go through ``log_event``: rendered straight to JSON,
+# without the LogRecord and structlog chain, which cost as much as the rest of a trivial run's
+# bookkeeping (bench/RESULTS.md, issue 24).
 log = logging.getLogger("herald.worker")
 
 FETCH_BATCH = 16  # at most this many slots handed out at once
@@ -264,7 +267,7 @@ class Worker:
                              output=functools.partial(self.results.scratch_path, job.id, job.attempt,
                                                       kind.suffix(params)),
                              kind=job.kind, writer=writer)
-        log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
+        log_event(log, logging.INFO, "job started", {"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         json_scratch: Path | None = None  # a JSON result too large for the row, on its way to the result store
         try:
@@ -309,18 +312,18 @@ class Worker:
                     await self.results.discard(key)
                 log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
             else:
-                log.info("job succeeded", extra={"job_id": job.id})
+                log_event(log, logging.INFO, "job succeeded", {"job_id": job.id})
         except JobCancelled:
             _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
-            log.info("job cancelled", extra={"job_id": job.id})
+            log_event(log, logging.INFO, "job cancelled", {"job_id": job.id})
         except JobFailed as exc:
             _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             problem = writer.too_large.problem if writer is not None and writer.too_large is not None else exc.problem
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
-            log.info("job failed", extra={"job_id": job.id, "problem_type": problem.type})
+            log_event(log, logging.INFO, "job failed", {"job_id": job.id, "problem_type": problem.type})
         except JobLost as exc:
             _remove_scratch(context.output_made, json_scratch)
             log.info("job lost to another writer", extra={"job_id": job.id, "reason": str(exc)})
