@@ -23,6 +23,7 @@ import pytest
 from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
 from herald.storage.postgres.jobs import PgJobStore
+from herald.storage.migrations import Schema
 from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
 from schemas import JobEvent
@@ -302,7 +303,7 @@ async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_data
 
 async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
     """Migration 13 on a database with history: old events keep their seq, new ones follow."""
-    before = [(name, sql) for name, sql in MIGRATIONS if name != "jobs-events-numbered-after-commit"]
+    before = Schema(tuple(m for m in SCHEMA.migrations if m.name != "events_numbered_after_commit"))
     old = PgJobStore(PgDatabase(fresh_database, before), retention_s=60.0, sealer=make_sealer())
     await old.open()
     try:
