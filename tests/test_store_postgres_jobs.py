@@ -22,7 +22,9 @@ import pytest
 
 from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
-from herald.storage.postgres.jobs import MIGRATIONS, PgJobStore
+from herald.storage.postgres.jobs import PgJobStore
+from herald.storage.migrations import Schema
+from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
 from schemas import JobEvent
 from tests.harness import make_sealer
@@ -30,7 +32,7 @@ from tests.store_contract.support import CLAIM, new_job, outcomes, running_job
 
 
 def new_store(url: str, *, retention_s: float = 60.0, max_size: int = 20) -> PgJobStore:
-    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
+    return PgJobStore(PgDatabase(url, SCHEMA, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
 
 
 @pytest.fixture()
@@ -127,11 +129,11 @@ async def test_a_transition_between_read_and_write_is_not_overwritten(pg: PgJobS
 
 
 async def test_concurrent_opens_migrate_the_schema_once(fresh_database: str) -> None:
-    dbs = [PgDatabase(fresh_database, MIGRATIONS, max_size=2) for _ in range(10)]
+    dbs = [PgDatabase(fresh_database, SCHEMA, max_size=2) for _ in range(10)]
     try:
         await asyncio.gather(*(db.open() for db in dbs))
-        applied = await dbs[0].pool.fetch("SELECT name FROM herald_migrations")
-        assert [r["name"] for r in applied] == [name for name, _ in MIGRATIONS]
+        applied = await dbs[0].pool.fetch("SELECT version FROM herald_schema_migrations ORDER BY version")
+        assert [r["version"] for r in applied] == [m.version for m in SCHEMA.migrations]
         pg = PgJobStore(dbs[3], retention_s=1.0, sealer=make_sealer())
         await pg.open()  # already open: no second pool
         assert (await pg.accept(new_job())).job.version == 1
@@ -301,7 +303,7 @@ async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_data
 
 async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
     """Migration 13 on a database with history: old events keep their seq, new ones follow."""
-    before = [(name, sql) for name, sql in MIGRATIONS if name != "jobs-events-numbered-after-commit"]
+    before = Schema(tuple(m for m in SCHEMA.migrations if m.name != "events_numbered_after_commit"))
     old = PgJobStore(PgDatabase(fresh_database, before), retention_s=60.0, sealer=make_sealer())
     await old.open()
     try:

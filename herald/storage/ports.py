@@ -187,10 +187,6 @@ class JobStore(Protocol):
     async def running_counts(self, tenants: Sequence[str]) -> dict[str, int]:
         """How many jobs each tenant runs now, deployment-wide (``max_running``, SPEC §13)."""
 
-    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
-        """Each job's kept ``(traceparent, tracestate)`` (``herald.tracing``), in one read;
-        jobs without one (or gone) are absent."""
-
     # ----- outbox ----------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:

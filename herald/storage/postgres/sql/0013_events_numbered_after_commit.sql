@@ -1,5 +1,5 @@
 -- PostgreSQL migration 13: a tenant's events are numbered after they commit (issue 24).
--- The names in braces are filled in when it is applied (herald/storage/postgres/jobs.py).
+-- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 --
 -- Before: herald_append_event bumped the tenant's tenant_seq row and held its lock until
 -- commit, WAL flush included, so one tenant's writes were one commit at a time however many
