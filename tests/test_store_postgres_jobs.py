@@ -302,8 +302,8 @@ async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_data
 
 
 async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
-    """Migration 13 on a database with history: old events keep their seq, new ones follow."""
-    before = Schema(tuple(m for m in SCHEMA.migrations if m.name != "events_numbered_after_commit"))
+    """Migrations 13 and 14 on a database with history: old events keep their seq, new ones follow."""
+    before = Schema(tuple(m for m in SCHEMA.migrations if m.version < 13))
     old = PgJobStore(PgDatabase(fresh_database, before), retention_s=60.0, sealer=make_sealer())
     await old.open()
     try:
@@ -324,3 +324,24 @@ async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(f
         assert [(e.seq, e.version) for e in await store.tenant_events("t1", 0, 10)] == [(1, 1), (2, 2), (3, 3)]
     finally:
         await store.close()
+
+
+async def test_a_numbering_pass_with_nothing_to_number_writes_nothing(pg: PgJobStore, fresh_database: str) -> None:
+    """Passes of one tenant take turns on an advisory lock, not a row lock: a pass that finds
+    its events numbered by the pass it waited for gets no transaction id, so its commit
+    waits for no WAL flush."""
+    await running_job(pg)
+    await pg.outbox_batch(100)
+    conn = await asyncpg.connect(fresh_database)
+    try:
+        async with conn.transaction():
+            assert await conn.fetchval("SELECT herald_number_events('t1')") == 0
+            assert await conn.fetchval("SELECT pg_current_xact_id_if_assigned()") is None
+        await running_job(pg)
+        async with conn.transaction():
+            assert await conn.fetchval("SELECT herald_number_events('t1')") == 2
+            assert await conn.fetchval("SELECT pg_current_xact_id_if_assigned()") is not None
+        assert [e.seq for e in await pg.tenant_events("t1", 0, 10)] == [1, 2, 3, 4]
+        assert await pg.last_event_seq("t1") == 4
+    finally:
+        await conn.close()

@@ -25,11 +25,11 @@ write inserts the event with a global identity (``events.id``, from a sequence) 
 seq, and holds no tenant-wide lock (one would be held through the commit's WAL flush, and
 a tenant's writes would go one commit at a time, however many processes write them). The
 relay's ``outbox_batch`` numbers first: ``herald_number_events`` takes the tenant's
-``tenant_seq`` row, then numbers every committed unnumbered event of the tenant in id
-order, after the row's ``last``, and commits (the next pass of the tenant waits on the row
-for this one's numbers). Readers read numbered events only, by seq: see
-``sql/0013_events_numbered_after_commit.sql`` for why nothing is missed or read twice and
-each job keeps its order. So the outbox payload of an event (the JSON ``JobEvent``, whose
+advisory lock, then numbers every committed unnumbered event of the tenant in id order,
+after its ``tenant_seq.last``, and commits (the next pass of the tenant waits on the lock
+for this one's numbers; a pass that finds nothing to number writes nothing). Readers read
+numbered events only, by seq: see ``sql/0013_events_numbered_after_commit.sql`` for why
+nothing is missed or read twice and each job keeps its order, ``sql/0014`` for the lock. So the outbox payload of an event (the JSON ``JobEvent``, whose
 first field is ``seq``) is stored without its ``{"seq":N,`` head, and ``outbox_batch``
 prepends it once numbered: the bytes are exactly what ``msgspec`` would encode. A write
 answers with the event at seq 0, which is what the committing process's own listeners
@@ -48,9 +48,10 @@ job, tenant counter), so no deadlocks:
 * ``idempotency_keys``: ``INSERT ... ON CONFLICT DO NOTHING`` claims a key; the loser of a
   race waits for the winner's commit, then reads its job (replay) or its different
   fingerprint (mismatch), never a unique violation;
-* the tenant's ``tenant_seq`` row: taken by a numbering pass, and by a capped claim (SPEC
-  §13), which counts the tenant's running jobs under it; never by other writes. A pass
-  takes its tenants' rows in byte order, the order a group commit sorts its statements by.
+* the tenant's ``tenant_seq`` row: locked by a capped claim (SPEC §13), which counts the
+  tenant's running jobs under it, and updated by a numbering pass that numbered something;
+  never by other writes. A pass takes its tenants in byte order, the order a group commit
+  sorts its statements by, so a pass and a batch of capped claims never wait in a cycle.
 
 Retention (``forget``) never waits for a lock (``SKIP LOCKED``), so sweeps in several
 gateways at once share the work instead of deadlocking with each other or with accepts.
@@ -93,7 +94,11 @@ _event_encoder = msgspec.json.Encoder()
 
 SIGNING_KEY_NAME = "url-signing"
 
-# The tables and functions: sql/0001-0005 beside this package's schema.py. State names in the
+# The seed of the 64-bit hash of a tenant's name that keys its numbering passes' advisory
+# lock (sql/0014): "HSEQ" in ASCII, so Herald's other uses of a hash of a name differ.
+NUMBER_LOCK_SEED = 0x48534551
+
+# The tables and functions: sql/0001-0005, 0013 and 0014 beside this package's schema.py. State names in the
 # SQL below are the values of ``schemas.jobs.JobState`` (the one list), written out because a
 # query must repeat a partial index's predicate literally for the planner to use the index.
 
