@@ -67,12 +67,25 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type 
 """
 
 
+COUNTERS_SQL = """
+SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS commits,
+       (SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io WHERE object = 'wal') AS wal_fsyncs,
+       (SELECT wal_records FROM pg_stat_wal) AS wal_records,
+       (SELECT wal_bytes FROM pg_stat_wal) AS wal_bytes
+"""
+
+
 class PgWaits:
     """What the database's sessions are doing while a phase runs: ``pg_stat_activity`` sampled
     every ``interval`` s from a thread of its own, counted by (wait event, statement). A
     session waiting for ``Lock/transactionid`` waits for another transaction's row lock;
     ``IO/WalSync`` and ``LWLock/WALWrite`` are commits waiting for the WAL flush; ``CPU`` is
-    running. ``with PgWaits(url) as waits: ...`` then ``waits.summary()``; ``url=None``: no-op."""
+    running. ``with PgWaits(url) as waits: ...`` then ``waits.summary()``; ``url=None``: no-op.
+
+    Also what the server did meanwhile (``counted()``): the database's commits (read-only
+    ones included), and the server's WAL fsyncs, records and bytes (every database's: the
+    run's server serves one deployment at a time). A backend reports its counts at most
+    once a second, so a phase of several seconds is needed for these to mean much."""
 
     def __init__(self, url: str | None, interval: float = 0.05) -> None:
         import threading
@@ -86,6 +99,7 @@ class PgWaits:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="pg-waits", daemon=True)
         self.error: str | None = None
+        self.counters: dict[str, float] = {}
 
     def __enter__(self) -> PgWaits:
         if self.url:
@@ -113,6 +127,7 @@ class PgWaits:
         assert self.url is not None
         conn = await asyncpg.connect(self.url)
         try:
+            first = dict(await conn.fetchrow(COUNTERS_SQL))
             while not self._stop.is_set():
                 rows = await conn.fetch(WAITS_SQL)
                 self.samples += 1
@@ -121,6 +136,9 @@ class PgWaits:
                 for row in rows:
                     self.counts[(f"{row['type']}/{row['event']}", row["query"])] += 1
                 await asyncio.sleep(self.interval)
+            await asyncio.sleep(1.1)  # the backends' last reports
+            last = dict(await conn.fetchrow(COUNTERS_SQL))
+            self.counters = {name: float(last[name] - first[name]) for name in first}
         finally:
             await conn.close()
 
@@ -138,6 +156,14 @@ class PgWaits:
             "top": [{"wait": w, "statement": q, "pct": share(n)} for (w, q), n in self.counts.most_common(top)],
             **({"error": self.error} if self.error else {}),
         }
+
+    def per(self, jobs: int) -> dict[str, float]:
+        """The counters divided by ``jobs`` (commits, WAL fsyncs and records per job, WAL kB per job)."""
+        if not jobs or not self.counters:
+            return {}
+        per = {name: round(value / jobs, 2) for name, value in self.counters.items() if name != "wal_bytes"}
+        per["wal_kb"] = round(self.counters["wal_bytes"] / jobs / 1024, 2)
+        return per
 
     def note(self) -> str:
         """One line for the outcome's notes."""

@@ -225,6 +225,7 @@ def _burst(ctx: Context, deployment: Deployment, receiver: Receiver, target: htt
     if deployment.database_url:
         phase["postgres_waits"] = waits.summary()
         phase["postgres_waits_note"] = waits.note()
+        phase["postgres_per_job"] = waits.per(len(done))
     return phase
 
 
@@ -343,6 +344,11 @@ def run(ctx: Context) -> Outcome:
     for note in ("postgres_waits_note", "spread_postgres_waits_note"):
         if h.get(note):
             out.notes.append(h[note])
+    for label, phase in (("saturation", sat), (f"{spread['tenants']} tenants", spread)):
+        if phase.get("postgres_per_job"):
+            per = phase["postgres_per_job"]
+            out.notes.append(f"{label}, PostgreSQL per job: {per['commits']:g} commits, {per['wal_fsyncs']:g} WAL "
+                             f"fsyncs, {per['wal_records']:g} WAL records, {per['wal_kb']:g} kB of WAL")
     if h.get("sse_streams_dropped"):
         out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
                          "(hub queue full) during the run")
