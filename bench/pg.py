@@ -74,6 +74,9 @@ SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_databas
        (SELECT wal_bytes FROM pg_stat_wal) AS wal_bytes
 """
 
+# Calls of Herald's functions: counted only with --pg-set track_functions=pl.
+CALLS_SQL = "SELECT funcname, calls FROM pg_stat_user_functions WHERE funcname LIKE 'herald%'"
+
 
 class PgWaits:
     """What the database's sessions are doing while a phase runs: ``pg_stat_activity`` sampled
@@ -100,6 +103,7 @@ class PgWaits:
         self._thread = threading.Thread(target=self._run, name="pg-waits", daemon=True)
         self.error: str | None = None
         self.counters: dict[str, float] = {}
+        self.calls: dict[str, int] = {}
 
     def __enter__(self) -> PgWaits:
         if self.url:
@@ -128,6 +132,7 @@ class PgWaits:
         conn = await asyncpg.connect(self.url)
         try:
             first = dict(await conn.fetchrow(COUNTERS_SQL))
+            first_calls = {r["funcname"]: r["calls"] for r in await conn.fetch(CALLS_SQL)}
             while not self._stop.is_set():
                 rows = await conn.fetch(WAITS_SQL)
                 self.samples += 1
@@ -139,6 +144,8 @@ class PgWaits:
             await asyncio.sleep(1.1)  # the backends' last reports
             last = dict(await conn.fetchrow(COUNTERS_SQL))
             self.counters = {name: float(last[name] - first[name]) for name in first}
+            self.calls = {r["funcname"]: r["calls"] - first_calls.get(r["funcname"], 0)
+                          for r in await conn.fetch(CALLS_SQL)}
         finally:
             await conn.close()
 
@@ -163,6 +170,7 @@ class PgWaits:
             return {}
         per = {name: round(value / jobs, 2) for name, value in self.counters.items() if name != "wal_bytes"}
         per["wal_kb"] = round(self.counters["wal_bytes"] / jobs / 1024, 2)
+        per.update({f"calls {name}": round(n / jobs, 2) for name, n in sorted(self.calls.items()) if n})
         return per
 
     def note(self) -> str:
