@@ -21,6 +21,7 @@ class Sizes:
     e2e_jobs: int
     e2e_rates: tuple[float, ...]  # fixed-load phases (jobs/s); one above 80 % of the saturated rate is skipped
     e2e_fixed_s: float
+    e2e_tenants: int  # the second saturation burst spreads its starts over this many tenants
     nats_msgs: int
     noisy_backlog: int  # noisy neighbour: tenant A's queued jobs (each with a callback_url that hangs)
     noisy_hanging: int  # A's receivers that accept and never answer
@@ -51,6 +52,7 @@ FULL = Sizes(
     e2e_jobs=1500,
     e2e_rates=(100, 500),
     e2e_fixed_s=5,
+    e2e_tenants=10,
     nats_msgs=20_000,
     noisy_backlog=1200,
     noisy_hanging=40,
@@ -81,6 +83,7 @@ SMOKE = Sizes(
     e2e_jobs=20,
     e2e_rates=(20,),
     e2e_fixed_s=1,
+    e2e_tenants=3,
     nats_msgs=500,
     noisy_backlog=40,
     noisy_hanging=4,

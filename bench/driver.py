@@ -33,7 +33,8 @@ from herald.jobs import NewJob
 from herald.sealing import load_sealer
 from herald.storage import build_storage
 from herald.storage.sqlite.db import Database
-from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore, _append_event, _fetch
+from herald.storage.sqlite.jobs import SqliteJobStore, _append_event, _fetch
+from herald.storage.sqlite.schema import SCHEMA
 from herald.transitions import Change
 from herald.timefmt import now
 from schemas import JobEvent, ReportParams

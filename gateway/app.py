@@ -7,7 +7,7 @@ import contextlib
 import functools
 import logging
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 
 from litestar import Litestar
 from litestar.exceptions import HTTPException
@@ -38,7 +38,7 @@ from herald.signing import UrlSigner
 from herald.storage import build_storage
 from herald.storage.results import open_result_store
 from herald.sweeper import run_sweeper
-from herald.tasks import spawn, stop_all
+from herald.tasks import TaskOwner
 from herald.kinds import load_kinds
 
 log = logging.getLogger("herald.gateway")
@@ -46,7 +46,7 @@ log = logging.getLogger("herald.gateway")
 MAX_BODY_BYTES = 1024 * 1024
 
 
-async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
+async def _connect_nats(svc: Services, owner: TaskOwner) -> None:
     """Connect (retrying until NATS is there), create the topology (retrying until it is
     there), then start the relay and the sweeper and attach the hub.
 
@@ -76,25 +76,25 @@ async def _connect_nats(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
             log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
             await asyncio.sleep(1.0)
     # Retention deletes results, so the sweeper starts once the result store is reachable.
-    spawn(run_sweeper(svc.store, svc.results, svc.settings, functools.partial(purge_output, js)), "sweeper", tasks)
+    owner.spawn(run_sweeper(svc.store, svc.results, svc.settings, functools.partial(purge_output, js)), "sweeper")
     svc.nats = nc
     await svc.directory.attach(nc)
     await svc.hub.attach(nc)
     await svc.watch.attach(nc)
     relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
     relay.kick()
-    spawn(relay.run(), "relay", tasks)
+    owner.spawn(relay.run(), "relay")
     log.info("NATS connected, streams ready")
 
 
-async def _open_store(svc: Services, tasks: list[asyncio.Task[None]]) -> None:
+async def _open_store(svc: Services, owner: TaskOwner) -> None:
     """Open (or wait for) the store, load the URL signing key, then start what needs both."""
     await svc.store.open()
     if not svc.signer.ready:
         svc.signer.set_keys((await svc.store.signing_key(),))
     await svc.directory.refresh(force=True)
-    spawn(svc.directory.run(), "tenant-directory", tasks)
-    spawn(_connect_nats(svc, tasks), "nats-connect", tasks)
+    owner.spawn(svc.directory.run(), "tenant-directory")
+    owner.spawn(_connect_nats(svc, owner), "nats-connect")
 
 
 def create_app(settings: Settings) -> Litestar:
@@ -103,10 +103,10 @@ def create_app(settings: Settings) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar) -> AsyncIterator[None]:
-        async with AsyncExitStack() as stack:
+        async with TaskOwner() as owner:
             storage = build_storage(settings)
             store = storage.jobs
-            stack.push_async_callback(storage.close)
+            owner.push_async_callback(storage.close)
             metrics = process_metrics()
             hub = Hub(metrics)
             directory = Directory(settings, storage.tenants)
@@ -129,9 +129,7 @@ def create_app(settings: Settings) -> Litestar:
                 queue_reasons=QueueReasons(store, directory),
             )
             app.state.services = svc
-            tasks: list[asyncio.Task[None]] = []
-            stack.push_async_callback(stop_all, tasks)
-            opening = spawn(_open_store(svc, tasks), "store-open", tasks)
+            opening = owner.spawn(_open_store(svc, owner), "store-open")
             if not settings.uses_postgres:
                 await opening  # a local file: open before serving. PostgreSQL may take a while: /readyz says 503 meanwhile
 
@@ -143,7 +141,7 @@ def create_app(settings: Settings) -> Litestar:
                     with contextlib.suppress(Exception):
                         await svc.nats.drain()
 
-            stack.push_async_callback(close_nats)
+            owner.push_async_callback(close_nats)
             if settings.admin_key is None:
                 log.warning("the admin API is off: every /admin route answers 401 (set HERALD_ADMIN_KEY to turn it on)")
             if not settings.api_keys:

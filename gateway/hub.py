@@ -231,7 +231,9 @@ class Hub:
         if job_streams:
             self._offer(job_streams, Framed(event, job_frame(event)))
         tenant_streams = self._tenant_subs.get(event.tenant)
-        if tenant_streams:
+        if tenant_streams and event.seq:
+            # seq 0: committed here, numbered later (PostgreSQL numbers a tenant's events
+            # after commit): its tenant streams get it numbered, from the relay through NATS.
             self._offer(tenant_streams, Framed(event, tenant_frame(event)))
         output_streams = self._output_subs.get(event.job_id)
         if output_streams and event.type in TERMINAL_EVENT_TYPES:

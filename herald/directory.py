@@ -36,6 +36,7 @@ from nats.aio.subscription import Subscription
 from herald.jobs import StoreUnavailable
 from herald.settings import Settings
 from herald.storage.ports import TenantStore
+from herald.tasks import TaskOwner
 from herald.tenants import (
     ALL_SCOPES, SOURCE_ENV, DirectorySnapshot, KeyRow, Limits, TenantRow, env_keys, key_digest, split_key,
 )
@@ -216,16 +217,12 @@ async def running_directory(settings: Settings, store: TenantStore, nc: NATS | N
     for the worker and notifier processes, which enforce tenants' limits."""
     directory = Directory(settings, store)
     await directory.refresh(force=True)
-    if nc is not None:
-        await directory.attach(nc)
-    task = asyncio.create_task(directory.run(), name="tenant-directory")
-    try:
+    async with TaskOwner() as owner:
+        if nc is not None:
+            await directory.attach(nc)
+            owner.push_async_callback(directory.detach)
+        owner.spawn(directory.run(), "tenant-directory")
         yield directory
-    finally:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task
-        await directory.detach()
 
 
 __all__ = ["ALL_SCOPES", "CHANGED_SUBJECT", "Directory", "Principal"]

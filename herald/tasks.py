@@ -1,19 +1,32 @@
 """Background tasks with an owner: each is named, its end is logged, and it is awaited on stop.
 
 A task that dies with an exception and nobody awaiting it ends silently; readiness then
-stays wrong for ever. ``spawn`` makes every end visible in the log (stopped, ended,
-failed with its traceback), and ``stop_all`` cancels and awaits them in reverse order.
+stays wrong for ever. So every long-lived task of a process is spawned by a ``TaskOwner``,
+which logs each end (stopped, ended, failed with its traceback) and, when its block ends,
+stops and awaits every task.
+
+A ``TaskOwner`` is an ``AsyncExitStack`` that can also spawn: a process enters its
+resources (the store, NATS, a sender) and spawns its tasks on one owner, in the order they
+depend on each other, and they are stopped in the reverse order, one at a time, whichever
+step failed. So no task outlives what it uses: a task spawned after the store was opened
+is awaited before the store closes.
+
+A task ends by cancellation unless it is spawned with ``stop=``: a call that asks it to
+finish on its own (the scheduler hands its leases back first), after which it is awaited.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 log = logging.getLogger("herald.tasks")
+
+Stop = Callable[[], Awaitable[None] | None]
 
 
 def _log_end(task: asyncio.Task[Any]) -> None:
@@ -26,17 +39,47 @@ def _log_end(task: asyncio.Task[Any]) -> None:
         log.info("background task ended", extra={"task": name})
 
 
-def spawn(coro: Coroutine[Any, Any, None], name: str, owner: list[asyncio.Task[None]]) -> asyncio.Task[None]:
-    task = asyncio.create_task(coro, name=name)
-    task.add_done_callback(_log_end)
-    owner.append(task)
-    return task
-
-
-async def stop_all(tasks: list[asyncio.Task[None]]) -> None:
-    """Cancel every task (newest first) and wait for each to end."""
-    for task in reversed(tasks):
+async def stop(task: asyncio.Task[Any], ask: Stop | None = None) -> None:
+    """End ``task`` (``ask`` it to, or cancel it) and wait until it has really ended; its
+    exception is raised here, its cancellation is not (a cancellation of the caller is)."""
+    if ask is None:
         task.cancel()
-    for task in reversed(tasks):
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+    else:
+        asked = ask()
+        if inspect.isawaitable(asked):
+            await asked
+    try:
+        await task
+    except asyncio.CancelledError:
+        current = asyncio.current_task()
+        if current is not None and current.cancelling():
+            raise
+
+
+class TaskOwner(contextlib.AsyncExitStack):
+    """A process's (or a component's) resources and background tasks, ended in reverse order."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._closed = False
+
+    def spawn(self, coro: Coroutine[Any, Any, None], name: str, *, stop: Stop | None = None) -> asyncio.Task[None]:
+        """Run ``coro`` as the task ``name`` until this owner's block ends (or it ends first)."""
+        if self._closed:
+            coro.close()
+            raise RuntimeError(f"task {name!r} spawned after its owner stopped")
+        task = asyncio.create_task(coro, name=name)
+        task.add_done_callback(_log_end)
+        self.push_async_callback(_stop_spawned, task, stop)
+        return task
+
+    async def __aexit__(self, *exc_details: Any) -> bool:
+        try:
+            return bool(await super().__aexit__(*exc_details))
+        finally:
+            self._closed = True
+
+
+async def _stop_spawned(task: asyncio.Task[None], ask: Stop | None) -> None:
+    with contextlib.suppress(Exception):  # logged when it ended (_log_end): the other tasks still stop
+        await stop(task, ask)

@@ -23,7 +23,6 @@ import socket
 import time
 import uuid
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import Span, StatusCode
@@ -54,8 +53,6 @@ LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
 PRUNE_EVERY_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
 
-TraceLookup = Callable[[Sequence[str]], Awaitable[Mapping[str, tuple[str, str | None]]]]
-
 
 class Scheduler:
     def __init__(
@@ -68,7 +65,6 @@ class Scheduler:
         idle_poll_s: float,
         retention_s: float,
         notices: Notices | None = None,
-        traces: TraceLookup | None = None,
         pause_s: float = 5.0,
     ) -> None:
         self.queue = queue
@@ -78,7 +74,6 @@ class Scheduler:
         self.metrics = metrics
         self.idle_poll_s = idle_poll_s
         self.retention_s = retention_s
-        self.traces = traces  # each job's kept trace context (JobStore.trace_contexts)
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
         # Outcomes are committed in batches; an attempt is done (slot freed) only after its commit.
         self.recorder = Recorder(queue, self.owner)
@@ -139,7 +134,6 @@ class Scheduler:
             per_tenant=PER_TENANT, tenant_in_flight=dict(self._tenant_in_flight), held=self._held(),
         )
         self._backlog = len(claimed) >= free
-        contexts = await self._trace_contexts(claimed)
         deferred: dict[str, tuple[float, list[str]]] = {}  # origin -> (delay, delivery ids)
         released: list[str] = []
         for item in claimed:
@@ -153,8 +147,7 @@ class Scheduler:
                 _delay, ids = deferred.setdefault(origin, (admission.defer_s, []))
                 ids.append(item.delivery.id)
                 continue
-            context = contexts.get(item.delivery.job_id) or item.trace_context
-            task = asyncio.create_task(self._attempt(item, origin, admission.probe, context),
+            task = asyncio.create_task(self._attempt(item, origin, admission.probe, item.trace_context),
                                        name=f"webhook-{item.delivery.id}")
             self._tasks[task] = item
             self._in_flight[item.delivery.target] += 1
@@ -197,16 +190,6 @@ class Scheduler:
         ts = now()
         due = await self.queue.next_due_after(ts)
         return self.idle_poll_s if due is None else max(0.0, min(self.idle_poll_s, due - ts))
-
-    async def _trace_contexts(self, claimed: list[Claimed]) -> Mapping[str, tuple[str, str | None]]:
-        """The claimed deliveries' jobs' trace contexts, in one read (none: no ``traceparent``)."""
-        if self.traces is None or not claimed:
-            return {}
-        try:
-            return await self.traces([item.delivery.job_id for item in claimed])
-        except Exception as exc:  # the store is busy or away: send untraced rather than not at all
-            log.warning("reading trace contexts failed: %s", exc)
-            return {}
 
     async def _attempt(self, item: Claimed, origin: str, probe: bool,
                        trace_context: tuple[str, str | None] | None = None) -> None:

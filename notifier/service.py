@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from contextlib import AsyncExitStack
 
 import msgspec
 from nats.aio.msg import Msg
@@ -31,6 +30,7 @@ from herald.settings import Settings
 from herald.directory import running_directory
 from herald.storage import open_storage
 from herald.storage.ports import DeliveryQueue
+from herald.tasks import TaskOwner
 from notifier.delivery import Sender
 from notifier.notices import Notices
 from notifier.retry import RetryPolicy
@@ -92,20 +92,13 @@ async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Schedu
 
 async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
     """Run until ``stop`` is set; then stop fetching, finish or hand back attempts, drain NATS."""
-    async with AsyncExitStack() as stack:
+    async with TaskOwner() as owner:
         storage = await open_storage(settings)
-        stack.push_async_callback(storage.close)
+        owner.push_async_callback(storage.close)
         queue = storage.deliveries
-        sender = await stack.enter_async_context(Sender(allow_private=settings.webhook_allow_private))
+        sender = await owner.enter_async_context(Sender(allow_private=settings.webhook_allow_private))
         notices = Notices()
-        notices_task = asyncio.create_task(notices.run(), name="delivery-notices")
-
-        async def stop_notices() -> None:
-            notices_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await notices_task
-
-        stack.push_async_callback(stop_notices)
+        owner.spawn(notices.run(), "delivery-notices")
         scheduler = Scheduler(
             queue,
             sender,
@@ -115,16 +108,9 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             retention_s=settings.retention_s,
             notices=notices,
             pause_s=settings.webhook_pause_s,
-            # each webhook carries its job's trace (herald.tracing): the claim reads it with the
-            # deliveries (Claimed.trace_context), so no separate lookup per claim
         )
-        scheduler_task = asyncio.create_task(scheduler.run(), name="webhook-scheduler")
-
-        async def stop_scheduler() -> None:
-            scheduler.stop()
-            await scheduler_task
-
-        stack.push_async_callback(stop_scheduler)
+        # Delivering needs the store only: it runs while NATS is still away.
+        owner.spawn(scheduler.run(), "webhook-scheduler", stop=scheduler.stop)  # hands its leases back
         nc = await jetstream.connect_until_ready(settings, name="herald-notifier", stop=stop)
         if nc is None:
             return
@@ -133,22 +119,15 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
             with contextlib.suppress(Exception):
                 await nc.drain()
 
-        stack.push_async_callback(drain)
+        owner.push_async_callback(drain)
         notices.attach(nc)
         # Tenants' limits as they change at run time (SPEC §12, §13).
-        directory = await stack.enter_async_context(running_directory(settings, storage.tenants, nc))
+        directory = await owner.enter_async_context(running_directory(settings, storage.tenants, nc))
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)
         log.info("notifier ready", extra={"owner": scheduler.owner})
-        consumer = asyncio.create_task(_consume(subscription, queue, scheduler, stop, notices), name="event-consumer")
-
-        async def stop_consumer() -> None:
-            consumer.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await consumer
-
-        stack.push_async_callback(stop_consumer)  # awaited on every path, not only after ``stop``
+        owner.spawn(_consume(subscription, queue, scheduler, stop, notices), "event-consumer")
         await stop.wait()
         log.info("notifier stopping")
         with contextlib.suppress(Exception):

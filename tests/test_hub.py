@@ -100,3 +100,18 @@ async def test_one_frame_per_event_and_kind_of_stream_shared_by_all_its_streams(
     assert job_items[0].frame == b"id: 4\nevent: job.progress\ndata: {}\n\n"  # type: ignore[union-attr]
     assert tenant_items[0].frame == b"id: 17\nevent: job.progress\ndata: {}\n\n"  # type: ignore[union-attr]
     await hub.detach()
+
+
+async def test_an_unnumbered_event_wakes_its_jobs_streams_and_not_its_tenants() -> None:
+    """PostgreSQL numbers a tenant's events after commit: the committing gateway's own event
+    (seq 0) goes to its job's streams at once, to its tenant's streams once numbered (NATS)."""
+    hub = Hub(metrics())
+    job, tenant = hub.subscribe_job("j"), hub.subscribe_tenant("t")
+    unnumbered = msgspec.structs.replace(_event(4).event, seq=0)
+    hub.publish(unnumbered)
+    assert [item.event for item in job.items] == [unnumbered]  # type: ignore[union-attr]
+    assert tenant.items == []
+    hub.publish(msgspec.structs.replace(unnumbered, seq=9))
+    assert [item.event.seq for item in tenant.items] == [9]  # type: ignore[union-attr]
+    assert len(job.items) == 1, "the numbered copy is the same version: not queued twice"
+    await hub.detach()

@@ -20,10 +20,12 @@ from pathlib import Path
 
 import pytest
 
+from herald.storage.migrations import Migration, Schema
 from herald.storage.sqlite.db import Database
 from tests.harness import wait_until
 
-SCHEMA = "CREATE TABLE IF NOT EXISTS items (n INTEGER PRIMARY KEY, writer TEXT NOT NULL);"
+ITEMS = "CREATE TABLE items (n INTEGER PRIMARY KEY, writer TEXT NOT NULL);"
+SCHEMA = Schema((Migration(1, "items", ITEMS),))
 
 
 class Refused(Exception):
@@ -113,11 +115,11 @@ async def test_a_caller_hears_back_only_after_its_commit(tmp_path: Path) -> None
 
 async def test_a_failed_commit_fails_every_transaction_of_its_batch(tmp_path: Path) -> None:
     """A deferred foreign key is checked at COMMIT: the whole batch is refused, and said so to every caller."""
-    schema = SCHEMA + """
-        CREATE TABLE IF NOT EXISTS owners (id INTEGER PRIMARY KEY);
-        CREATE TABLE IF NOT EXISTS pets (id INTEGER PRIMARY KEY,
+    schema = Schema((Migration(1, "items", ITEMS + """
+        CREATE TABLE owners (id INTEGER PRIMARY KEY);
+        CREATE TABLE pets (id INTEGER PRIMARY KEY,
             owner INTEGER NOT NULL REFERENCES owners (id) DEFERRABLE INITIALLY DEFERRED);
-    """
+    """),))
     path = tmp_path / "herald.db"
     db = Database(path, schema)
     await db.open()
@@ -141,9 +143,10 @@ async def test_a_failed_commit_fails_every_transaction_of_its_batch(tmp_path: Pa
 WRITER = textwrap.dedent("""
     import asyncio, sys
     from pathlib import Path
+    from herald.storage.migrations import Migration, Schema
     from herald.storage.sqlite.db import Database
 
-    SCHEMA = {schema!r}
+    SCHEMA = Schema((Migration(1, "items", {schema!r}),))
 
     async def main(path: str, name: str, first: int, count: int) -> None:
         db = Database(Path(path), SCHEMA)
@@ -160,7 +163,7 @@ WRITER = textwrap.dedent("""
 
 
 def _run_writer(path: Path, name: str, first: int, count: int) -> subprocess.Popen[bytes]:
-    return subprocess.Popen([sys.executable, "-c", WRITER.format(schema=SCHEMA), str(path), name, str(first), str(count)],
+    return subprocess.Popen([sys.executable, "-c", WRITER.format(schema=ITEMS), str(path), name, str(first), str(count)],
                             stderr=subprocess.PIPE)
 
 
@@ -176,10 +179,11 @@ def test_processes_sharing_the_file_lose_no_write(tmp_path: Path) -> None:
 HOLDER = textwrap.dedent("""
     import asyncio, sys, time
     from pathlib import Path
+    from herald.storage.migrations import Migration, Schema
     from herald.storage.sqlite.db import Database
 
     async def main(path: str) -> None:
-        db = Database(Path(path), {schema!r})
+        db = Database(Path(path), Schema((Migration(1, "items", {schema!r}),)))
         await db.open()
         def hold(conn):
             print("holding", flush=True)
@@ -192,7 +196,7 @@ HOLDER = textwrap.dedent("""
 
 async def test_a_writer_killed_holding_the_lock_does_not_stop_the_others(tmp_path: Path) -> None:
     path = tmp_path / "herald.db"
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(schema=SCHEMA), str(path)], stdout=subprocess.PIPE)
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER.format(schema=ITEMS), str(path)], stdout=subprocess.PIPE)
     try:
         assert holder.stdout is not None and holder.stdout.readline() == b"holding\n"
         db = Database(path, SCHEMA)

@@ -17,18 +17,22 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import asyncpg
+import msgspec
 import pytest
 
 from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
-from herald.storage.postgres.jobs import MIGRATIONS, PgJobStore
+from herald.storage.postgres.jobs import PgJobStore
+from herald.storage.migrations import Schema
+from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
+from schemas import JobEvent
 from tests.harness import make_sealer
 from tests.store_contract.support import CLAIM, new_job, outcomes, running_job
 
 
 def new_store(url: str, *, retention_s: float = 60.0, max_size: int = 20) -> PgJobStore:
-    return PgJobStore(PgDatabase(url, MIGRATIONS, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
+    return PgJobStore(PgDatabase(url, SCHEMA, max_size=max_size), retention_s=retention_s, sealer=make_sealer())
 
 
 @pytest.fixture()
@@ -125,11 +129,11 @@ async def test_a_transition_between_read_and_write_is_not_overwritten(pg: PgJobS
 
 
 async def test_concurrent_opens_migrate_the_schema_once(fresh_database: str) -> None:
-    dbs = [PgDatabase(fresh_database, MIGRATIONS, max_size=2) for _ in range(10)]
+    dbs = [PgDatabase(fresh_database, SCHEMA, max_size=2) for _ in range(10)]
     try:
         await asyncio.gather(*(db.open() for db in dbs))
-        applied = await dbs[0].pool.fetch("SELECT name FROM herald_migrations")
-        assert [r["name"] for r in applied] == [name for name, _ in MIGRATIONS]
+        applied = await dbs[0].pool.fetch("SELECT version FROM herald_schema_migrations ORDER BY version")
+        assert [r["version"] for r in applied] == [m.version for m in SCHEMA.migrations]
         pg = PgJobStore(dbs[3], retention_s=1.0, sealer=make_sealer())
         await pg.open()  # already open: no second pool
         assert (await pg.accept(new_job())).job.version == 1
@@ -214,3 +218,109 @@ async def test_two_processes_group_commits_over_many_tenants_do_not_deadlock(fre
     finally:
         await asyncio.gather(gateway.close(), worker.close())
     assert await _deadlocks(fresh_database) == 0  # a fresh database
+
+
+# ----- events numbered after commit (issue 24) ---------------------------------------------
+
+
+async def test_a_writer_held_open_is_numbered_after_it_commits_and_never_skipped(
+    pg: PgJobStore, fresh_database: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No tenant-wide lock is held through a commit: while one transition's transaction
+    stays open, the tenant's later events commit, are numbered and read; the held one is
+    numbered once it commits, after them, so a reader following its cursor gets it too."""
+    slow_job = await running_job(pg)
+    held = await asyncpg.connect(fresh_database, server_settings={"herald.origin": pg._db.origin})
+    inside, release = asyncio.Event(), asyncio.Event()
+
+    async def held_open(sql: str, *args: Any, order: str = "") -> Any:
+        async with held.transaction():
+            value = await held.fetchval(sql, *args)
+            inside.set()
+            await release.wait()
+        return value
+
+    monkeypatch.setattr(pg._db, "fetchval_grouped", held_open)
+    slow = asyncio.create_task(pg.transition(slow_job.id, Change(expect={"running"}, attempt=1, progress=10)))
+    await asyncio.wait_for(inside.wait(), 10)
+    monkeypatch.undo()
+
+    other = new_store(fresh_database)
+    await other.open()
+    try:
+        fast = [await running_job(other) for _ in range(3)]
+        await other.outbox_batch(100)  # the relay's pass numbers them; the held event is not visible
+        feed = await other.tenant_events("t1", 0, 100)
+        assert [(e.job_id, e.version) for e in feed] == [(slow_job.id, 1), (slow_job.id, 2)] + [
+            (job.id, v) for job in fast for v in (1, 2)]
+        assert [e.seq for e in feed] == list(range(1, 9))
+        cursor = feed[-1].seq
+
+        release.set()
+        assert (await slow).after.version == 3
+        await pg.outbox_batch(100)
+        later = await other.tenant_events("t1", cursor, 100)
+        assert [(e.seq, e.job_id, e.version) for e in later] == [(9, slow_job.id, 3)]
+        assert await other.last_event_seq("t1") == 9
+    finally:
+        await other.close()
+        await held.close()
+
+
+async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_database: str) -> None:
+    """Two of one tenant's transitions in transactions of their own commit while both are
+    open: neither waits for the other (before issue 24 the second waited on the tenant's
+    counter row until the first committed)."""
+    jobs = [await running_job(pg) for _ in range(2)]
+    conns = [await asyncpg.connect(fresh_database, server_settings={"herald.origin": pg._db.origin}) for _ in jobs]
+    inside = [asyncio.Event() for _ in jobs]
+    release = asyncio.Event()
+    calls = iter(range(len(jobs)))
+
+    async def own_transaction(sql: str, *args: Any, order: str = "") -> Any:
+        n = next(calls)
+        async with conns[n].transaction():
+            value = await conns[n].fetchval(sql, *args)
+            inside[n].set()
+            await release.wait()
+        return value
+
+    pg._db.fetchval_grouped = own_transaction  # type: ignore[method-assign]
+    try:
+        writes = [asyncio.create_task(pg.transition(job.id, Change(expect={"running"}, attempt=1, progress=5)))
+                  for job in jobs]
+        # Both statements ran to the end inside open transactions: neither blocked.
+        await asyncio.wait_for(asyncio.gather(*(event.wait() for event in inside)), 10)
+        release.set()
+        assert [(await w).after.version for w in writes] == [3, 3]
+    finally:
+        release.set()
+        for conn in conns:
+            await conn.close()
+    await pg.outbox_batch(100)
+    assert [e.seq for e in await pg.tenant_events("t1", 0, 100)] == list(range(1, 7))
+
+
+async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
+    """Migration 13 on a database with history: old events keep their seq, new ones follow."""
+    before = Schema(tuple(m for m in SCHEMA.migrations if m.name != "events_numbered_after_commit"))
+    old = PgJobStore(PgDatabase(fresh_database, before), retention_s=60.0, sealer=make_sealer())
+    await old.open()
+    try:
+        job = await running_job(old)
+        assert [e.seq for e in await old.tenant_events("t1", 0, 10)] == [1, 2]
+    finally:
+        await old.close()
+    store = new_store(fresh_database)
+    await store.open()
+    try:
+        await store.transition(job.id, Change(expect={"running"}, attempt=1, progress=50))
+        assert [e.seq for e in await store.tenant_events("t1", 0, 10)] == [1, 2]
+        # The old process's rows (complete payloads) and the new one's, as a sweep takes them.
+        rows = await store.outbox_batch(100, stale_after_s=0.0)
+        assert [r.msg_id.rsplit(".", 1)[-1] for r in rows if r.msg_id.startswith("ev.")] == ["1", "2", "3"]
+        assert [msgspec.json.decode(r.payload, type=JobEvent).seq for r in rows if r.msg_id.startswith("ev.")] == [
+            1, 2, 3]
+        assert [(e.seq, e.version) for e in await store.tenant_events("t1", 0, 10)] == [(1, 1), (2, 2), (3, 3)]
+    finally:
+        await store.close()

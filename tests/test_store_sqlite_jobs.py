@@ -12,7 +12,8 @@ from pathlib import Path
 
 from herald.storage.ports import OutboxRow
 from herald.storage.sqlite.db import Database
-from herald.storage.sqlite.jobs import SCHEMA, SqliteJobStore
+from herald.storage.sqlite.jobs import SqliteJobStore
+from herald.storage.sqlite.schema import SCHEMA
 from tests.harness import make_sealer
 from tests.store_contract.support import new_job
 
@@ -26,7 +27,8 @@ async def test_a_data_dir_from_before_outbox_origins_is_upgraded(tmp_path: Path)
 
     path = tmp_path / "herald.db"
     with sqlite3.connect(path) as conn:  # an outbox as an older Herald made it, with a row left in it
-        conn.executescript(SCHEMA.replace("    tracestate TEXT,\n    origin TEXT\n", "    tracestate TEXT\n"))
+        legacy = (Path(__file__).parent / "legacy_schema" / "sqlite.sql").read_text()
+        conn.executescript(legacy.replace("    tracestate TEXT,\n    origin TEXT\n", "    tracestate TEXT\n"))
         assert "origin" not in {r[1] for r in conn.execute("PRAGMA table_info(outbox)")}
         conn.execute("INSERT INTO outbox (subject, msg_id, payload, created_at) VALUES ('jobs.report', 'j1', x'00', 0)")
     store = SqliteJobStore(Database(path, SCHEMA), retention_s=60.0, sealer=make_sealer())

@@ -87,7 +87,6 @@ def _calls(storage: Storage, seen: _Seen) -> dict[str, Callable[[], Awaitable[An
         "jobs.queued_ages": lambda: jobs.queued_ages(["report"]),
         "jobs.tenant_queued_age": lambda: jobs.tenant_queued_age("report", "sweep"),
         "jobs.running_counts": lambda: jobs.running_counts(["sweep"]),
-        "jobs.trace_contexts": lambda: jobs.trace_contexts([job.id]),  # type: ignore[attr-defined]
         "jobs.outbox_batch": lambda: jobs.outbox_batch(10, stale_after_s=0),
         "jobs.outbox_done": lambda: jobs.outbox_done([1]),
         "jobs.live_jobs": lambda: jobs.live_jobs(stale_before=0, deadline_before=0),

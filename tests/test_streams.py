@@ -7,6 +7,8 @@ import json
 import re
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -256,6 +258,89 @@ def test_two_gateways_each_stream_a_job_started_on_the_other(fresh: Deployment) 
         assert versions == list(range(versions[0], versions[-1] + 1)) and events[-1]["event"] == "job.succeeded"
         job2 = http_b.post("/reports", json={"title": "fan back", "pages": 3}).json()
         assert read_job_stream(http_a, f"/jobs/{job2['id']}/events")[-1]["event"] == "job.succeeded"
+
+
+def _tenant_sse(base: str, headers: dict[str, str], until: Callable[[list[dict[str, Any]]], bool]) -> list[dict[str, Any]]:
+    """The tenant's /events stream on ``base`` until ``until(events so far)``."""
+    events: list[dict[str, Any]] = []
+    with client(base) as http, connect_sse(http, "GET", "/events", headers=headers, timeout=30) as source:
+        assert source.response.status_code == 200
+        for sse in source.iter_sse():
+            if sse.data:
+                events.append({"id": sse.id, "event": sse.event, "data": json.loads(sse.data)})
+                if until(events):
+                    break
+    return events
+
+
+def test_one_tenant_written_by_two_gateways_and_two_workers_is_read_whole_and_in_order(fresh: Deployment) -> None:
+    """SPEC §8 while one tenant's events are written by four processes at once (issue 24: no
+    tenant-wide lock orders them any more): a JSON feed reader following its cursor, and an
+    SSE stream dropped midway and resumed by Last-Event-ID on the other gateway, each get
+    every event exactly once, in the one order the feed keeps, each job's versions in order."""
+    gateways = [fresh.start_gateway("gateway-a"), fresh.start_gateway("gateway-b")]
+    fresh.start_worker("worker-a")
+    fresh.start_worker("worker-b")
+    jobs_per_gateway = 12
+    total = 2 * jobs_per_gateway
+    json_accept = {"Accept": "application/json"}
+
+    def terminal(events: list[dict[str, Any]]) -> int:
+        return sum(e["event" if "event" in e else "type"] in TERMINAL for e in events)
+
+    streamed: dict[str, list[dict[str, Any]]] = {}
+
+    def stream() -> None:
+        # Dropped after 10 events on one gateway, resumed on the other.
+        first = _tenant_sse(gateways[1], {}, lambda events: len(events) >= 10)
+        rest = _tenant_sse(gateways[0], {"Last-Event-ID": first[-1]["id"]},
+                           lambda events: terminal(first + events) >= total)
+        streamed["events"] = first + rest
+
+    followed: list[dict[str, Any]] = []
+
+    def follow() -> None:
+        cursor, turn = None, 0
+        deadline = time.monotonic() + 120
+        while terminal(followed) < total and time.monotonic() < deadline:
+            with client(gateways[turn % 2]) as http:
+                params: dict[str, Any] = {"limit": 7, "wait": 5}
+                if cursor is not None:
+                    params["after"] = cursor
+                page = http.get("/events", params=params, headers=json_accept).json()
+            followed.extend(page["events"])
+            cursor, turn = page["next_cursor"], turn + 1
+
+    def start(base: str) -> list[str]:
+        with client(base) as http:
+            return [http.post("/exports", json={"format": "csv", "rows": 3}).json()["id"] for _ in range(jobs_per_gateway)]
+
+    readers = [threading.Thread(target=stream), threading.Thread(target=follow)]
+    for reader in readers:
+        reader.start()
+    wait_until(lambda: b"herald_sse_streams 1.0" in httpx.get(gateways[1] + "/metrics").content, what="stream open")
+    with ThreadPoolExecutor(2) as pool:
+        ids = [job_id for started in pool.map(start, gateways) for job_id in started]
+    for reader in readers:
+        reader.join(150)
+
+    with client(gateways[0]) as http:
+        for job_id in ids:
+            wait_for_state(http, job_id, {"succeeded"})
+        whole: list[dict[str, Any]] = []
+        cursor = "0"
+        while page := http.get("/events", params={"after": cursor, "limit": 500}, headers=json_accept).json()["events"]:
+            whole += page
+            cursor = page[-1]["id"]
+    history = [(e["id"], e["data"]["id"], e["data"]["version"]) for e in whole]
+    numbers = [int(i) for i, _, _ in history]
+    assert numbers == sorted(set(numbers)), "one order, every id once"
+    versions: dict[str, list[int]] = {}
+    for _, job_id, version in history:
+        versions.setdefault(job_id, []).append(version)
+    assert set(versions) == set(ids) and all(v == list(range(1, len(v) + 1)) for v in versions.values()), versions
+    assert [(e["id"], e["data"]["id"], e["data"]["version"]) for e in followed] == history, "the follower: all, once"
+    assert [(e["id"], e["data"]["id"], e["data"]["version"]) for e in streamed["events"]] == history, "the stream"
 
 
 async def _raw_subscriber(port: int, path: str, key: str, ready: asyncio.Event, counter: list[int]) -> list[int]:

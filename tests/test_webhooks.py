@@ -32,11 +32,10 @@ import herald
 from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
 from herald.ssrf import is_public_address
-from herald.storage.sqlite import jobs as sqlite_jobs
-from herald.storage.sqlite import webhooks as sqlite_webhooks
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SqliteJobStore as Store
 from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
+from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
 from herald.deliveries import Outcome, Plan
 from notifier.delivery import Sender
@@ -867,7 +866,7 @@ class _RefusingQueue(DeliveryQueue):
 
 
 async def test_the_recorder_commits_attempts_that_finish_together_in_one_transaction(tmp_path: Path) -> None:
-    db = Database(tmp_path / "herald.db", sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA)
+    db = Database(tmp_path / "herald.db", SCHEMA)
     store = Store(db, retention_s=60, sealer=make_sealer())
     await store.open()
     try:

@@ -26,7 +26,7 @@ from nats.js import JetStreamContext
 
 from herald import jetstream, tracing
 from herald.kinds import JSON_MEDIA_TYPE
-from herald.logs import log_transition
+from herald.logs import log_event, log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
 from herald.jobs import JobRow, TransitionRejected
@@ -35,6 +35,8 @@ from herald.directory import running_directory
 from herald.storage import open_storage
 from herald.storage.ports import JobStore, ResultStore
 from herald.storage.results import open_result_store
+from herald.tasks import TaskOwner
+from herald.tasks import stop as stop_task
 from herald.tenants import DefaultLimits, LimitsSource
 from herald.transitions import TENANT_AT_CAP, Change
 from schemas import JobMessage
@@ -45,6 +47,9 @@ from workers.dispatch import Dispatch, KindQueue, TenantQueue
 from workers.errors import JobCancelled, JobFailed, JobLost
 from workers.output import OutputWriter
 
+# A run's own lines (started, succeeded...) go through ``log_event``: rendered straight to JSON,
+# without the LogRecord and structlog chain, which cost as much as the rest of a trivial run's
+# bookkeeping (bench/RESULTS.md, issue 24).
 log = logging.getLogger("herald.worker")
 
 FETCH_BATCH = 16  # at most this many slots handed out at once
@@ -262,7 +267,7 @@ class Worker:
                              output=functools.partial(self.results.scratch_path, job.id, job.attempt,
                                                       kind.suffix(params)),
                              kind=job.kind, writer=writer)
-        log.info("job started", extra={"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
+        log_event(log, logging.INFO, "job started", {"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
         heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
         json_scratch: Path | None = None  # a JSON result too large for the row, on its way to the result store
         try:
@@ -307,18 +312,18 @@ class Worker:
                     await self.results.discard(key)
                 log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
             else:
-                log.info("job succeeded", extra={"job_id": job.id})
+                log_event(log, logging.INFO, "job succeeded", {"job_id": job.id})
         except JobCancelled:
             _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
-            log.info("job cancelled", extra={"job_id": job.id})
+            log_event(log, logging.INFO, "job cancelled", {"job_id": job.id})
         except JobFailed as exc:
             _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             problem = writer.too_large.problem if writer is not None and writer.too_large is not None else exc.problem
             await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
-            log.info("job failed", extra={"job_id": job.id, "problem_type": problem.type})
+            log_event(log, logging.INFO, "job failed", {"job_id": job.id, "problem_type": problem.type})
         except JobLost as exc:
             _remove_scratch(context.output_made, json_scratch)
             log.info("job lost to another writer", extra={"job_id": job.id, "reason": str(exc)})
@@ -342,7 +347,7 @@ class Worker:
         finally:
             if writer is not None:
                 await writer.close()
-            await _stop(heart)
+            await stop_task(heart)
             with contextlib.suppress(Exception):
                 await message.ack()
 
@@ -392,52 +397,39 @@ def _remove_scratch(*paths: Path | None) -> None:
             path.unlink(missing_ok=True)
 
 
-async def _stop(task: asyncio.Task[None]) -> None:
-    """Cancel a helper task and wait until it has really ended (without eating our own cancellation)."""
-    task.cancel()
-    try:
-        await task
-    except asyncio.CancelledError:
-        current = asyncio.current_task()
-        if current is not None and current.cancelling():
-            raise
-
-
 async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSource | None = None) -> None:
     """The ``herald worker`` process body.
 
-    Every resource and task is entered on one exit stack, so whichever step fails (the
-    store, NATS, the topology, the result store), what was already started is stopped and
-    awaited in reverse order: no task outlives the store it uses.
+    Every resource and task is entered on one owner (``herald.tasks.TaskOwner``), so whichever
+    step fails (the store, NATS, the topology, the result store), what was already started is
+    stopped and awaited in reverse order: no task outlives the store it uses.
     """
     kinds = registry.load(settings)  # import every handler now: a broken one stops the worker at start, by name
-    async with contextlib.AsyncExitStack() as stack:
+    async with TaskOwner() as owner:
         storage = await open_storage(settings)
-        stack.push_async_callback(storage.close)
+        owner.push_async_callback(storage.close)
         store = storage.jobs
         store.on_commit(log_transition)
         store.on_commit(metrics().observe)
         nc = await jetstream.connect_until_ready(settings, name="herald-worker", stop=stop)
         if nc is None:
             return
-        stack.push_async_callback(_drain, nc)
+        owner.push_async_callback(_drain, nc)
         # Tenants' limits as they change at run time (SPEC §12, §13).
-        directory = await stack.enter_async_context(running_directory(settings, storage.tenants, nc))
+        directory = await owner.enter_async_context(running_directory(settings, storage.tenants, nc))
         limits = limits if limits is not None else directory
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
-        relay_task = asyncio.create_task(relay.run(), name="relay")
-        stack.push_async_callback(_stop, relay_task)
-        stack.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
+        owner.spawn(relay.run(), "relay")
+        owner.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
         # Each kind's work is pulled per tenant (workers/dispatch.py): consumers are made as tenants need them.
         dispatch = Dispatch(nc, js, settings, (kind.declaration for kind in kinds.values()), limits)
         await dispatch.start()
-        stack.push_async_callback(dispatch.stop)
+        owner.push_async_callback(dispatch.stop)
         worker = Worker(settings, store, await open_result_store(settings, js), kinds, limits, js=js)
-        stack.push_async_callback(worker.shutdown, settings.worker_grace_s)
-        fetching = asyncio.create_task(worker.run(dispatch, stop), name="fetch")
-        stack.push_async_callback(_stop, fetching)
+        owner.push_async_callback(worker.shutdown, settings.worker_grace_s)
+        owner.spawn(worker.run(dispatch, stop), "fetch")
         log.info("worker ready", extra={
             "concurrency": settings.worker_concurrency,
             "kinds": {name: kind.concurrency for name, kind in kinds.items()},

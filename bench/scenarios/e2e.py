@@ -9,6 +9,12 @@ three events (queued, running, succeeded).
 * Saturation: ``e2e_jobs`` starts as fast as 16 connections get them answered; jobs/s
   from the first start sent to the last ``job.succeeded`` delivery received, and each
   job's start → delivery latency. One tenant SSE stream watches: did it get every event?
+* Ten tenants: the same number of starts as fast as 16 connections go, spread at random
+  over ``e2e_tenants`` tenants (each with its own webhook endpoint): jobs/s as above, and
+  its ratio to the one tenant's rate (issue 24: one tenant's rate must not be capped by
+  a per-tenant serialisation, such as a counter row held through each commit's flush).
+  Every tenant's first job runs before either burst (a tenant's first job of a kind
+  makes its work consumer, which neither burst should pay for).
 * Fixed load: each of ``e2e_rates`` starts/s for ``e2e_fixed_s`` (open loop; a rate above
   80 % of the saturated rate is skipped, but for the lowest: it would measure a growing
   queue); commit → SSE
@@ -41,23 +47,47 @@ import msgspec
 
 from bench import httpclient, natsceiling, peers
 from bench.pg import PgWaits
-from bench.procs import CpuMeter, free_port, wait_until
+from bench.procs import BenchError, CpuMeter, free_port, http_post_json, wait_until
 from bench.receiver import Receiver
 from bench.scenario import Context, Outcome
 from bench.scenarios.webhooks import _register
 from bench.stats import latency_summary
 from bench.subscribers import Subscribers
-from bench.systems import API_KEY, ClusterHerald, Herald
+from bench.systems import API_KEY, TENANT, ClusterHerald, Herald
 
 
 KINDS = "bench.handlers:ECHO"
 EVENTS_PER_JOB = 3  # queued, running, succeeded
 
 
-def post_echo(port: int) -> httpclient.Target:
-    """``POST /echoes {"n": 1}`` with the bench tenant's key."""
-    headers = (("Content-Type", "application/json"), ("Authorization", f"Bearer {API_KEY}"))
+def post_echo(port: int, key: str = API_KEY) -> httpclient.Target:
+    """``POST /echoes {"n": 1}`` with a tenant's key (the bench tenant's unless said)."""
+    headers = (("Content-Type", "application/json"), ("Authorization", f"Bearer {key}"))
     return httpclient.Target(port=port, method="POST", paths=("/echoes",), body=b'{"n": 1}', headers=headers)
+
+
+def _spread_keys(ctx: Context) -> dict[str, str]:
+    """tenant -> API key of the ten-tenant burst's tenants."""
+    return {f"e2e-t{i}": f"e2e-t{i}-key" for i in range(ctx.sizes.e2e_tenants)}
+
+
+def _api_keys(ctx: Context) -> str:
+    """``HERALD_API_KEYS``: the bench tenant and the ten-tenant burst's."""
+    return ",".join([f"{TENANT}:{API_KEY}", *(f"{t}:{k}" for t, k in _spread_keys(ctx).items())])
+
+
+def _spread_target(port: int, keys: list[str]) -> httpclient.Target:
+    """``POST /echoes``, each start with one of ``keys``, picked at random."""
+    return httpclient.Target(port=port, method="POST", paths=("/echoes",),
+                             choices=tuple(post_echo(port, key).request("/echoes") for key in keys))
+
+
+def _register_tenant(base: str, key: str, url: str) -> str:
+    status, body = http_post_json(base + "/webhooks", {"url": url, "event_types": ["job.succeeded"]},
+                                  {"Authorization": f"Bearer {key}"})
+    if status != 201:
+        raise BenchError(f"registering a webhook answered {status}: {body}")
+    return str(body["secret"])  # type: ignore[index]
 
 
 def _ts(value: str) -> float:
@@ -126,7 +156,7 @@ class Deployment:
 
 def _one_machine(ctx: Context) -> Deployment:
     """``herald up``'s processes, started one by one: a gateway, two workers, a notifier."""
-    herald = ctx.herald("e2e", HERALD_KINDS=KINDS)
+    herald = ctx.herald("e2e", HERALD_KINDS=KINDS, HERALD_API_KEYS=_api_keys(ctx))
     herald.start_gateway()
     workers = [herald.start_worker(f"worker{i}") for i in range(2)]
     notifier = herald.start_notifier()
@@ -143,7 +173,8 @@ def _cluster(ctx: Context) -> Deployment:
     """``herald up --cluster``: starts through the first gateway, the tenant stream on the second."""
     ctx.say("e2e: starting herald up --cluster")
     started = time.monotonic()
-    cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster", **{**ctx.herald_env, "HERALD_KINDS": KINDS})
+    cluster = ClusterHerald(ctx.procs, ctx.dir("e2e") / "cluster",
+                            **{**ctx.herald_env, "HERALD_KINDS": KINDS, "HERALD_API_KEYS": _api_keys(ctx)})
     return Deployment(port=cluster.port, sse_port=cluster.port + 1, base=cluster.base, meters=cluster.roles(),
                       log=cluster.proc, database_url=cluster.database_url,
                       description={"shape": "herald up --cluster: 3 NATS nodes (R3), PostgreSQL, 2 gateways, "
@@ -160,44 +191,77 @@ class _Registrar:
         self.base = base
 
 
+def _warm_up(ctx: Context, base: str, receiver: Receiver, keys: list[str]) -> None:
+    """One job per tenant through the whole path before the bursts (its work consumer)."""
+    sent = set()
+    for key in keys:
+        status, body = http_post_json(base + "/echoes", {"n": 1}, {"Authorization": f"Bearer {key}"})
+        if status != 202:
+            raise BenchError(f"a warm-up start answered {status}: {body}")
+        sent.add(str(body["id"]))  # type: ignore[index]
+    wait_until(lambda: sent <= _succeeded(receiver).keys(), timeout=ctx.sizes.wait_s, interval=0.1,
+               what="the warm-up jobs' webhooks")
+
+
+def _burst(ctx: Context, deployment: Deployment, receiver: Receiver, target: httpclient.Target) -> dict[str, Any]:
+    """``e2e_jobs`` starts as fast as 16 connections go; jobs/s to the last job.succeeded delivery."""
+    receiver.reset()
+    meter = CpuMeter(deployment.meters).start()
+    with PgWaits(deployment.database_url) as waits:
+        load = httpclient.run(target, processes=1, connections=16, count=ctx.sizes.e2e_jobs, keep_records=True)
+        sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
+        found = _wait_for(receiver, set(sent), ctx.sizes.wait_s)
+    cpu = meter.stop()
+    done = [found[j][0] - sent[j] for j in sent if j in found]
+    wall = max((found[j][0] for j in sent if j in found), default=0) - min(sent.values(), default=0)
+    phase = {
+        "jobs": len(sent), "completed": len(done),
+        "jobs_per_s": round(len(done) / wall, 1) if wall > 0 else 0.0,
+        "accept_rps": load["rps"],
+        "start_to_webhook": latency_summary(v * 1000 for v in done),
+        "cpu_pct": cpu, "loadgen_cpu_pct": load["loadgen_cpu_pct"],
+        "cpu_ms_per_job": peers.cpu_ms_per_job(meter, len(done)),
+    }
+    if deployment.database_url:
+        phase["postgres_waits"] = waits.summary()
+        phase["postgres_waits_note"] = waits.note()
+    return phase
+
+
 def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
     sizes = ctx.sizes
     deployment = _cluster(ctx) if ctx.shape == "cluster" else _one_machine(ctx)
     port = free_port()
     secret = _register(_Registrar(deployment.base), f"http://127.0.0.1:{port}/hook/e2e", ["job.succeeded"])  # type: ignore[arg-type]
+    spread = _spread_keys(ctx)
+    secrets = {"e2e": secret, **{tenant: _register_tenant(deployment.base, key, f"http://127.0.0.1:{port}/hook/{tenant}")
+                                 for tenant, key in spread.items()}}
     target = post_echo(deployment.port)
     request = (f"GET /events HTTP/1.1\r\nHost: 127.0.0.1:{deployment.sse_port}\r\nAccept: text/event-stream\r\n"
                f"Authorization: Bearer {API_KEY}\r\n\r\n").encode()
     result: dict[str, Any] = dict(deployment.description)
-    with Receiver({"e2e": secret}, processes=1, port=port) as receiver:
+    with Receiver(secrets, processes=1, port=port) as receiver:
+        _warm_up(ctx, deployment.base, receiver, [API_KEY, *spread.values()])
         ctx.say(f"e2e: {sizes.e2e_jobs} jobs as fast as they go ({ctx.variant})")
         with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1) as watcher:
             watcher.open()
-            meter = CpuMeter(deployment.meters).start()
-            with PgWaits(deployment.database_url) as waits:
-                load = httpclient.run(target, processes=1, connections=16, count=sizes.e2e_jobs, keep_records=True)
-                sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
-                found = _wait_for(receiver, set(sent), sizes.wait_s)
-            cpu = meter.stop()
+            result["saturation"] = _burst(ctx, deployment, receiver, target)
             time.sleep(0.2)
             watched = watcher.collect()
-        done = [found[j][0] - sent[j] for j in sent if j in found]
-        wall = max((found[j][0] for j in sent if j in found), default=0) - min(sent.values(), default=0)
-        result["saturation"] = {
-            "jobs": len(sent), "completed": len(done),
-            "jobs_per_s": round(len(done) / wall, 1) if wall > 0 else 0.0,
-            "accept_rps": load["rps"],
-            "start_to_webhook": latency_summary(v * 1000 for v in done),
-            "cpu_pct": cpu, "loadgen_cpu_pct": load["loadgen_cpu_pct"],
-            "cpu_ms_per_job": peers.cpu_ms_per_job(meter, len(done)),
+        result["saturation"].update({
             # one tenant stream open during the burst
-            "sse_events_expected": EVENTS_PER_JOB * len(sent),
+            "sse_events_expected": EVENTS_PER_JOB * result["saturation"]["jobs"],
             "sse_events_received": len(watched.times[0]) if watched.times else 0,
             "sse_stream_survived": watched.still_open == 1,
-        }
+        })
         if deployment.database_url:
-            result["saturation"]["postgres_waits"] = waits.summary()
-            result["postgres_waits_note"] = "saturation, " + waits.note()
+            result["postgres_waits_note"] = "saturation, " + result["saturation"].pop("postgres_waits_note")
+        ctx.say(f"e2e: {sizes.e2e_jobs} jobs over {len(spread)} tenants as fast as they go ({ctx.variant})")
+        result["spread"] = _burst(ctx, deployment, receiver, _spread_target(deployment.port, list(spread.values())))
+        result["spread"]["tenants"] = len(spread)
+        if deployment.database_url:
+            result["spread_postgres_waits_note"] = (f"{len(spread)} tenants, "
+                                                    + result["spread"].pop("postgres_waits_note"))
 
         result["fixed"] = []
         result["sse_streams_dropped"] = 0
@@ -249,6 +313,11 @@ def run(ctx: Context) -> Outcome:
     sat = h["saturation"]
     out.row("saturation", "jobs/s (vs msgs/s)", sat["jobs_per_s"], b["pipeline_rate"], better="higher", unit="/s")
     out.row("saturation", "start->webhook p99", sat["start_to_webhook"]["p99_ms"], None, better="lower", unit="ms")
+    spread = h["spread"]
+    out.row("saturation", f"jobs/s over {spread['tenants']} tenants (vs 1 tenant)", spread["jobs_per_s"],
+            sat["jobs_per_s"], better="higher", unit="/s")
+    out.row("saturation", "CPU ms per job, all processes", sat["cpu_ms_per_job"].get("total"), None,
+            better="lower", unit="ms")
     out.row("saturation", "tenant SSE events received",
             round(100 * sat["sse_events_received"] / max(1, sat["sse_events_expected"]), 1), None, better="higher",
             unit="%")
@@ -271,12 +340,13 @@ def run(ctx: Context) -> Outcome:
                    f"{goal['commit_to_sse']['p99_ms']:.1f} ms", goal["commit_to_sse"]["p99_ms"] < 20)
         out.target(f"commit -> webhook p99 < 50 ms at {goal['rate']:g} jobs/s",
                    f"{goal['commit_to_webhook']['p99_ms']:.1f} ms", goal["commit_to_webhook"]["p99_ms"] < 50)
-    if h.get("postgres_waits_note"):
-        out.notes.append(h["postgres_waits_note"])
+    for note in ("postgres_waits_note", "spread_postgres_waits_note"):
+        if h.get(note):
+            out.notes.append(h[note])
     if h.get("sse_streams_dropped"):
         out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
                          "(hub queue full) during the run")
-    for phase in (sat, *(f for f in h["fixed"] if not f.get("skipped"))):
+    for phase in (sat, spread, *(f for f in h["fixed"] if not f.get("skipped"))):
         if phase["completed"] < phase["jobs"]:
             out.notes.append(f"{phase['jobs'] - phase['completed']} of {phase['jobs']} jobs had no job.succeeded "
                              f"webhook within {ctx.sizes.wait_s:g} s")

@@ -23,9 +23,9 @@ def build_storage(settings: Settings) -> Storage:
         from herald.storage.postgres import tenants as pg_tenants
         from herald.storage.postgres import webhooks as pg_webhooks
         from herald.storage.postgres.db import PgDatabase
+        from herald.storage.postgres.schema import SCHEMA as PG_SCHEMA
 
-        pg = PgDatabase(settings.database_url, [*pg_jobs.MIGRATIONS, *pg_webhooks.MIGRATIONS,
-                                                    *pg_tenants.MIGRATIONS])
+        pg = PgDatabase(settings.database_url, PG_SCHEMA)
         return Storage(
             jobs=pg_jobs.PgJobStore(pg, retention_s=settings.retention_s, sealer=sealer),
             webhooks=pg_webhooks.PgWebhookStore(pg, sealer),
@@ -38,8 +38,9 @@ def build_storage(settings: Settings) -> Storage:
     from herald.storage.sqlite import tenants as sqlite_tenants
     from herald.storage.sqlite import webhooks as sqlite_webhooks
     from herald.storage.sqlite.db import Database
+    from herald.storage.sqlite.schema import SCHEMA as SQLITE_SCHEMA
 
-    db = Database(settings.db_path, sqlite_jobs.SCHEMA + sqlite_webhooks.SCHEMA + sqlite_tenants.SCHEMA)
+    db = Database(settings.db_path, SQLITE_SCHEMA)
     return Storage(
         jobs=sqlite_jobs.SqliteJobStore(db, retention_s=settings.retention_s, sealer=sealer),
         webhooks=sqlite_webhooks.SqliteWebhookStore(db, sealer),

@@ -30,9 +30,18 @@ Concurrency rules (each backend must keep them without relying on a database-wid
   tenant can interleave with (SQLite: the write lock; PostgreSQL: the tenant's counter
   row), so two workers never both take a tenant's last running slot. Claims without a cap
   take no extra lock.
-* **Ordered history.** Events of one tenant get gap-free, increasing ``seq`` numbers in
-  commit order of their transactions (a per-tenant counter row, updated in the
-  transaction), and one job's events have consecutive versions.
+* **Ordered history.** One job's events have consecutive versions. Events of one tenant
+  get increasing ``seq`` numbers, the tenant feed's one order: a number, once readable, is
+  never given to another event, and no event is given a number at or below one already
+  readable (so a reader polling ``tenant_events`` after its last seq misses nothing and
+  reads nothing twice); a job's events are numbered in version order; an event whose
+  transaction began after another's committed is numbered after it. Numbers are gap-free
+  but for events retention deleted. A backend numbers an event in its transaction (SQLite:
+  its one writer serialises every write anyway) or after commit (PostgreSQL: in the relay's
+  ``outbox_batch``, so that no tenant-wide lock is held through a commit); until then
+  ``Accepted.event``/``Transition.event`` and ``job_events`` carry ``seq`` 0, and
+  ``tenant_events``/``last_event_seq`` do not count the event. ``outbox_batch`` returns
+  every event row numbered, its payload the ``JobEvent`` with its ``seq``.
 * **One webhook rulebook.** Where a fanned-out event goes (superseded, pending, its
   progress slot), what an attempt leaves behind (delivered, retried, superseded, failed,
   the endpoint disabled) and what a key rotation does are decided by
@@ -158,9 +167,11 @@ class JobStore(Protocol):
 
     async def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]: ...
 
-    async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]: ...
+    async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
+        """The tenant's numbered events after ``after_seq``, in seq order."""
 
-    async def last_event_seq(self, tenant: str) -> int: ...
+    async def last_event_seq(self, tenant: str) -> int:
+        """The tenant's highest seq given so far (0: none)."""
 
     async def stats(self) -> StoreStats: ...
 
@@ -176,16 +187,13 @@ class JobStore(Protocol):
     async def running_counts(self, tenants: Sequence[str]) -> dict[str, int]:
         """How many jobs each tenant runs now, deployment-wide (``max_running``, SPEC §13)."""
 
-    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
-        """Each job's kept ``(traceparent, tracestate)`` (``herald.tracing``), in one read;
-        jobs without one (or gone) are absent."""
-
     # ----- outbox ----------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
         """The oldest unpublished rows, in commit order: those this process committed, or
         with ``stale_after_s``, any process's rows committed longer ago than that (on the
-        store's clock): what a process that died left behind."""
+        store's clock): what a process that died left behind. Their events numbered first
+        if the backend numbers after commit ("Ordered history")."""
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
         """Delete rows whose PubAck arrived."""

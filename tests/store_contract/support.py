@@ -11,7 +11,7 @@ import msgspec
 
 from herald.deliveries import Claimed, Finished, Outcome, Plan
 from herald.jobs import IdempotencyClaim, JobRow, NewJob
-from herald.storage.ports import DeliveryQueue, JobStore, WebhookStore
+from herald.storage.ports import DeliveryQueue, JobStore, OutboxRow, WebhookStore
 from herald.transitions import Change
 from schemas import JobEvent
 
@@ -37,6 +37,15 @@ def claim_key(key: str, fingerprint: str = "POST /reports {}") -> IdempotencyCla
 async def running_job(jobs: JobStore, tenant: str = "t1") -> JobRow:
     accepted = await jobs.accept(new_job(tenant))
     return (await jobs.transition(accepted.job.id, CLAIM)).after
+
+
+async def relay_pass(jobs: JobStore, *, everyone: bool = False) -> list[OutboxRow]:
+    """What a relay's pass does to the store (``herald.relay``), the publishing left out: the
+    rows this process committed (or, ``everyone``, any process's), their events numbered
+    (``ports.py``, "Ordered history"), then deleted as published. The rows, in batch order."""
+    rows = await jobs.outbox_batch(10_000, stale_after_s=0.0 if everyone else None)
+    await jobs.outbox_done([r.seq for r in rows])
+    return rows
 
 
 async def outcomes(calls: list[Awaitable[Any]]) -> list[Any]:

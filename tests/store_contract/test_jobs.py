@@ -29,7 +29,7 @@ from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change
 from schemas import JobEvent, JobMessage, Problem
 from tests.store_contract.conftest import Stores
-from tests.store_contract.support import CLAIM, claim_key, new_job, outcomes, running_job
+from tests.store_contract.support import CLAIM, claim_key, new_job, outcomes, relay_pass, running_job
 
 ENCODER = msgspec.json.Encoder()
 
@@ -63,16 +63,21 @@ async def test_accept_writes_job_event_and_outbox_rows(stores: Stores) -> None:
     assert await store.get_for_tenant("t1", job.id) == job
     assert await store.get_for_tenant("other", job.id) is None
 
-    assert (event.seq, event.version, event.type, event.job_id) == (1, 1, "job.queued", job.id)
+    # Its seq: 1 if the backend numbers events as they commit (SQLite), 0 if after commit,
+    # in the relay's batch (PostgreSQL; ports.py, "Ordered history").
+    assert (event.seq, event.version, event.type, event.job_id) in {(n, 1, "job.queued", job.id) for n in (0, 1)}
     assert bytes(event.data) == ENCODER.encode(job.status())
     assert event.at == rfc3339(job.updated_at)
     assert [ENCODER.encode(e) for e in await store.job_events(job.id, 0)] == [ENCODER.encode(event)]
     assert heard == [(job, event)]
+    assert await store.tenant_events("t1", 0, 10) == ([] if event.seq == 0 else [event])  # numbered rows only
 
     rows = await store.outbox_batch(10)
     assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}", f"ev.{job.id}.1"), ("jobs.report.t1", job.id)]
-    assert rows[0].payload == ENCODER.encode(event)  # the exact bytes, seq included
+    numbered = msgspec.structs.replace(event, seq=1)
+    assert rows[0].payload == ENCODER.encode(numbered)  # the exact bytes, seq included
     assert msgspec.msgpack.decode(rows[1].payload, type=JobMessage) == JobMessage(job_id=job.id, kind="report", attempt=0)
+    assert await store.tenant_events("t1", 0, 10) == await store.job_events(job.id, 0) == [numbered]
 
     stats = await store.stats()
     assert stats.outbox_pending == 2 and stats.oldest_queued_age_s >= 0 and stats.outbox_oldest_age_s >= 0
@@ -108,6 +113,7 @@ async def test_fifty_concurrent_accepts_with_one_key_make_one_job(stores: Stores
     assert len({r.job.id for r in results}) == 1
     assert sum(not r.replayed for r in results) == 1
     assert len(await a.list_jobs("t1", state=None, kind=None, before=None, limit=100)) == 1
+    await relay_pass(b, everyone=True)
     assert [e.seq for e in await b.tenant_events("t1", 0, 100)] == [1]
 
 
@@ -242,42 +248,61 @@ async def test_a_capped_claim_never_takes_the_tenants_last_slot_twice(stores: St
 
 
 async def test_tenant_seq_is_gap_free_and_read_in_order_while_it_grows(stores: Stores) -> None:
-    """ports.py, "Ordered history", with two processes writing and a third reading."""
-    a, b = stores.jobs, (await stores.another()).jobs
-    done = asyncio.Event()
-    read: list[int] = []
+    """ports.py, "Ordered history", with two processes writing (each with its relay's passes
+    numbering and taking its own rows, as every committing process runs one) and a third
+    process reading: a reader that polls after its last seq never sees a hole (seq n+1
+    readable before n would make it skip n for ever), nor an event twice, and reads each
+    job's events in version order; what the relays announce is what the reader reads."""
+    a, b, c = stores.jobs, (await stores.another()).jobs, (await stores.another()).jobs
+    written, relayed = asyncio.Event(), asyncio.Event()
+    read: list[JobEvent] = []
+    announced: list[JobEvent] = []
 
     async def writer(store: JobStore, tenant: str, jobs: int) -> None:
         for _ in range(jobs):
             job = await running_job(store, tenant)
             await store.transition(job.id, Change(expect={"running"}, attempt=1, progress=50))
 
-    async def reader() -> None:
-        # A reader that polls after its last seq must never see a hole: seq n+1 visible before n
-        # would make it skip n for ever.
+    async def relay(store: JobStore) -> None:
         while True:
-            finished = done.is_set()
-            batch = [e.seq for e in await b.tenant_events("t1", read[-1] if read else 0, 1000)]
-            assert batch == list(range(len(read) + 1, len(read) + 1 + len(batch))), (read[-3:], batch[:5])
+            finished = written.is_set()
+            rows = await relay_pass(store)
+            announced.extend(msgspec.json.decode(r.payload, type=JobEvent) for r in rows
+                             if r.subject.startswith("events."))
+            if finished and not rows:
+                return
+            await asyncio.sleep(0.001)
+
+    async def reader() -> None:
+        while True:
+            finished = relayed.is_set()
+            batch = await c.tenant_events("t1", read[-1].seq if read else 0, 1000)
+            seqs = [e.seq for e in batch]
+            assert seqs == list(range(len(read) + 1, len(read) + 1 + len(batch))), (read[-3:], seqs[:5])
             read.extend(batch)
             if finished:
                 return
             await asyncio.sleep(0.001)
 
     reading = asyncio.create_task(reader())
+    relays = [asyncio.create_task(relay(store)) for store in (a, b)]
     await asyncio.gather(*(writer(a if i % 2 else b, "t1", 8) for i in range(4)), writer(a, "t2", 5))
-    done.set()
+    written.set()
+    await asyncio.gather(*relays)
+    relayed.set()
     await reading
 
-    assert read == list(range(1, 4 * 8 * 3 + 1))
+    assert [e.seq for e in read] == list(range(1, 4 * 8 * 3 + 1))
+    by_job: dict[str, list[int]] = {}
+    for e in read:
+        by_job.setdefault(e.job_id, []).append(e.version)
+    assert len(by_job) == 32 and all(versions == [1, 2, 3] for versions in by_job.values()), by_job
     assert await a.last_event_seq("t1") == 96
     assert [e.seq for e in await a.tenant_events("t2", 0, 1000)] == list(range(1, 16))
     assert [e.seq for e in await a.tenant_events("t1", 90, 1000, kind="report")] == list(range(91, 97))
     assert await a.tenant_events("t1", 0, 10, kind="export") == []
-    # The outbox announces a tenant's events in the same order.
-    announced = [msgspec.json.decode(r.payload, type=JobEvent) for r in await a.outbox_batch(1000, stale_after_s=0)
-                 if r.subject.startswith("events.t1.")]
-    assert [e.seq for e in announced] == list(range(1, 97))
+    # The relays announced every event once, numbered as the reader read it.
+    assert sorted((ENCODER.encode(e) for e in announced if e.tenant == "t1")) == sorted(ENCODER.encode(e) for e in read)
 
 
 # ----- start budget ------------------------------------------------------------------------

@@ -2,9 +2,10 @@
 
 Every process (gateway, worker, notifier) may run on its own machine, so nothing here
 relies on local state: times come from the server's clock (``clock_timestamp()``), the
-schema is created or upgraded by whichever process gets the advisory lock first (the
-others wait on it, then find nothing left to do), and an unreachable server is retried
-with a log line naming ``HERALD_DATABASE_URL`` instead of crashing the process.
+schema (``herald.storage.migrations``) is created or upgraded by whichever process gets the
+advisory lock first (the others wait on it, then find nothing left to do), and an
+unreachable server is retried with a log line naming ``HERALD_DATABASE_URL`` instead of
+crashing the process.
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ import functools
 import inspect
 import logging
 import secrets
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import asyncpg
 
 from herald.jobs import StoreUnavailable
+from herald.storage.migrations import Migration, Schema, migrate
 
 log = logging.getLogger("herald.postgres")
 
@@ -121,12 +123,30 @@ async def _one_by_one(conn: asyncpg.Connection, batch: list[_Grouped]) -> None:
         statement.settle(value, None)
 
 
-class PgDatabase:
-    """The pool and the migrations. ``migrations`` are (name, SQL) pairs applied once, in order."""
+class _Session:
+    """The migration runner's view of one connection (``herald.storage.migrations.Session``)."""
 
-    def __init__(self, url: str, migrations: Sequence[tuple[str, str]], *, min_size: int = 1, max_size: int = 10) -> None:
+    def __init__(self, conn: asyncpg.Connection) -> None:
+        self._conn = conn
+
+    async def execute(self, sql: str) -> None:
+        await self._conn.execute(sql)
+
+    async def fetch(self, sql: str) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in await self._conn.fetch(sql)]
+
+    async def record(self, migration: Migration) -> None:
+        await self._conn.execute(
+            f"INSERT INTO herald_schema_migrations (version, name, checksum, applied_at) VALUES ($1, $2, $3, {NOW_SQL})",
+            migration.version, migration.name, migration.checksum)
+
+
+class PgDatabase:
+    """The pool, and the schema brought up to date when it opens (``herald.storage.postgres.schema.SCHEMA``)."""
+
+    def __init__(self, url: str, schema: Schema, *, min_size: int = 1, max_size: int = 10) -> None:
         self.url = url
-        self.migrations = list(migrations)
+        self.schema = schema
         # This process's name on the outbox rows it commits (the column's default reads the
         # session setting): its relay publishes those.
         self.origin = secrets.token_hex(8)
@@ -191,31 +211,22 @@ class PgDatabase:
     async def _migrate(self, pool: asyncpg.Pool) -> None:
         async with pool.acquire() as conn, conn.transaction():
             await conn.execute("SELECT pg_advisory_xact_lock($1)", MIGRATION_LOCK)
-            await conn.execute(
-                "CREATE TABLE IF NOT EXISTS herald_migrations (name TEXT PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)"
-            )
-            done = {r["name"] for r in await conn.fetch("SELECT name FROM herald_migrations")}
-            for name, sql in self.migrations:
-                if name in done:
-                    continue
-                await conn.execute(sql)
-                await conn.execute(f"INSERT INTO herald_migrations (name, applied_at) VALUES ($1, {NOW_SQL})", name)
-                log.info("schema migration applied", extra={"migration": name})
+            await migrate(_Session(conn), self.schema)
 
     async def fetchval_grouped(self, sql: str, *args: Any, order: str = "") -> Any:
         """``fetchval`` of a statement that is a transaction on its own, committed together
         with the others queued meanwhile (group commit).
 
-        A commit waits for its WAL flush while it still holds its row locks: a tenant's
-        counter row is one, so one commit per event would bound a tenant's events to one
-        per flush. Queued statements run one after another on one connection in one
-        transaction, and everyone hears back after its commit. If one of them fails, the
+        A commit waits for its WAL flush while it still holds its row locks (a tenant's
+        rate bucket, a capped claim's counter row), and each flush costs the server a
+        write and an fsync. Queued statements run one after another on one connection in
+        one transaction, and everyone hears back after its commit. If one of them fails, the
         batch is rolled back and each is run again in a transaction of its own, so only
         the failing one fails.
 
         ``order`` is the tenant whose rows the statement locks. A batch holds every lock
-        until its commit, so two processes' batches taking two tenants' counter rows in
-        opposite orders would deadlock (each cycle costs ``deadlock_timeout``, 1 s, and a
+        until its commit, so two processes' batches taking two tenants' rows in opposite
+        orders would deadlock (each cycle costs ``deadlock_timeout``, 1 s, and a
         rerun: with ten tenants the bench's end-to-end rate fell to a third). So a batch
         runs in ``order`` order (stable: one tenant's statements keep theirs), the same
         in every process.

@@ -7,11 +7,11 @@ it keeps the concurrency rules of ``herald.storage.ports`` without a database-wi
 **Round trips.** Every write is one statement, so it runs as one implicit transaction with
 no ``BEGIN``/``COMMIT`` round trips: the multi-step writes are plpgsql functions created by
 the migration (``herald_accept``, ``herald_transition``, both ending in
-``herald_append_event``: bump the tenant's counter, insert the event, insert the outbox
-rows). The one thing the database cannot compute is the event's payload: it is the status
-object encoded by Python (``JobRow.status()``), and it contains the change's time, which
-must come from the server's clock. So a write first reads that clock (for a transition,
-in the same round trip as the row it judges), encodes, then sends the one statement:
+``herald_append_event``: insert the event, insert the outbox rows). The one thing the
+database cannot compute is the event's payload: it is the status object encoded by Python
+(``JobRow.status()``), and it contains the change's time, which must come from the
+server's clock. So a write first reads that clock (for a transition, in the same round
+trip as the row it judges), encodes, then sends the one statement:
 
 * ``accept``: 2 round trips (clock; ``herald_accept``), on one pooled connection;
 * ``transition``: 2 round trips (row + clock; ``herald_transition``), 2 more per lost race;
@@ -20,9 +20,20 @@ in the same round trip as the row it judges), encodes, then sends the one statem
 (asyncpg's pool adds its reset query when a connection goes back: that is ``PgDatabase``'s
 choice, one per call above however many statements it runs.)
 
-The event's ``seq`` is known only inside the function, so the outbox payload (the JSON
-``JobEvent``, whose first field is ``seq``) is sent without its ``{"seq":N,`` head, which
-the function prepends: the bytes are exactly what ``msgspec`` would encode.
+**Numbered after commit.** An event's tenant-wide ``seq`` is not given by its write: the
+write inserts the event with a global identity (``events.id``, from a sequence) and no
+seq, and holds no tenant-wide lock (one would be held through the commit's WAL flush, and
+a tenant's writes would go one commit at a time, however many processes write them). The
+relay's ``outbox_batch`` numbers first: ``herald_number_events`` takes the tenant's
+``tenant_seq`` row, then numbers every committed unnumbered event of the tenant in id
+order, after the row's ``last``, and commits (the next pass of the tenant waits on the row
+for this one's numbers). Readers read numbered events only, by seq: see
+``sql/0013_events_numbered_after_commit.sql`` for why nothing is missed or read twice and
+each job keeps its order. So the outbox payload of an event (the JSON ``JobEvent``, whose
+first field is ``seq``) is stored without its ``{"seq":N,`` head, and ``outbox_batch``
+prepends it once numbered: the bytes are exactly what ``msgspec`` would encode. A write
+answers with the event at seq 0, which is what the committing process's own listeners
+hear (the gateway's hub sends it to the job's streams, not to the tenant's).
 
 **Compare-and-set.** ``transition`` judges the row it read with ``refusal()`` (the rules
 live in ``herald.transitions``, in Python), then updates ``WHERE id AND version AND
@@ -37,10 +48,9 @@ job, tenant counter), so no deadlocks:
 * ``idempotency_keys``: ``INSERT ... ON CONFLICT DO NOTHING`` claims a key; the loser of a
   race waits for the winner's commit, then reads its job (replay) or its different
   fingerprint (mismatch), never a unique violation;
-* the tenant's ``tenant_seq`` row, taken last and held until commit: a tenant's appends
-  are serialised, so its ``seq`` is gap-free and a reader polling ``tenant_events`` never
-  sees seq n+1 before n. Every outbox row is inserted under that lock too, so one tenant's
-  outbox rows become visible in ``outbox.seq`` order.
+* the tenant's ``tenant_seq`` row: taken by a numbering pass, and by a capped claim (SPEC
+  §13), which counts the tenant's running jobs under it; never by other writes. A pass
+  takes its tenants' rows in byte order, the order a group commit sorts its statements by.
 
 Retention (``forget``) never waits for a lock (``SKIP LOCKED``), so sweeps in several
 gateways at once share the work instead of deadlocking with each other or with accepts.
@@ -83,309 +93,9 @@ _event_encoder = msgspec.json.Encoder()
 
 SIGNING_KEY_NAME = "url-signing"
 
-# Tables: columns named and typed as SQLite's (times are Unix seconds, blobs are BYTEA), so
-# rows map onto JobRow and other components (the notifier's fan-out) read jobs by name.
-# State names in the SQL below are the values of ``schemas.jobs.JobState`` (the one list),
-# written out because a query must repeat a partial index's predicate literally for the
-# planner to use the index.
-_TABLES = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    collection TEXT NOT NULL,
-    state TEXT NOT NULL,
-    params BYTEA NOT NULL,
-    progress INTEGER,
-    version INTEGER NOT NULL,
-    attempt INTEGER NOT NULL,
-    cancel_requested BOOLEAN NOT NULL DEFAULT FALSE,
-    created_at DOUBLE PRECISION NOT NULL,
-    updated_at DOUBLE PRECISION NOT NULL,
-    heartbeat_at DOUBLE PRECISION,
-    deadline_at DOUBLE PRECISION NOT NULL,
-    finished_at DOUBLE PRECISION,
-    expires_at DOUBLE PRECISION,
-    result_path TEXT,
-    media_type TEXT,
-    error BYTEA,
-    callback_url TEXT,
-    traceparent TEXT,
-    tracestate TEXT
-);
-CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
-CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
-CREATE INDEX IF NOT EXISTS jobs_queued_since ON jobs (created_at) WHERE state = 'queued';
-CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (expires_at) WHERE expires_at IS NOT NULL;
-
-CREATE TABLE IF NOT EXISTS events (
-    tenant TEXT NOT NULL,
-    seq BIGINT NOT NULL,
-    job_id TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    type TEXT NOT NULL,
-    at DOUBLE PRECISION NOT NULL,
-    data BYTEA NOT NULL,
-    PRIMARY KEY (tenant, seq)
-);
-CREATE UNIQUE INDEX IF NOT EXISTS events_by_job ON events (job_id, version);
-
-CREATE TABLE IF NOT EXISTS tenant_seq (tenant TEXT PRIMARY KEY, last BIGINT NOT NULL);
-
-CREATE TABLE IF NOT EXISTS outbox (
-    seq BIGINT GENERATED ALWAYS AS IDENTITY PRIMARY KEY,
-    subject TEXT NOT NULL,
-    msg_id TEXT NOT NULL,
-    payload BYTEA NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    traceparent TEXT,
-    tracestate TEXT
-);
-
-CREATE TABLE IF NOT EXISTS idempotency_keys (
-    tenant TEXT NOT NULL,
-    key TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    job_id TEXT NOT NULL,
-    created_at DOUBLE PRECISION NOT NULL,
-    expires_at DOUBLE PRECISION NOT NULL,
-    PRIMARY KEY (tenant, key)
-);
-CREATE INDEX IF NOT EXISTS idempotency_expiring ON idempotency_keys (expires_at);
--- forget() deletes a job's keys by job id.
-CREATE INDEX IF NOT EXISTS idempotency_by_job ON idempotency_keys (job_id);
-
-CREATE TABLE IF NOT EXISTS tombstones (
-    job_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    deleted_at DOUBLE PRECISION NOT NULL
-);
-
-CREATE TABLE IF NOT EXISTS rate_buckets (
-    tenant TEXT PRIMARY KEY,
-    tokens DOUBLE PRECISION NOT NULL,
-    at DOUBLE PRECISION NOT NULL
-);
-
-CREATE TABLE IF NOT EXISTS herald_secrets (
-    name TEXT PRIMARY KEY,
-    value TEXT NOT NULL
-);
-"""
-
-# The writes, each one statement from the client. %NOW% is the server's clock in Unix seconds.
-_FUNCTIONS = """
-CREATE OR REPLACE FUNCTION herald_append_event(
-    p_tenant TEXT, p_job_id TEXT, p_kind TEXT, p_version INTEGER, p_type TEXT, p_at DOUBLE PRECISION,
-    p_data BYTEA, p_event_subject TEXT, p_event_tail BYTEA,
-    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
-    p_traceparent TEXT, p_tracestate TEXT
-) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_seq BIGINT;
-BEGIN
-    -- The tenant's counter row stays locked until commit: seq n+1 is handed out only once
-    -- n has committed (or rolled back, and then n is handed out again). Gap-free, and no
-    -- reader sees a later seq before an earlier one.
-    INSERT INTO tenant_seq AS s (tenant, last) VALUES (p_tenant, 1)
-    ON CONFLICT (tenant) DO UPDATE SET last = s.last + 1
-    RETURNING s.last INTO v_seq;
-    INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data)
-    VALUES (p_tenant, v_seq, p_job_id, p_kind, p_version, p_type, p_at, p_data);
-    -- The JobEvent's JSON begins with its seq: the client sent the rest.
-    -- The job's trace context rides along: the relay sends it as the message's headers.
-    INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate)
-    VALUES (p_event_subject, 'ev.' || p_job_id || '.' || p_version,
-            convert_to('{"seq":' || v_seq || ',', 'UTF8') || p_event_tail, %NOW%, p_traceparent, p_tracestate);
-    IF p_work_subject IS NOT NULL THEN
-        INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate)
-        VALUES (p_work_subject, p_work_msg_id, p_work_payload, %NOW%, p_traceparent, p_tracestate);
-    END IF;
-    RETURN v_seq;
-END
-$fn$;
-
-CREATE OR REPLACE FUNCTION herald_accept(
-    p_id TEXT, p_tenant TEXT, p_kind TEXT, p_collection TEXT, p_params BYTEA, p_callback_url TEXT,
-    p_ts DOUBLE PRECISION, p_deadline_s DOUBLE PRECISION,
-    p_key TEXT, p_fingerprint TEXT, p_key_ttl_s DOUBLE PRECISION,
-    p_rate DOUBLE PRECISION, p_burst DOUBLE PRECISION,
-    p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
-    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
-    p_traceparent TEXT, p_tracestate TEXT,
-    OUT outcome TEXT, OUT wait_s DOUBLE PRECISION, OUT event_seq BIGINT, OUT job jobs
-) LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_tokens DOUBLE PRECISION;
-    v_at DOUBLE PRECISION;
-    v_now DOUBLE PRECISION;
-    v_key idempotency_keys;
-    v_tries INTEGER := 0;
-BEGIN
-    -- 1. The start budget: judged now, spent only if the start succeeds (a mismatch spends nothing).
-    IF p_rate IS NOT NULL THEN
-        -- A tenant's first start creates its bucket full (as "no row" means); then the row is
-        -- locked, so every gateway's starts of this tenant draw on it one at a time.
-        INSERT INTO rate_buckets (tenant, tokens, at) VALUES (p_tenant, p_burst, %NOW%)
-        ON CONFLICT (tenant) DO NOTHING;
-        SELECT b.tokens, b.at INTO v_tokens, v_at FROM rate_buckets b WHERE b.tenant = p_tenant FOR UPDATE;
-        v_now := %NOW%;  -- read under the lock: the bucket's times only move forward
-        v_tokens := least(p_burst, v_tokens + greatest(0, v_now - v_at) * p_rate);
-        IF v_tokens < 1 THEN
-            outcome := 'limited';
-            wait_s := CASE WHEN p_rate > 0 THEN (1 - v_tokens) / p_rate ELSE 'Infinity'::float8 END;
-            RETURN;
-        END IF;
-    END IF;
-
-    -- 2. The Idempotency-Key: claim it, or find who holds it.
-    IF p_key IS NOT NULL THEN
-        LOOP
-            v_tries := v_tries + 1;
-            IF v_tries > 10 THEN
-                RAISE EXCEPTION 'Idempotency-Key % of tenant % keeps changing', p_key, p_tenant;
-            END IF;
-            -- A racing claim of the same key makes this wait for its commit, then do nothing.
-            INSERT INTO idempotency_keys (tenant, key, fingerprint, job_id, created_at, expires_at)
-            VALUES (p_tenant, p_key, p_fingerprint, p_id, p_ts, p_ts + p_key_ttl_s)
-            ON CONFLICT (tenant, key) DO NOTHING;
-            EXIT WHEN FOUND;  -- the key is ours: a new job
-            SELECT * INTO v_key FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key FOR UPDATE;
-            CONTINUE WHEN NOT FOUND;  -- deleted meanwhile (retention): claim it again
-            IF v_key.expires_at <= p_ts THEN
-                DELETE FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key;
-                CONTINUE;
-            END IF;
-            IF v_key.fingerprint <> p_fingerprint THEN
-                outcome := 'mismatch';  -- nothing written: the claim conflicted, the token is unspent
-                RETURN;
-            END IF;
-            SELECT * INTO job FROM jobs j WHERE j.id = v_key.job_id;
-            IF FOUND THEN
-                IF p_rate IS NOT NULL THEN  -- replays count against the budget (SPEC 10)
-                    UPDATE rate_buckets SET tokens = v_tokens - 1, at = v_now WHERE tenant = p_tenant;
-                END IF;
-                outcome := 'replayed';
-                RETURN;
-            END IF;
-            -- The job is gone (retention) but the key lives on: answer as if new.
-            DELETE FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key;
-        END LOOP;
-    END IF;
-
-    -- 3. The job, queued at version 1, its first event and its work message.
-    IF p_rate IS NOT NULL THEN
-        UPDATE rate_buckets SET tokens = v_tokens - 1, at = v_now WHERE tenant = p_tenant;
-    END IF;
-    INSERT INTO jobs (id, tenant, kind, collection, state, params, progress, version, attempt,
-                      created_at, updated_at, deadline_at, callback_url, traceparent, tracestate)
-    VALUES (p_id, p_tenant, p_kind, p_collection, 'queued', p_params, NULL, 1, 0,
-            p_ts, p_ts, p_ts + p_deadline_s, p_callback_url, p_traceparent, p_tracestate)
-    RETURNING * INTO job;
-    event_seq := herald_append_event(p_tenant, p_id, p_kind, 1, 'job.queued', p_ts, p_event_data,
-                                     p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload,
-                                     p_traceparent, p_tracestate);
-    outcome := 'accepted';
-END
-$fn$;
-
-CREATE OR REPLACE FUNCTION herald_transition(
-    p_id TEXT, p_seen_version INTEGER, p_seen_updated_at DOUBLE PRECISION,
-    p_state TEXT, p_progress INTEGER, p_attempt INTEGER, p_cancel_requested BOOLEAN,
-    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT,
-    p_finished_at DOUBLE PRECISION, p_expires_at DOUBLE PRECISION, p_updated_at DOUBLE PRECISION,
-    p_event_type TEXT, p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
-    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
-) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_tenant TEXT;
-    v_kind TEXT;
-    v_traceparent TEXT;
-    v_tracestate TEXT;
-BEGIN
-    -- Compare-and-set: only the row the client judged. Heartbeats move updated_at (not
-    -- version), so both are compared. NULL: it moved; the client reads and judges again.
-    UPDATE jobs j SET
-        state = p_state, progress = p_progress, attempt = p_attempt, cancel_requested = p_cancel_requested,
-        heartbeat_at = p_heartbeat_at, error = p_error, result_path = p_result_path, media_type = p_media_type,
-        finished_at = p_finished_at, expires_at = p_expires_at, updated_at = p_updated_at,
-        version = p_seen_version + 1
-    WHERE j.id = p_id AND j.version = p_seen_version AND j.updated_at = p_seen_updated_at
-    RETURNING j.tenant, j.kind, j.traceparent, j.tracestate INTO v_tenant, v_kind, v_traceparent, v_tracestate;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    RETURN herald_append_event(v_tenant, p_id, v_kind, p_seen_version + 1, p_event_type, p_updated_at, p_event_data,
-                               p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload,
-                               v_traceparent, v_tracestate);
-END
-$fn$;
-""".replace("%NOW%", NOW_SQL)
-
-_TRACE_COLUMNS = """
-ALTER TABLE jobs ADD COLUMN IF NOT EXISTS traceparent TEXT, ADD COLUMN IF NOT EXISTS tracestate TEXT;
-ALTER TABLE outbox ADD COLUMN IF NOT EXISTS traceparent TEXT, ADD COLUMN IF NOT EXISTS tracestate TEXT;
-DROP FUNCTION IF EXISTS herald_accept(TEXT, TEXT, TEXT, TEXT, BYTEA, TEXT, DOUBLE PRECISION, DOUBLE PRECISION,
-    TEXT, TEXT, DOUBLE PRECISION, DOUBLE PRECISION, DOUBLE PRECISION, TEXT, BYTEA, BYTEA, TEXT, TEXT, BYTEA);
-DROP FUNCTION IF EXISTS herald_append_event(TEXT, TEXT, TEXT, INTEGER, TEXT, DOUBLE PRECISION, BYTEA, TEXT, BYTEA,
-    TEXT, TEXT, BYTEA);
-"""
-
-# SPEC §13. A capped claim (``Change.max_running``) locks the job row, then the tenant's
-# counter row (the order every write takes them in), counts the tenant's running jobs and
-# only then transitions: two capped claims of one tenant are serialised, so both cannot take
-# its last slot. -1: the tenant is at its cap. Claims without a cap never come here.
-_CAPPED_CLAIM = """
-CREATE INDEX IF NOT EXISTS jobs_running_by_tenant ON jobs (tenant) WHERE state = 'running';
-CREATE INDEX IF NOT EXISTS jobs_queued_by_tenant ON jobs (kind, tenant, created_at) WHERE state = 'queued';
-
-CREATE OR REPLACE FUNCTION herald_claim_capped(
-    p_max_running INTEGER,
-    p_id TEXT, p_seen_version INTEGER, p_seen_updated_at DOUBLE PRECISION,
-    p_state TEXT, p_progress INTEGER, p_attempt INTEGER, p_cancel_requested BOOLEAN,
-    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT,
-    p_finished_at DOUBLE PRECISION, p_expires_at DOUBLE PRECISION, p_updated_at DOUBLE PRECISION,
-    p_event_type TEXT, p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
-    p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
-) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
-DECLARE
-    v_tenant TEXT;
-    v_running BIGINT;
-BEGIN
-    SELECT j.tenant INTO v_tenant FROM jobs j WHERE j.id = p_id FOR UPDATE;
-    IF NOT FOUND THEN
-        RETURN NULL;
-    END IF;
-    PERFORM 1 FROM tenant_seq s WHERE s.tenant = v_tenant FOR UPDATE;
-    -- A new snapshot: every claim that held the lock before us has committed and is counted.
-    SELECT count(*) INTO v_running FROM jobs j WHERE j.tenant = v_tenant AND j.state = 'running';
-    IF v_running >= p_max_running THEN
-        RETURN -1;
-    END IF;
-    RETURN herald_transition(p_id, p_seen_version, p_seen_updated_at, p_state, p_progress, p_attempt,
-                             p_cancel_requested, p_heartbeat_at, p_error, p_result_path, p_media_type,
-                             p_finished_at, p_expires_at, p_updated_at, p_event_type, p_event_subject,
-                             p_event_data, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
-END
-$fn$;
-"""
-
-MIGRATIONS: list[tuple[str, str]] = [
-    ("jobs-1", _TABLES + _FUNCTIONS),
-    # The trace context kept with each job (herald.tracing): "jobs-1" above has it; a database
-    # made before it gets the columns and the functions that write them (a no-op elsewhere).
-    ("jobs-trace-context", _TRACE_COLUMNS + _FUNCTIONS),
-    # Per-kind queue age (/metrics, back-pressure): one index lookup per kind.
-    ("jobs-queued-by-kind",
-     "CREATE INDEX IF NOT EXISTS jobs_queued_by_kind ON jobs (kind, created_at) WHERE state = 'queued';"),
-    # Which process committed an outbox row: its relay publishes it (``outbox_batch``). The
-    # pool sets ``herald.origin`` on each of its sessions (``PgDatabase``), so the functions
-    # that insert outbox rows need no change.
-    ("outbox-origin",
-     "ALTER TABLE outbox ADD COLUMN IF NOT EXISTS origin TEXT DEFAULT current_setting('herald.origin', true);"),
-    ("jobs-tenant-fair-share", _CAPPED_CLAIM),
-]
+# The tables and functions: sql/0001-0005 beside this package's schema.py. State names in the
+# SQL below are the values of ``schemas.jobs.JobState`` (the one list), written out because a
+# query must repeat a partial index's predicate literally for the planner to use the index.
 
 # ----- statements ---------------------------------------------------------------------------
 
@@ -399,6 +109,8 @@ _ACCEPT = (
 
 # The row to judge and the server's time to stamp the change with, in one round trip.
 _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
+
+_OUTBOX_BATCH = "SELECT * FROM herald_outbox_batch($1, $2, $3)"
 
 _TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 22)) + ")"
 _CAPPED_TRANSITION = "SELECT herald_claim_capped(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
@@ -445,7 +157,9 @@ _FORGET = """
 WITH doomed AS (
          SELECT id, tenant FROM jobs WHERE id = ANY($1::text[]) AND expires_at <= $2 FOR UPDATE SKIP LOCKED
      ),
-     gone_events AS (DELETE FROM events WHERE job_id IN (SELECT id FROM doomed)),
+     gone_events AS (DELETE FROM events WHERE job_id IN (SELECT id FROM doomed) RETURNING id),
+     -- An event not published yet is not numbered either: nobody will, once it is gone.
+     gone_outbox AS (DELETE FROM outbox WHERE event_id IN (SELECT id FROM gone_events)),
      gone_keys AS (
          DELETE FROM idempotency_keys WHERE ctid IN (
              SELECT ctid FROM idempotency_keys
@@ -485,8 +199,8 @@ _SEQ_HEAD = b'{"seq":0,'
 
 
 def _unnumbered_event(job: JobRow, kind_of_change: str) -> tuple[JobEvent, bytes]:
-    """The job's event for its current version, without its seq (known only in the database),
-    and the outbox payload minus its ``{"seq":N,`` head, which ``herald_append_event`` adds."""
+    """The job's event for its current version, without its seq (given after commit), and the
+    outbox payload minus its ``{"seq":N,`` head, which the relay's ``outbox_batch`` adds."""
     event = JobEvent(
         seq=0,
         tenant=job.tenant,
@@ -513,7 +227,7 @@ def _work_message(job: JobRow) -> tuple[str, str, bytes]:
 
 def _event_from_record(record: asyncpg.Record) -> JobEvent:
     return JobEvent(
-        seq=record["seq"],
+        seq=record["seq"] or 0,  # 0: committed, not numbered yet (job_events reads those too)
         tenant=record["tenant"],
         job_id=record["job_id"],
         kind=record["kind"],
@@ -753,15 +467,6 @@ class PgJobStore(CommitListeners):
             outbox_oldest_age_s=_age(record["now"], record["outbox_since"]),
         )
 
-    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
-        if not job_ids:
-            return {}
-        records = await self._fetch(
-            "SELECT id, traceparent, tracestate FROM jobs WHERE id = ANY($1::text[]) AND traceparent IS NOT NULL",
-            list(set(job_ids)),
-        )
-        return {r["id"]: (r["traceparent"], r["tracestate"]) for r in records}
-
     async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:
         records = await self._fetch(_QUEUED_AGES, list(kinds))
         return {r["kind"]: _age(r["now"], r["since"]) for r in records}
@@ -778,19 +483,13 @@ class PgJobStore(CommitListeners):
     # ----- outbox ------------------------------------------------------------------------
 
     async def outbox_batch(self, limit: int, *, stale_after_s: float | None = None) -> list[OutboxRow]:
-        # A tenant's rows are inserted under its counter lock, so they commit in seq order;
-        # rows of different tenants may commit out of seq order, and a later batch picks up
-        # a lower seq that committed late (rows are deleted by seq, never by range).
-        if stale_after_s is None:
-            records = await self._fetch(
-                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox WHERE origin = $2"
-                " ORDER BY seq LIMIT $1", limit, self._db.origin,
-            )
-        else:
-            records = await self._fetch(
-                "SELECT seq, subject, msg_id, payload, traceparent, tracestate FROM outbox"
-                f" WHERE created_at < {NOW_SQL} - $2 ORDER BY seq LIMIT $1", limit, float(stale_after_s),
-            )
+        # One round trip: the batch's events are numbered first (herald_number_events, a
+        # short transaction under each of their tenants' counter rows), so each event row
+        # comes back with its seq in its payload. Rows of different processes commit out of
+        # outbox order, and a later batch picks up a lower seq that committed late (rows
+        # are deleted by seq, never by range).
+        records = await self._fetch(_OUTBOX_BATCH, self._db.origin,
+                                    None if stale_after_s is None else float(stale_after_s), limit)
         return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
                           traceparent=r["traceparent"], tracestate=r["tracestate"])
                 for r in records]

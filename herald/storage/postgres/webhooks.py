@@ -1,7 +1,7 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
 The decisions are ``herald.delivery_rules``' (the rulebook both stores keep): the plpgsql
-functions below make them next to the data, with the rulebook's numbers passed in as
+functions (``sql/0007``-``0012``) make them next to the data, with the rulebook's numbers passed in as
 arguments (``tests/store_contract/test_rulebook.py`` checks them against the rulebook, case by
 case); key rotation, a rare API write, calls the rulebook itself. What this module
 adds is how it stays correct without SQLite's single writer, when several gateways and
@@ -13,7 +13,7 @@ variable or an uncorrelated sub-select, so that it stays a constant the planner 
 against the indexes (a bare volatile call per row could not be).
 
 Round trips. The hot paths are one statement each, one round trip: ``fan_out``, ``claim``
-and ``finish`` call plpgsql functions created by the migration, so their several steps
+and ``finish`` call plpgsql functions (``sql/0007``-``0010``), so their several steps
 run next to the data instead of a BEGIN, n statements and a COMMIT over the network.
 A plpgsql function in READ COMMITTED also takes a fresh snapshot per statement, which
 the claim below depends on. The API's rarer writes (update, delete, rotate) are short
@@ -74,7 +74,6 @@ import asyncpg
 import msgspec
 
 from herald.deliveries import (
-    CALLBACK_PREFIX,
     Attempted,
     TEST_EVENT_TYPE,
     TEST_EVENT_WINDOW_S,
@@ -97,7 +96,6 @@ from herald.deliveries import (
 from herald import delivery_rules as rules
 from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES
 from herald.sealing import Sealer, key_aad
-from herald.storage.migrations import read_sql
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.webhook_signing import HMAC, SigningKey, new_key
 from schemas import JobEvent
@@ -115,25 +113,7 @@ ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpo
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
 
-# The constants the SQL files name in braces.
-SQL_PARAMS = {"now": NOW_SQL, "key_lock": KEY_LOCK_CLASS, "order_lock": ORDER_LOCK_CLASS,
-              "callback_prefix": CALLBACK_PREFIX}
-
-
-def _sql(name: str) -> str:
-    return read_sql("herald.storage.postgres", name, SQL_PARAMS)
-
-
-# The tables and functions (herald/storage/postgres/sql/), under the names the databases
-# made so far recorded them by.
-MIGRATIONS: list[tuple[str, str]] = [
-    ("webhooks-1-tables", _sql("0006_webhooks_tables.sql")),
-    ("webhooks-1-functions", _sql("0007_webhooks_functions.sql")),
-    ("webhooks-2-finish-many", _sql("0008_webhooks_finish_many.sql")),
-    ("webhooks-3-claim-by-target", _sql("0009_webhooks_claim_by_target.sql")),
-    ("webhooks-4-fair-claim", _sql("0010_webhooks_fair_claim.sql")),
-    ("webhooks-5-claim-skips-capped-tenants", _sql("0012_webhooks_claim_skips_capped_tenants.sql")),
-]
+# The tables and functions: sql/0006-0010 and 0012 beside this package's schema.py.
 
 _FAIL_PENDING_SQL = f"""
 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,

@@ -36,6 +36,7 @@ import os
 import secrets
 import sqlite3
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +44,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from herald.keyfiles import private_dir, private_file
+from herald.storage.migrations import Migration, Schema, migrate
 
 T = TypeVar("T")
 
@@ -86,9 +88,9 @@ class Database:
     comes within ``RIDE_WAIT_S`` does it get a commit of its own.
     """
 
-    def __init__(self, path: Path, schema: str, *, max_batch: int = 64) -> None:
+    def __init__(self, path: Path, schema: Schema, *, max_batch: int = 64) -> None:
         self.path = path
-        self.schema = schema
+        self.schema = schema  # brought up to date when the database opens (herald.storage.sqlite.schema.SCHEMA)
         # This process's name on the outbox rows it commits: its relay publishes those.
         self.origin = secrets.token_hex(8)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sqlite-writer")
@@ -104,24 +106,47 @@ class Database:
         self._lock_fd: int | None = None
         self._checkpointer: threading.Thread | None = None
         self._stop_checkpointing = threading.Event()
+        self._opening: asyncio.Task[None] | None = None
 
     async def open(self) -> None:
-        if self._writer is not None:
-            return
+        if self._opening is None:
+            self._opening = asyncio.create_task(self._open(), name="sqlite-open")
+        await self._opening  # a second caller (the stores share the Database) waits for the same open
+
+    async def _open(self) -> None:
         private_dir(self.path.parent)
 
         def _open() -> None:
             private_file(self.path)  # before SQLite makes it (and its -wal, -shm alike) 0644
             self._lock_fd = os.open(self.path.with_name(self.path.name + ".lock"), os.O_RDWR | os.O_CREAT, 0o600)
-            self._writer = connect(self.path, check_same_thread=False)
-            with self._write_lock():
-                self._writer.executescript(self.schema)  # CREATE ... IF NOT EXISTS: safe from many processes
-            self._writer.execute("PRAGMA wal_autocheckpoint=0")
+            writer = connect(self.path, check_same_thread=False)
+            try:
+                self._migrate(writer)
+                writer.execute("PRAGMA wal_autocheckpoint=0")
+            except BaseException:
+                writer.close()
+                raise
+            self._writer = writer
 
+        # One job on the writer thread: a write queued meanwhile runs after it, on the schema it made.
         await asyncio.get_running_loop().run_in_executor(self._executor, _open)
         self.reader = connect(self.path, busy_timeout_ms=2_000)
         self._checkpointer = threading.Thread(target=self._checkpoint_loop, name="sqlite-checkpointer", daemon=True)
         self._checkpointer.start()
+
+    def _migrate(self, writer: sqlite3.Connection) -> None:
+        """Writer thread: the schema brought up to date in one transaction under the write lock
+        (``herald.storage.migrations``); of several processes opening at once, the first
+        migrates and the others find it done. The runner is a coroutine; here it only ever
+        waits for this thread's own SQLite calls, so it runs on a loop of its own."""
+        with self._write_lock():
+            writer.execute("BEGIN IMMEDIATE")
+            try:
+                asyncio.run(migrate(_Session(writer), self.schema))
+            except BaseException:
+                writer.execute("ROLLBACK")
+                raise
+            writer.execute("COMMIT")
 
     @contextlib.contextmanager
     def _write_lock(self) -> Iterator[None]:
@@ -255,9 +280,8 @@ class Database:
         if self._checkpointer is not None:
             await asyncio.to_thread(self._checkpointer.join)
             self._checkpointer = None
-        if self._writer is not None:
-            # Queued behind any batch still pending: the executor runs one job at a time, in order.
-            await asyncio.get_running_loop().run_in_executor(self._executor, self._close_writer)
+        # Queued behind any batch still pending: the executor runs one job at a time, in order.
+        await asyncio.get_running_loop().run_in_executor(self._executor, self._close_writer)
         self._executor.shutdown(wait=True)
 
     def _close_writer(self) -> None:
@@ -267,6 +291,40 @@ class Database:
         if self._lock_fd is not None:
             os.close(self._lock_fd)
             self._lock_fd = None
+
+
+class _Session:
+    """The migration runner's view of the writer connection (``herald.storage.migrations.Session``)."""
+
+    def __init__(self, conn: sqlite3.Connection) -> None:
+        self._conn = conn
+
+    async def execute(self, sql: str) -> None:
+        # Statement by statement: executescript would COMMIT the open transaction first.
+        for statement in statements(sql):
+            self._conn.execute(statement)
+
+    async def fetch(self, sql: str) -> list[tuple[Any, ...]]:
+        return [tuple(row) for row in self._conn.execute(sql)]
+
+    async def record(self, migration: Migration) -> None:
+        self._conn.execute(
+            "INSERT INTO herald_schema_migrations (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)",
+            (migration.version, migration.name, migration.checksum, time.time()))
+
+
+def statements(script: str) -> Iterator[str]:
+    """The statements of an SQL script, each whole: split at every ``;`` that ends one
+    (``sqlite3.complete_statement`` knows string literals, comments and trigger bodies)."""
+    pending = ""
+    *pieces, tail = script.split(";")
+    for piece in pieces:
+        pending += piece + ";"
+        if sqlite3.complete_statement(pending):
+            yield pending
+            pending = ""
+    if (pending + tail).strip():
+        yield pending + tail  # no closing ";": SQLite takes it as it takes a last statement
 
 
 def _in_savepoint(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> tuple[T | None, BaseException | None]:

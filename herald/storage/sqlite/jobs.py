@@ -42,98 +42,9 @@ from herald.timefmt import now, rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
 
-# State names in the SQL below are the values of ``schemas.jobs.JobState`` (the one list),
-# written out because a query must repeat a partial index's predicate literally for the
-# planner to use the index.
-SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    collection TEXT NOT NULL,
-    state TEXT NOT NULL,
-    params BLOB NOT NULL,
-    progress INTEGER,
-    version INTEGER NOT NULL,
-    attempt INTEGER NOT NULL,
-    cancel_requested INTEGER NOT NULL DEFAULT 0,
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    heartbeat_at REAL,
-    deadline_at REAL NOT NULL,
-    finished_at REAL,
-    expires_at REAL,
-    result_path TEXT,
-    media_type TEXT,
-    error BLOB,
-    callback_url TEXT,
-    traceparent TEXT,
-    tracestate TEXT,
-    result_body BLOB
-);
-CREATE INDEX IF NOT EXISTS jobs_by_tenant ON jobs (tenant, created_at DESC, id DESC);
-CREATE INDEX IF NOT EXISTS jobs_live ON jobs (state, heartbeat_at) WHERE state IN ('queued', 'running');
-CREATE INDEX IF NOT EXISTS jobs_queued_since ON jobs (created_at) WHERE state = 'queued';
-CREATE INDEX IF NOT EXISTS jobs_queued_by_kind ON jobs (kind, created_at) WHERE state = 'queued';
-CREATE INDEX IF NOT EXISTS jobs_expiring ON jobs (expires_at) WHERE expires_at IS NOT NULL;
--- SPEC §13: a capped tenant's running jobs (the claim), a tenant's own queue age (back-pressure).
-CREATE INDEX IF NOT EXISTS jobs_running_by_tenant ON jobs (tenant) WHERE state = 'running';
-CREATE INDEX IF NOT EXISTS jobs_queued_by_tenant ON jobs (kind, tenant, created_at) WHERE state = 'queued';
-
-CREATE TABLE IF NOT EXISTS events (
-    tenant TEXT NOT NULL,
-    seq INTEGER NOT NULL,
-    job_id TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    version INTEGER NOT NULL,
-    type TEXT NOT NULL,
-    at REAL NOT NULL,
-    data BLOB NOT NULL,
-    PRIMARY KEY (tenant, seq)
-) WITHOUT ROWID;
-CREATE UNIQUE INDEX IF NOT EXISTS events_by_job ON events (job_id, version);
-
-CREATE TABLE IF NOT EXISTS tenant_seq (tenant TEXT PRIMARY KEY, last INTEGER NOT NULL);
-
-CREATE TABLE IF NOT EXISTS outbox (
-    seq INTEGER PRIMARY KEY AUTOINCREMENT,
-    subject TEXT NOT NULL,
-    msg_id TEXT NOT NULL,
-    payload BLOB NOT NULL,
-    created_at REAL NOT NULL,
-    traceparent TEXT,
-    tracestate TEXT,
-    origin TEXT
-);
-
-CREATE TABLE IF NOT EXISTS idempotency_keys (
-    tenant TEXT NOT NULL,
-    key TEXT NOT NULL,
-    fingerprint TEXT NOT NULL,
-    job_id TEXT NOT NULL,
-    created_at REAL NOT NULL,
-    expires_at REAL NOT NULL,
-    PRIMARY KEY (tenant, key)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS idempotency_expiring ON idempotency_keys (expires_at);
-
-CREATE TABLE IF NOT EXISTS tombstones (
-    job_id TEXT PRIMARY KEY,
-    tenant TEXT NOT NULL,
-    deleted_at REAL NOT NULL
-) WITHOUT ROWID;
-
-CREATE TABLE IF NOT EXISTS rate_buckets (
-    tenant TEXT PRIMARY KEY,
-    tokens REAL NOT NULL,
-    at REAL NOT NULL
-) WITHOUT ROWID;
-
-CREATE TABLE IF NOT EXISTS herald_secrets (
-    name TEXT PRIMARY KEY,
-    value BLOB NOT NULL
-) WITHOUT ROWID;
-"""
+# The tables: sql/0001_jobs.sql beside this package's schema.py. State names in the SQL below
+# are the values of ``schemas.jobs.JobState`` (the one list), written out because a query must
+# repeat a partial index's predicate literally for the planner to use the index.
 
 _event_encoder = msgspec.json.Encoder()
 _SIGNING_KEY_NAME = "url-signing"
@@ -194,22 +105,6 @@ def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes
     )
 
 
-_ADDED_COLUMNS = {
-    "jobs": (("traceparent", "TEXT"), ("tracestate", "TEXT"), ("result_body", "BLOB")),
-    "outbox": (("traceparent", "TEXT"), ("tracestate", "TEXT"), ("origin", "TEXT")),
-}
-
-
-def _add_columns(conn: sqlite3.Connection) -> None:
-    """A data dir from before trace contexts, outbox origins and results in the row were kept:
-    add their columns (once, under the write lock)."""
-    for table, added in _ADDED_COLUMNS.items():
-        columns = {row["name"] for row in conn.execute(f"PRAGMA table_info({table})")}
-        for column, type_ in added:
-            if column not in columns:
-                conn.execute(f"ALTER TABLE {table} ADD COLUMN {column} {type_}")
-
-
 def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
     # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
     # JetStream's duplicate window would swallow it.
@@ -234,7 +129,6 @@ class SqliteJobStore(CommitListeners):
 
     async def open(self) -> None:
         await self._db.open()
-        await self._db.write(_add_columns)
         # A store an older Herald wrote keeps its secrets in plaintext: sealed now, in place.
         await resealing.reseal(self._db, self._sealer, everything=False)
         resealing.check_keys(self._db, self._sealer)
@@ -495,17 +389,6 @@ class SqliteJobStore(CommitListeners):
                 future.exception()  # retrieved: a failed delete is not an error of anyone's
 
         self._db.write_soon(tx).add_done_callback(committed)
-
-    async def trace_contexts(self, job_ids: Sequence[str]) -> dict[str, tuple[str, str | None]]:
-        wanted = list(dict.fromkeys(job_ids))
-        if not wanted:
-            return {}
-        rows = self._db.read(
-            f"SELECT id, traceparent, tracestate FROM jobs WHERE id IN ({','.join('?' * len(wanted))})"
-            " AND traceparent IS NOT NULL",
-            wanted,
-        )
-        return {r["id"]: (r["traceparent"], r["tracestate"]) for r in rows}
 
     # ----- sweeping -------------------------------------------------------------------
 

@@ -1,5 +1,6 @@
--- PostgreSQL migration 7: the webhook functions (keys, fan-out, claim, finish).
--- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+-- PostgreSQL migration 7: the webhook functions (keys, fan-out, finish; the claim is
+-- migration 10's).
+-- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 
 -- A new current key; the previous current one signs for the overlap, then retires.
 CREATE FUNCTION herald_webhook_add_key(
@@ -36,7 +37,8 @@ BEGIN
     RETURN QUERY SELECT p_algorithm, p_secret, p_public_key;
 END $$;
 
--- notifier.queue's fan_out and _add_delivery, statement for statement, after the locks.
+-- SQLite's fan_out and _add_delivery (herald/storage/sqlite/queue.py), statement for statement,
+-- after the locks.
 CREATE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION
@@ -159,85 +161,8 @@ BEGIN
     RETURN pending;
 END $$;
 
--- notifier.queue's first claim (a window over everything pending); migration 9 replaces it
--- with the claim per target.
-CREATE FUNCTION herald_webhook_claim(
-    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
-    p_busy_targets TEXT[], p_busy_counts INTEGER[]
-) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
-                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[])
-LANGUAGE plpgsql SET plan_cache_mode = force_custom_plan AS $$
-#variable_conflict use_column
-DECLARE
-    ts DOUBLE PRECISION := {now};
-    ids TEXT[];
-BEGIN
-    -- Candidates as in SQLite: due, unleased, endpoint enabled, a slot left for the target
-    -- in this notifier (p_busy_*: what it has in flight), oldest first, and nothing whose
-    -- older version of the same job is pending for the same target. The window query
-    -- cannot take row locks, so the outer step locks; rows another notifier holds are
-    -- skipped, rows it leased meanwhile are re-checked on their newest version.
-    SELECT coalesce(array_agg(locked.id), '{}') INTO ids FROM (
-        SELECT d.id
-          FROM webhook_deliveries d
-          JOIN (
-            SELECT cand.id, cand.next_attempt_at, cand.seq, coalesce(b.n, 0) AS busy,
-                   row_number() OVER (PARTITION BY cand.target ORDER BY cand.next_attempt_at, cand.seq) AS rank
-              FROM webhook_deliveries cand
-              JOIN webhook_messages m ON m.event_id = cand.event_id
-              LEFT JOIN webhook_endpoints e ON e.id = cand.endpoint_id
-              LEFT JOIN unnest(p_busy_targets, p_busy_counts) AS b(target, n) ON b.target = cand.target
-             WHERE cand.status = 'pending' AND cand.next_attempt_at <= ts
-               AND (cand.lease_until IS NULL OR cand.lease_until <= ts)
-               AND (cand.endpoint_id IS NULL OR e.status = 'enabled')
-               AND coalesce(b.n, 0) < p_per_target
-               AND NOT EXISTS (
-                   SELECT 1 FROM webhook_deliveries older
-                    WHERE older.target = cand.target AND older.job_id = cand.job_id
-                      AND older.status = 'pending' AND older.version < cand.version)
-          ) c ON c.id = d.id
-         WHERE c.rank <= p_per_target - c.busy
-           AND d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
-         ORDER BY c.next_attempt_at, c.seq
-         -- LIMIT above the row locks: rows another notifier holds are passed over and the
-         -- next candidates taken, so concurrent claims split the work instead of colliding.
-         LIMIT p_limit
-           FOR UPDATE OF d SKIP LOCKED
-    ) locked;
-    IF cardinality(ids) = 0 THEN
-        RETURN;
-    END IF;
-
-    -- A new snapshot: an older version committed by a fan-out since the candidates were
-    -- read holds its newer one back (fan-out locked the newer row while deciding, so it
-    -- either finished before our lock or will see our lease and supersede itself).
-    RETURN QUERY
-    WITH leased AS (
-        UPDATE webhook_deliveries d SET lease_owner = p_owner, lease_until = ts + p_lease_s
-         WHERE d.id = ANY(ids)
-           AND NOT EXISTS (
-               SELECT 1 FROM webhook_deliveries older
-                WHERE older.target = d.target AND older.job_id = d.job_id
-                  AND older.status = 'pending' AND older.version < d.version)
-        RETURNING d
-    )
-    SELECT l.d, coalesce(e.url, (l.d).url), m.body, k.algorithms, k.secrets, k.public_keys
-      FROM leased l
-      JOIN webhook_messages m ON m.event_id = (l.d).event_id
-      LEFT JOIN webhook_endpoints e ON e.id = (l.d).endpoint_id
-     CROSS JOIN LATERAL (
-        -- the keys that sign now: the current one first, then any in their overlap
-        SELECT array_agg(wk.algorithm ORDER BY wk.created_at DESC) AS algorithms,
-               array_agg(wk.secret ORDER BY wk.created_at DESC) AS secrets,
-               array_agg(wk.public_key ORDER BY wk.created_at DESC) AS public_keys
-          FROM webhook_keys wk
-         WHERE wk.owner = coalesce((l.d).endpoint_id, '{callback_prefix}' || (l.d).tenant)
-           AND (wk.retire_at IS NULL OR wk.retire_at > ts)
-     ) k
-     ORDER BY (l.d).next_attempt_at, (l.d).seq;
-END $$;
-
--- notifier.queue's finish, _status_after and _endpoint_health in one transaction.
+-- SQLite's finish, _status_after and _endpoint_health (herald/storage/sqlite/queue.py) in one
+-- transaction.
 CREATE FUNCTION herald_webhook_finish(
     p_id TEXT, p_target TEXT, p_job_id TEXT, p_owner TEXT, p_started_at DOUBLE PRECISION,
     p_status_code INTEGER, p_latency_ms DOUBLE PRECISION, p_error TEXT, p_response BYTEA, p_ok BOOLEAN,

@@ -1,5 +1,5 @@
 -- PostgreSQL migration 8: herald_webhook_finish_many.
--- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+-- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 
 -- Several attempts recorded in one transaction, one round trip: herald_webhook_finish for
 -- each, in the caller's order. The order locks of the whole batch are taken first and

@@ -1,5 +1,5 @@
 -- PostgreSQL migration 12: the claim passes over a tenant at its cap before reading.
--- The names in braces are filled in when it is applied (herald/storage/postgres/webhooks.py).
+-- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 
 -- Migration 10's claim read every pending target's candidates, then dropped those of tenants
 -- with no slot left here (p_per_tenant). A tenant at its cap behind many targets (the noisy

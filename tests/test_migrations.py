@@ -1,0 +1,367 @@
+"""The migration runner (``herald.storage.migrations``) on both stores, against real databases.
+
+For each backend: a new database gets every version, recorded; opening it again applies
+nothing; a database made by the code before the runner (``tests/legacy_schema/``, the
+schema as main had it) is adopted -- its versions recorded, none run again -- and ends
+with the very schema a new one has; and several processes starting at once on a new
+database apply each migration exactly once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import sqlite3
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import asyncpg
+import pytest
+
+from herald.storage.migrations import Migration, Schema, load, render
+from herald.storage.postgres import schema as pg_schema
+from herald.storage.postgres.db import PgDatabase
+from herald.storage.sqlite import schema as sqlite_schema
+from herald.storage.sqlite.db import Database, statements
+from tests.harness import new_database
+
+LEGACY = Path(__file__).parent / "legacy_schema"
+PG_VERSIONS = [m.version for m in pg_schema.SCHEMA.migrations]
+SQLITE_VERSIONS = [m.version for m in sqlite_schema.SCHEMA.migrations]
+RUNNER_TABLES = ("herald_schema_migrations", "herald_migrations", "sqlite_sequence")
+
+
+# ----- the files ------------------------------------------------------------------------------
+
+
+def test_each_backend_numbers_its_files_from_one_without_gaps() -> None:
+    assert PG_VERSIONS == list(range(1, len(PG_VERSIONS) + 1)) and len(PG_VERSIONS) >= 12
+    assert SQLITE_VERSIONS == [1, 2, 3]
+    assert all(not re.search(r"\{[a-z_]+\}", m.sql) for m in pg_schema.SCHEMA.migrations)  # every placeholder filled
+
+
+def test_a_placeholder_the_backend_does_not_define_is_an_error_and_other_braces_stay() -> None:
+    assert render("SELECT '{}', {now}", {"now": 1}) == "SELECT '{}', 1"
+    with pytest.raises(KeyError, match="nwo"):
+        render("SELECT {nwo}", {"now": 1})
+
+
+def test_a_file_named_out_of_sequence_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "gappy"
+    (package / "sql").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sql" / "0001_a.sql").write_text("SELECT 1;")
+    (package / "sql" / "0003_c.sql").write_text("SELECT 3;")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match=r"\[1, 3\]"):
+        load("gappy")
+
+
+def test_a_script_splits_into_whole_statements() -> None:
+    script = "CREATE TABLE a (x TEXT DEFAULT ';');\n-- a comment; with a semicolon\nINSERT INTO a VALUES ('x;y');\n"
+    assert [s.strip() for s in statements(script)] == [
+        "CREATE TABLE a (x TEXT DEFAULT ';');", "-- a comment; with a semicolon\nINSERT INTO a VALUES ('x;y');"]
+
+
+# ----- SQLite -----------------------------------------------------------------------------------
+
+
+def _sqlite_schema(path: Path) -> dict[str, Any]:
+    """What the schema is, told apart from how it was written: columns, indexes, their SQL."""
+    conn = sqlite3.connect(path)
+    try:
+        tables = [r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table' ORDER BY name")
+                  if r[0] not in RUNNER_TABLES]
+        return {
+            "columns": {t: conn.execute(f"PRAGMA table_xinfo({t})").fetchall() for t in tables},
+            "without_rowid": {t: "WITHOUT ROWID" in conn.execute(
+                "SELECT sql FROM sqlite_master WHERE name = ?", (t,)).fetchone()[0] for t in tables},
+            "indexes": conn.execute("SELECT name, tbl_name, sql FROM sqlite_master WHERE type = 'index'"
+                                    " ORDER BY name").fetchall(),
+            "directory": conn.execute("SELECT id, version FROM herald_directory").fetchall(),
+        }
+    finally:
+        conn.close()
+
+
+def _sqlite_records(path: Path) -> list[tuple[Any, ...]]:
+    with sqlite3.connect(path) as conn:
+        return conn.execute("SELECT version, name, checksum, applied_at FROM herald_schema_migrations"
+                            " ORDER BY version").fetchall()
+
+
+async def _open_sqlite(path: Path) -> None:
+    db = Database(path, sqlite_schema.SCHEMA)
+    await db.open()
+    await db.close()
+
+
+async def test_sqlite_new_database_gets_every_version_and_a_second_open_applies_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    path = tmp_path / "herald.db"
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_sqlite(path)
+    first = _sqlite_records(path)
+    assert [(v, n, c) for v, n, c, _ in first] == [(m.version, m.name, m.checksum) for m in sqlite_schema.SCHEMA.migrations]
+    assert [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"] == SQLITE_VERSIONS  # type: ignore[attr-defined]
+    caplog.clear()
+    schema = _sqlite_schema(path)
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_sqlite(path)
+    assert _sqlite_records(path) == first  # nothing applied or recorded again
+    assert not [r for r in caplog.records if r.name == "herald.migrations"]
+    assert _sqlite_schema(path) == schema
+
+
+def _legacy_sqlite(path: Path, *, drop_later_columns: bool = False) -> None:
+    """A data dir as the code before the runner left it, with a job in it."""
+    with sqlite3.connect(path) as conn:
+        conn.executescript((LEGACY / "sqlite.sql").read_text())
+        if drop_later_columns:  # older still: before trace contexts and outbox origins
+            for table, column in [("jobs", "traceparent"), ("jobs", "tracestate"), ("jobs", "result_body"),
+                                  ("outbox", "traceparent"), ("outbox", "tracestate"), ("outbox", "origin")]:
+                conn.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
+        conn.execute("INSERT INTO jobs (id, tenant, kind, collection, state, params, version, attempt, created_at,"
+                     " updated_at, deadline_at) VALUES ('j1', 't', 'report', 'c', 'queued', x'00', 1, 0, 1, 1, 2)")
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["as-main-made-it", "before-later-columns"])
+async def test_sqlite_database_from_before_the_runner_is_adopted_not_rebuilt(
+    tmp_path: Path, older: bool, caplog: pytest.LogCaptureFixture,
+) -> None:
+    new = tmp_path / "new.db"
+    await _open_sqlite(new)
+    old = tmp_path / "old.db"
+    _legacy_sqlite(old, drop_later_columns=older)
+
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_sqlite(old)
+
+    assert [r[:3] for r in _sqlite_records(old)] == [r[:3] for r in _sqlite_records(new)]
+    messages = [r.getMessage() for r in caplog.records if r.name == "herald.migrations"]
+    assert "schema migration applied" not in messages and len(messages) == len(SQLITE_VERSIONS)
+    with sqlite3.connect(old) as conn:
+        assert conn.execute("SELECT id, traceparent FROM jobs").fetchall() == [("j1", None)]
+    adopted, fresh = _sqlite_schema(old), _sqlite_schema(new)
+    assert adopted == fresh
+
+
+SQLITE_OPENER = textwrap.dedent("""
+    import asyncio, logging, sys
+    from pathlib import Path
+    from herald.storage.sqlite.db import Database
+    from herald.storage.sqlite.schema import SCHEMA
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", stream=sys.stdout)
+    sys.stdin.readline()  # everyone starts together
+
+    async def main() -> None:
+        db = Database(Path(sys.argv[1]), SCHEMA)
+        await db.open()
+        await db.close()
+
+    asyncio.run(main())
+""")
+
+PG_OPENER = textwrap.dedent("""
+    import asyncio, logging, sys
+    from herald.storage.postgres.db import PgDatabase
+    from herald.storage.postgres.schema import SCHEMA
+
+    logging.basicConfig(level=logging.INFO, format="%(name)s %(message)s", stream=sys.stdout)
+    sys.stdin.readline()  # everyone starts together
+
+    async def main() -> None:
+        db = PgDatabase(sys.argv[1], SCHEMA, max_size=1)
+        await db.open()
+        await db.close()
+
+    asyncio.run(main())
+""")
+
+
+def _start_together(code: str, target: str, n: int) -> list[str]:
+    """``n`` processes that open ``target`` at the same moment; each one's log."""
+    procs = [subprocess.Popen([sys.executable, "-c", code, target], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE) for _ in range(n)]
+    for proc in procs:  # each is blocked on stdin until all are running
+        assert proc.stdin is not None
+        proc.stdin.write(b"go\n")
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.flush()
+    logs = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        assert proc.returncode == 0, err.decode()
+        logs.append(out.decode())
+    return logs
+
+
+def _applied_lines(logs: list[str]) -> int:
+    return sum(line == "herald.migrations schema migration applied" for log in logs for line in log.splitlines())
+
+
+def test_sqlite_processes_starting_together_migrate_once(tmp_path: Path) -> None:
+    path = tmp_path / "herald.db"
+    logs = _start_together(SQLITE_OPENER, str(path), 4)
+    assert _applied_lines(logs) == len(SQLITE_VERSIONS), logs
+    assert [r[0] for r in _sqlite_records(path)] == SQLITE_VERSIONS
+
+
+async def test_sqlite_migration_is_one_transaction(tmp_path: Path) -> None:
+    """A migration that fails leaves nothing of itself or of those before it in the same open."""
+    path = tmp_path / "herald.db"
+    broken = Schema((Migration(1, "a", "CREATE TABLE a (x);"), Migration(2, "b", "CREATE TABLE b (x); SELEC 1;")))
+    db = Database(path, broken)
+    with pytest.raises(sqlite3.OperationalError):
+        await db.open()
+    await db.close()
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'").fetchall() == []
+
+
+# ----- PostgreSQL -------------------------------------------------------------------------------
+
+
+async def _pg_schema(url: str) -> dict[str, Any]:
+    conn = await asyncpg.connect(url)
+    try:
+        skip = list(RUNNER_TABLES)
+        return {
+            "columns": [tuple(r) for r in await conn.fetch(
+                "SELECT table_name, ordinal_position, column_name, data_type, is_nullable, column_default,"
+                " is_identity, identity_generation FROM information_schema.columns"
+                " WHERE table_schema = 'public' AND NOT (table_name = ANY($1)) ORDER BY 1, 2", skip)],
+            "indexes": [tuple(r) for r in await conn.fetch(
+                "SELECT tablename, indexname, indexdef FROM pg_indexes WHERE schemaname = 'public'"
+                " AND NOT (tablename = ANY($1)) ORDER BY 1, 2", skip)],
+            "constraints": [tuple(r) for r in await conn.fetch(
+                "SELECT c.conrelid::regclass::text, c.conname, pg_get_constraintdef(c.oid) FROM pg_constraint c"
+                " JOIN pg_namespace n ON n.oid = c.connamespace WHERE n.nspname = 'public'"
+                " AND NOT (c.conrelid::regclass::text = ANY($1)) ORDER BY 1, 2", skip)],
+            "functions": [tuple(r) for r in await conn.fetch(
+                "SELECT p.proname, pg_get_function_identity_arguments(p.oid), pg_get_function_result(p.oid),"
+                " p.prosrc, p.proconfig FROM pg_proc p JOIN pg_namespace n ON n.oid = p.pronamespace"
+                " WHERE n.nspname = 'public' ORDER BY 1, 2")],
+            "directory": [tuple(r) for r in await conn.fetch("SELECT id, version FROM herald_directory")],
+        }
+    finally:
+        await conn.close()
+
+
+async def _pg_records(url: str) -> list[tuple[Any, ...]]:
+    conn = await asyncpg.connect(url)
+    try:
+        return [tuple(r) for r in await conn.fetch(
+            "SELECT version, name, checksum, applied_at FROM herald_schema_migrations ORDER BY version")]
+    finally:
+        await conn.close()
+
+
+async def _open_pg(url: str) -> None:
+    db = PgDatabase(url, pg_schema.SCHEMA, max_size=1)
+    await db.open()
+    await db.close()
+
+
+def _legacy_sections() -> list[tuple[str, str]]:
+    """The legacy fixture's migrations, (name, SQL), in their order."""
+    text = (LEGACY / "postgres.sql").read_text()
+    body = text[:text.index("\nCREATE TABLE herald_migrations")]
+    parts = re.split(r"^-- ===== (\S+)\n", body, flags=re.M)[1:]
+    return list(zip(parts[0::2], parts[1::2]))
+
+
+async def _legacy_pg(url: str, *, upto: str | None = None) -> None:
+    """A database as the code before the runner left it (every migration up to ``upto``), with a job in it."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("CREATE TABLE herald_migrations (name TEXT PRIMARY KEY, applied_at DOUBLE PRECISION NOT NULL)")
+        for name, sql in _legacy_sections():
+            await conn.execute(sql)
+            await conn.execute("INSERT INTO herald_migrations VALUES ($1, 0)", name)
+            if name == upto:
+                break
+        await conn.execute("INSERT INTO jobs (id, tenant, kind, collection, state, params, version, attempt,"
+                           " created_at, updated_at, deadline_at) VALUES ('j1', 't', 'report', 'c', 'queued', '\\x00',"
+                           " 1, 0, 1, 1, 2)")
+    finally:
+        await conn.close()
+
+
+async def test_the_legacy_fixture_is_the_whole_of_the_old_chain() -> None:
+    assert [name for name, _ in _legacy_sections()] == list(pg_schema.LEGACY_NAMES)
+
+
+async def test_postgres_new_database_gets_every_version_and_a_second_open_applies_nothing(
+    fresh_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_pg(fresh_database)
+    first = await _pg_records(fresh_database)
+    assert [(v, n, c) for v, n, c, _ in first] == [(m.version, m.name, m.checksum) for m in pg_schema.SCHEMA.migrations]
+    assert [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"] == PG_VERSIONS  # type: ignore[attr-defined]
+    schema = await _pg_schema(fresh_database)
+    assert not [f for f in schema["functions"] if f[0] == "herald_webhook_claim" and "p_held" not in f[1]]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_pg(fresh_database)
+    assert await _pg_records(fresh_database) == first
+    assert not [r for r in caplog.records if r.name == "herald.migrations"]
+    assert await _pg_schema(fresh_database) == schema
+
+
+async def test_postgres_database_from_before_the_runner_is_adopted_not_rebuilt(
+    postgres_server: Any, fresh_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    old = new_database(postgres_server)
+    await _legacy_pg(old)
+    conn = await asyncpg.connect(old)
+    try:
+        claim_oid = await conn.fetchval("SELECT 'herald_webhook_claim'::regproc::oid")
+    finally:
+        await conn.close()
+
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_pg(old)
+
+    messages = [r.getMessage() for r in caplog.records if r.name == "herald.migrations"]
+    assert "schema migration applied" not in messages and len(messages) == len(PG_VERSIONS)
+    await _open_pg(fresh_database)
+    assert [r[:3] for r in await _pg_records(old)] == [r[:3] for r in await _pg_records(fresh_database)]
+    conn = await asyncpg.connect(old)
+    try:  # nothing ran again: the claim is the very function it was, the job is there
+        assert await conn.fetchval("SELECT 'herald_webhook_claim'::regproc::oid") == claim_oid
+        assert await conn.fetchval("SELECT id FROM jobs") == "j1"
+    finally:
+        await conn.close()
+    assert await _pg_schema(old) == await _pg_schema(fresh_database)
+
+
+async def test_postgres_database_part_way_through_the_old_chain_gets_the_rest(
+    postgres_server: Any, fresh_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Before the fair claim: the old claim of six parameters goes, the rest is applied."""
+    old = new_database(postgres_server)
+    await _legacy_pg(old, upto="webhooks-2-finish-many")
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_pg(old)
+    applied = [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"]  # type: ignore[attr-defined]
+    names = [name for name, _ in _legacy_sections()]
+    had = {pg_schema.LEGACY_NAMES[name] for name in names[:names.index("webhooks-2-finish-many") + 1]}
+    assert 10 not in had and applied == [v for v in PG_VERSIONS if v not in had]
+    await _open_pg(fresh_database)
+    assert await _pg_schema(old) == await _pg_schema(fresh_database)
+
+
+async def test_postgres_processes_starting_together_migrate_once(fresh_database: str) -> None:
+    logs = await asyncio.to_thread(_start_together, PG_OPENER, fresh_database, 4)
+    assert _applied_lines(logs) == len(PG_VERSIONS), logs
+    assert not [line for log in logs for line in log.splitlines() if "cannot open" in line], logs
+    assert [r[0] for r in await _pg_records(fresh_database)] == PG_VERSIONS
