@@ -309,6 +309,8 @@ async def test_postgres_new_database_gets_every_version_and_a_second_open_applie
     assert [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"] == PG_VERSIONS  # type: ignore[attr-defined]
     schema = await _pg_schema(fresh_database)
     assert not [f for f in schema["functions"] if f[0] == "herald_webhook_claim" and "p_held" not in f[1]]
+    # dead functions are gone: the old claims, the key functions the rulebook replaced
+    assert not {f[0] for f in schema["functions"]} & {"herald_webhook_add_key", "herald_webhook_ensure_key"}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="herald.migrations"):
         await _open_pg(fresh_database)
@@ -331,8 +333,12 @@ async def test_postgres_database_from_before_the_runner_is_adopted_not_rebuilt(
     with caplog.at_level(logging.INFO, logger="herald.migrations"):
         await _open_pg(old)
 
-    messages = [r.getMessage() for r in caplog.records if r.name == "herald.migrations"]
-    assert "schema migration applied" not in messages and len(messages) == len(PG_VERSIONS)
+    records = [r for r in caplog.records if r.name == "herald.migrations"]
+    adopted = sorted(pg_schema.LEGACY_NAMES.values())
+    assert [r.migration for r in records if r.getMessage() != "schema migration applied"] == adopted  # type: ignore[attr-defined]
+    # applied: only what came after the runner (never one of the old chain)
+    assert [r.migration for r in records if r.getMessage() == "schema migration applied"] == [  # type: ignore[attr-defined]
+        v for v in PG_VERSIONS if v not in adopted]
     await _open_pg(fresh_database)
     assert [r[:3] for r in await _pg_records(old)] == [r[:3] for r in await _pg_records(fresh_database)]
     conn = await asyncpg.connect(old)

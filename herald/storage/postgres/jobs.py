@@ -289,12 +289,6 @@ class PgJobStore(CommitListeners):
         except CONNECTION_ERRORS as exc:
             raise StoreUnavailable(f"the PostgreSQL store is not reachable (HERALD_DATABASE_URL): {exc}") from exc
 
-    @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """One pooled connection for several statements (one acquire, one release)."""
-        async with self._unavailable_on_errors(), self._db.pool.acquire() as conn:
-            yield conn
-
     async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         async with self._unavailable_on_errors():
             return await self._db.pool.fetch(sql, *args)
