@@ -40,7 +40,7 @@ RUNNER_TABLES = ("herald_schema_migrations", "herald_migrations", "sqlite_sequen
 
 def test_each_backend_numbers_its_files_from_one_without_gaps() -> None:
     assert PG_VERSIONS == list(range(1, len(PG_VERSIONS) + 1)) and len(PG_VERSIONS) >= 12
-    assert SQLITE_VERSIONS == [1, 2, 3]
+    assert SQLITE_VERSIONS == list(range(1, len(SQLITE_VERSIONS) + 1)) and len(SQLITE_VERSIONS) >= 4
     assert all(not re.search(r"\{[a-z_]+\}", m.sql) for m in pg_schema.SCHEMA.migrations)  # every placeholder filled
 
 
@@ -143,12 +143,64 @@ async def test_sqlite_database_from_before_the_runner_is_adopted_not_rebuilt(
         await _open_sqlite(old)
 
     assert [r[:3] for r in _sqlite_records(old)] == [r[:3] for r in _sqlite_records(new)]
-    messages = [r.getMessage() for r in caplog.records if r.name == "herald.migrations"]
-    assert "schema migration applied" not in messages and len(messages) == len(SQLITE_VERSIONS)
+    records = [r for r in caplog.records if r.name == "herald.migrations"]
+    # What the old script made is recorded, not run again; what came after it (4: the keys
+    # PostgreSQL has) runs.
+    applied = [r.migration for r in records if r.getMessage() == "schema migration applied"]  # type: ignore[attr-defined]
+    assert applied == SQLITE_VERSIONS[3:] and len(records) == len(SQLITE_VERSIONS)
     with sqlite3.connect(old) as conn:
         assert conn.execute("SELECT id, traceparent FROM jobs").fetchall() == [("j1", None)]
     adopted, fresh = _sqlite_schema(old), _sqlite_schema(new)
     assert adopted == fresh
+
+
+async def test_sqlite_migration_4_keeps_every_delivery_and_the_keys_postgres_has(tmp_path: Path) -> None:
+    """Migration 4 makes webhook_deliveries again (UNIQUE (event_id, target), as PostgreSQL):
+    every row kept with its seq, and no seq ever used comes again."""
+    path = tmp_path / "herald.db"
+    before = Database(path, Schema(sqlite_schema.SCHEMA.migrations[:3]))
+    await before.open()
+    await before.close()
+
+    def indexes() -> set[str]:
+        with sqlite3.connect(path) as conn:
+            return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'"
+                                               " AND tbl_name = 'webhook_deliveries' AND sql IS NOT NULL")}
+
+    made = indexes()
+    insert = ("INSERT INTO webhook_deliveries (id, tenant, target, event_id, job_id, version, type, status,"
+              " attempts, scheduled_at, created_at, updated_at) VALUES (?, 't', ?, ?, 'j', ?, 'job.running',"
+              " 'pending', 0, 1, 1, 1)")
+    with sqlite3.connect(path) as conn:
+        for n in range(1, 6):
+            conn.execute(insert, (f"d{n}", "ep", f"evt_j.{n}", n))
+        conn.execute("DELETE FROM webhook_deliveries WHERE id IN ('d1', 'd5')")  # pruned, say
+        rows = conn.execute("SELECT * FROM webhook_deliveries ORDER BY seq").fetchall()
+
+    await _open_sqlite(path)
+
+    # Every index an older migration made is made again (one added to webhook_deliveries in a
+    # migration before 4 must be added to 4 too, or the rebuild drops it).
+    assert indexes() == made
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT * FROM webhook_deliveries ORDER BY seq").fetchall() == rows
+        conn.execute(insert, ("d6", "ep", "evt_j.6", 6))
+        assert conn.execute("SELECT seq FROM webhook_deliveries WHERE id = 'd6'").fetchone() == (6,)  # not 5 again
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(insert, ("d7", "ep", "evt_j.6", 6))  # one delivery per event and target
+        unique = [conn.execute(f"PRAGMA index_info({name})").fetchall()
+                  for _, name, is_unique, *_ in conn.execute("PRAGMA index_list(webhook_deliveries)") if is_unique]
+        assert [[column for *_, column in index] for index in unique if len(index) == 2] == [["event_id", "target"]]
+        # Pruning asks "does a delivery still need this message?" by event: an index probe.
+        plan = conn.execute("EXPLAIN QUERY PLAN SELECT 1 FROM webhook_deliveries d WHERE d.event_id = ?",
+                            ("evt_j.2",)).fetchall()
+        assert "USING COVERING INDEX" in plan[0][3], plan
+        # At most one current key per owner; a job's idempotency keys are found by job.
+        key = "INSERT INTO webhook_keys (owner, created_at, algorithm, secret) VALUES ('o', ?, 'hmac-sha256', x'00')"
+        conn.execute(key, (1.0,))
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(key, (2.0,))
+        assert "idempotency_by_job" in {r[1] for r in conn.execute("PRAGMA index_list(idempotency_keys)")}
 
 
 SQLITE_OPENER = textwrap.dedent("""
