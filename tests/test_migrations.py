@@ -281,22 +281,20 @@ async def _pg_schema(url: str) -> dict[str, Any]:
         await conn.close()
 
 
-async def _pg_records(url: str) -> list[tuple[Any, ...]]:
+async def _pg_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
     conn = await asyncpg.connect(url)
     try:
-        return [tuple(r) for r in await conn.fetch(
-            "SELECT version, name, checksum, applied_at FROM herald_schema_migrations ORDER BY version")]
+        return [tuple(r) for r in await conn.fetch(sql)]
     finally:
         await conn.close()
+
+
+async def _pg_records(url: str) -> list[tuple[Any, ...]]:
+    return await _pg_rows(url, "SELECT version, name, checksum, applied_at FROM herald_schema_migrations ORDER BY version")
 
 
 async def _pg_function_records(url: str) -> list[tuple[Any, ...]]:
-    conn = await asyncpg.connect(url)
-    try:
-        return [tuple(r) for r in await conn.fetch(
-            "SELECT name, checksum, applied_at FROM herald_schema_functions ORDER BY name")]
-    finally:
-        await conn.close()
+    return await _pg_rows(url, "SELECT name, checksum, applied_at FROM herald_schema_functions ORDER BY name")
 
 
 async def _open_pg(url: str) -> None:
