@@ -93,7 +93,8 @@ _event_encoder = msgspec.json.Encoder()
 
 SIGNING_KEY_NAME = "url-signing"
 
-# The tables and functions: sql/0001-0005 beside this package's schema.py. State names in the
+# The tables: sql/0001-0005 and 0013 beside this package's schema.py; the functions:
+# sql/functions/jobs_writes.sql and events_numbering.sql. State names in the
 # SQL below are the values of ``schemas.jobs.JobState`` (the one list), written out because a
 # query must repeat a partial index's predicate literally for the planner to use the index.
 
