@@ -3,8 +3,10 @@
 -- migrations, to every database whose record of this file differs; edit it in place.
 -- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 
--- SQLite's fan_out and _add_delivery (herald/storage/sqlite/queue.py), statement for statement,
--- after the locks.
+-- herald.delivery_rules.place for each event and target, next to the data, after the locks
+-- (SQLite's _add_delivery calls the rulebook itself). Its numbers come in as arguments
+-- (p_progress_interval: PROGRESS_INTERVAL_S), and tests/store_contract/test_rulebook.py
+-- holds its decisions to the rulebook's, case by case.
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION

@@ -3,8 +3,10 @@
 -- migrations, to every database whose record of this file differs; edit it in place.
 -- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 
--- SQLite's finish, _status_after and _endpoint_health (herald/storage/sqlite/queue.py) in one
--- transaction.
+-- herald.delivery_rules.settle, next to the data: the attempt logged, what it leaves behind
+-- decided and written, in one transaction (SQLite's _finish calls the rulebook itself). Its
+-- numbers come in as arguments (p_disable_after: ENDPOINT_DISABLE_AFTER_S), and
+-- tests/store_contract/test_rulebook.py holds its decisions to the rulebook's, case by case.
 CREATE OR REPLACE FUNCTION herald_webhook_finish(
     p_id TEXT, p_target TEXT, p_job_id TEXT, p_owner TEXT, p_started_at DOUBLE PRECISION,
     p_status_code INTEGER, p_latency_ms DOUBLE PRECISION, p_error TEXT, p_response BYTEA, p_ok BOOLEAN,
