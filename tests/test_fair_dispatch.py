@@ -11,12 +11,17 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 import httpx
 import pytest
 
+from herald.kinds import declared_kinds
+from herald.settings import Settings
+from herald.tenants import DefaultLimits
 from tests.harness import Deployment, client, wait_until
+from workers.dispatch import KindQueue
 
 A, B = "acme", "globex"
 
@@ -186,3 +191,18 @@ def test_any_tenant_name_becomes_one_subject_token() -> None:
         assert not set(token) & set(".*> \t") and token
         assert tenant_from_token(token) == tenant
     assert len({tenant_token(t) for t in ("a.b", "a-b", "a_b", "~612e62")}) == 4
+
+
+def test_a_free_slot_goes_to_the_tenant_holding_fewest_slots_then_the_least_used(tmp_path: Path) -> None:
+    """A flood that has just begun has no usage yet, but holds most of the slots; the tenant
+    that had been running alone before has usage. Its new jobs take the next free slots, until
+    it holds as many as the flood (by usage alone the flood took every slot until its usage
+    caught up: seconds, bench/RESULTS.md, issue 21); then usage decides."""
+    settings = Settings(data_dir=tmp_path)
+    kinds = KindQueue(declared_kinds()["report"], settings, cast(Any, None), cast(Any, None), DefaultLimits(settings))
+    quiet, flood = kinds.queue("quiet"), kinds.queue("flood")
+    quiet.charge(10.0, time.monotonic())  # ten slot-seconds lately, none running now
+    quiet.count = 5
+    flood.count, flood.running = 1000, 3
+    assert kinds.choose(1) == [quiet]
+    assert kinds.choose(5) == [quiet, quiet, quiet, flood, quiet]

@@ -4,7 +4,9 @@ For each backend: a new database gets every version, recorded; opening it again 
 nothing; a database made by the code before the runner (``tests/legacy_schema/``, the
 schema as main had it) is adopted -- its versions recorded, none run again -- and ends
 with the very schema a new one has; and several processes starting at once on a new
-database apply each migration exactly once.
+database apply each migration exactly once. PostgreSQL's functions are repeatable
+definitions (``sql/functions/``): applied once to a database that lacks their current form,
+again when one changes, never when none did.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from typing import Any
 import asyncpg
 import pytest
 
-from herald.storage.migrations import Migration, Schema, load, render
+from herald.storage.migrations import Function, Migration, Schema, load, load_functions, render
 from herald.storage.postgres import schema as pg_schema
 from herald.storage.postgres.db import PgDatabase
 from herald.storage.sqlite import schema as sqlite_schema
@@ -32,7 +34,8 @@ from tests.harness import new_database
 LEGACY = Path(__file__).parent / "legacy_schema"
 PG_VERSIONS = [m.version for m in pg_schema.SCHEMA.migrations]
 SQLITE_VERSIONS = [m.version for m in sqlite_schema.SCHEMA.migrations]
-RUNNER_TABLES = ("herald_schema_migrations", "herald_migrations", "sqlite_sequence")
+PG_FUNCTIONS = [f.name for f in pg_schema.SCHEMA.functions]
+RUNNER_TABLES = ("herald_schema_migrations", "herald_schema_functions", "herald_migrations", "sqlite_sequence")
 
 
 # ----- the files ------------------------------------------------------------------------------
@@ -40,8 +43,27 @@ RUNNER_TABLES = ("herald_schema_migrations", "herald_migrations", "sqlite_sequen
 
 def test_each_backend_numbers_its_files_from_one_without_gaps() -> None:
     assert PG_VERSIONS == list(range(1, len(PG_VERSIONS) + 1)) and len(PG_VERSIONS) >= 12
-    assert SQLITE_VERSIONS == [1, 2, 3]
+    assert SQLITE_VERSIONS == list(range(1, len(SQLITE_VERSIONS) + 1)) and len(SQLITE_VERSIONS) >= 4
     assert all(not re.search(r"\{[a-z_]+\}", m.sql) for m in pg_schema.SCHEMA.migrations)  # every placeholder filled
+    assert all(not re.search(r"\{[a-z_]+\}", f.sql) for f in pg_schema.SCHEMA.functions)
+
+
+def test_functions_are_defined_once_in_functions_and_never_in_a_numbered_file() -> None:
+    assert PG_FUNCTIONS == sorted(PG_FUNCTIONS) and "webhooks_claim" in PG_FUNCTIONS
+    assert not [m.name for m in pg_schema.SCHEMA.migrations if re.search(r"CREATE\s+(OR\s+REPLACE\s+)?FUNCTION", m.sql)]
+    defined = [name for f in pg_schema.SCHEMA.functions
+               for name in re.findall(r"CREATE OR REPLACE FUNCTION (\w+)\(", f.sql)]
+    assert len(defined) == len(set(defined)) and "herald_webhook_claim" in defined
+
+
+def test_a_repeatable_file_with_a_plain_create_function_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    package = tmp_path / "plain"
+    (package / "sql" / "functions").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sql" / "functions" / "f.sql").write_text("CREATE FUNCTION f() RETURNS INT LANGUAGE sql AS 'SELECT 1';")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ValueError, match="CREATE OR REPLACE"):
+        load_functions("plain")
 
 
 def test_a_placeholder_the_backend_does_not_define_is_an_error_and_other_braces_stay() -> None:
@@ -143,12 +165,64 @@ async def test_sqlite_database_from_before_the_runner_is_adopted_not_rebuilt(
         await _open_sqlite(old)
 
     assert [r[:3] for r in _sqlite_records(old)] == [r[:3] for r in _sqlite_records(new)]
-    messages = [r.getMessage() for r in caplog.records if r.name == "herald.migrations"]
-    assert "schema migration applied" not in messages and len(messages) == len(SQLITE_VERSIONS)
+    records = [r for r in caplog.records if r.name == "herald.migrations"]
+    # What the old script made is recorded, not run again; what came after it (4: the keys
+    # PostgreSQL has) runs.
+    applied = [r.migration for r in records if r.getMessage() == "schema migration applied"]  # type: ignore[attr-defined]
+    assert applied == SQLITE_VERSIONS[3:] and len(records) == len(SQLITE_VERSIONS)
     with sqlite3.connect(old) as conn:
         assert conn.execute("SELECT id, traceparent FROM jobs").fetchall() == [("j1", None)]
     adopted, fresh = _sqlite_schema(old), _sqlite_schema(new)
     assert adopted == fresh
+
+
+async def test_sqlite_migration_4_keeps_every_delivery_and_the_keys_postgres_has(tmp_path: Path) -> None:
+    """Migration 4 makes webhook_deliveries again (UNIQUE (event_id, target), as PostgreSQL):
+    every row kept with its seq, and no seq ever used comes again."""
+    path = tmp_path / "herald.db"
+    before = Database(path, Schema(sqlite_schema.SCHEMA.migrations[:3]))
+    await before.open()
+    await before.close()
+
+    def indexes() -> set[str]:
+        with sqlite3.connect(path) as conn:
+            return {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'index'"
+                                               " AND tbl_name = 'webhook_deliveries' AND sql IS NOT NULL")}
+
+    made = indexes()
+    insert = ("INSERT INTO webhook_deliveries (id, tenant, target, event_id, job_id, version, type, status,"
+              " attempts, scheduled_at, created_at, updated_at) VALUES (?, 't', ?, ?, 'j', ?, 'job.running',"
+              " 'pending', 0, 1, 1, 1)")
+    with sqlite3.connect(path) as conn:
+        for n in range(1, 6):
+            conn.execute(insert, (f"d{n}", "ep", f"evt_j.{n}", n))
+        conn.execute("DELETE FROM webhook_deliveries WHERE id IN ('d1', 'd5')")  # pruned, say
+        rows = conn.execute("SELECT * FROM webhook_deliveries ORDER BY seq").fetchall()
+
+    await _open_sqlite(path)
+
+    # Every index an older migration made is made again (one added to webhook_deliveries in a
+    # migration before 4 must be added to 4 too, or the rebuild drops it).
+    assert indexes() == made
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT * FROM webhook_deliveries ORDER BY seq").fetchall() == rows
+        conn.execute(insert, ("d6", "ep", "evt_j.6", 6))
+        assert conn.execute("SELECT seq FROM webhook_deliveries WHERE id = 'd6'").fetchone() == (6,)  # not 5 again
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(insert, ("d7", "ep", "evt_j.6", 6))  # one delivery per event and target
+        unique = [conn.execute(f"PRAGMA index_info({name})").fetchall()
+                  for _, name, is_unique, *_ in conn.execute("PRAGMA index_list(webhook_deliveries)") if is_unique]
+        assert [[column for *_, column in index] for index in unique if len(index) == 2] == [["event_id", "target"]]
+        # Pruning asks "does a delivery still need this message?" by event: an index probe.
+        plan = conn.execute("EXPLAIN QUERY PLAN SELECT 1 FROM webhook_deliveries d WHERE d.event_id = ?",
+                            ("evt_j.2",)).fetchall()
+        assert "USING COVERING INDEX" in plan[0][3], plan
+        # At most one current key per owner; a job's idempotency keys are found by job.
+        key = "INSERT INTO webhook_keys (owner, created_at, algorithm, secret) VALUES ('o', ?, 'hmac-sha256', x'00')"
+        conn.execute(key, (1.0,))
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(key, (2.0,))
+        assert "idempotency_by_job" in {r[1] for r in conn.execute("PRAGMA index_list(idempotency_keys)")}
 
 
 SQLITE_OPENER = textwrap.dedent("""
@@ -203,8 +277,12 @@ def _start_together(code: str, target: str, n: int) -> list[str]:
     return logs
 
 
-def _applied_lines(logs: list[str]) -> int:
-    return sum(line == "herald.migrations schema migration applied" for log in logs for line in log.splitlines())
+def _applied_lines(logs: list[str], what: str = "migration") -> int:
+    return sum(line == f"herald.migrations schema {what} applied" for log in logs for line in log.splitlines())
+
+
+def _functions_applied(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.functions for r in caplog.records if r.getMessage() == "schema functions applied"]  # type: ignore[attr-defined]
 
 
 def test_sqlite_processes_starting_together_migrate_once(tmp_path: Path) -> None:
@@ -255,13 +333,20 @@ async def _pg_schema(url: str) -> dict[str, Any]:
         await conn.close()
 
 
-async def _pg_records(url: str) -> list[tuple[Any, ...]]:
+async def _pg_rows(url: str, sql: str) -> list[tuple[Any, ...]]:
     conn = await asyncpg.connect(url)
     try:
-        return [tuple(r) for r in await conn.fetch(
-            "SELECT version, name, checksum, applied_at FROM herald_schema_migrations ORDER BY version")]
+        return [tuple(r) for r in await conn.fetch(sql)]
     finally:
         await conn.close()
+
+
+async def _pg_records(url: str) -> list[tuple[Any, ...]]:
+    return await _pg_rows(url, "SELECT version, name, checksum, applied_at FROM herald_schema_migrations ORDER BY version")
+
+
+async def _pg_function_records(url: str) -> list[tuple[Any, ...]]:
+    return await _pg_rows(url, "SELECT name, checksum, applied_at FROM herald_schema_functions ORDER BY name")
 
 
 async def _open_pg(url: str) -> None:
@@ -278,7 +363,7 @@ def _legacy_sections() -> list[tuple[str, str]]:
     return list(zip(parts[0::2], parts[1::2]))
 
 
-async def _legacy_pg(url: str, *, upto: str | None = None) -> None:
+async def legacy_pg(url: str, *, upto: str | None = None) -> None:
     """A database as the code before the runner left it (every migration up to ``upto``), with a job in it."""
     conn = await asyncpg.connect(url)
     try:
@@ -307,12 +392,18 @@ async def test_postgres_new_database_gets_every_version_and_a_second_open_applie
     first = await _pg_records(fresh_database)
     assert [(v, n, c) for v, n, c, _ in first] == [(m.version, m.name, m.checksum) for m in pg_schema.SCHEMA.migrations]
     assert [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"] == PG_VERSIONS  # type: ignore[attr-defined]
+    assert _functions_applied(caplog) == PG_FUNCTIONS
+    functions = await _pg_function_records(fresh_database)
+    assert [(n, c) for n, c, _ in functions] == [(f.name, f.checksum) for f in pg_schema.SCHEMA.functions]
     schema = await _pg_schema(fresh_database)
     assert not [f for f in schema["functions"] if f[0] == "herald_webhook_claim" and "p_held" not in f[1]]
+    # dead functions are gone: the old claims, the key functions the rulebook replaced
+    assert not {f[0] for f in schema["functions"]} & {"herald_webhook_add_key", "herald_webhook_ensure_key"}
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="herald.migrations"):
         await _open_pg(fresh_database)
     assert await _pg_records(fresh_database) == first
+    assert await _pg_function_records(fresh_database) == functions
     assert not [r for r in caplog.records if r.name == "herald.migrations"]
     assert await _pg_schema(fresh_database) == schema
 
@@ -321,7 +412,7 @@ async def test_postgres_database_from_before_the_runner_is_adopted_not_rebuilt(
     postgres_server: Any, fresh_database: str, caplog: pytest.LogCaptureFixture,
 ) -> None:
     old = new_database(postgres_server)
-    await _legacy_pg(old)
+    await legacy_pg(old)
     conn = await asyncpg.connect(old)
     try:
         claim_oid = await conn.fetchval("SELECT 'herald_webhook_claim'::regproc::oid")
@@ -331,15 +422,18 @@ async def test_postgres_database_from_before_the_runner_is_adopted_not_rebuilt(
     with caplog.at_level(logging.INFO, logger="herald.migrations"):
         await _open_pg(old)
 
-    messages = [r.getMessage() for r in caplog.records if r.name == "herald.migrations"]
-    applied = [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"]  # type: ignore[attr-defined]
-    # Adopted: every version its names carry; applied: only those written after the runner.
-    after_runner = [v for v in PG_VERSIONS if v not in set(pg_schema.LEGACY_NAMES.values())]
-    assert applied == after_runner and len(messages) == len(PG_VERSIONS)
+    records = [r for r in caplog.records if r.name == "herald.migrations"]
+    adopted = sorted(pg_schema.LEGACY_NAMES.values())
+    assert [r.migration for r in records if r.getMessage().startswith("schema migration recorded")] == adopted  # type: ignore[attr-defined]
+    # applied: only what came after the runner (never one of the old chain)
+    assert [r.migration for r in records if r.getMessage() == "schema migration applied"] == [  # type: ignore[attr-defined]
+        v for v in PG_VERSIONS if v not in adopted]
+    # the functions: each file once (CREATE OR REPLACE: the same functions, in their current form)
+    assert _functions_applied(caplog) == PG_FUNCTIONS
     await _open_pg(fresh_database)
     assert [r[:3] for r in await _pg_records(old)] == [r[:3] for r in await _pg_records(fresh_database)]
     conn = await asyncpg.connect(old)
-    try:  # nothing ran again: the claim is the very function it was, the job is there
+    try:  # no table was made again, no function dropped: the claim is the very function it was, the job is there
         assert await conn.fetchval("SELECT 'herald_webhook_claim'::regproc::oid") == claim_oid
         assert await conn.fetchval("SELECT id FROM jobs") == "j1"
     finally:
@@ -347,18 +441,23 @@ async def test_postgres_database_from_before_the_runner_is_adopted_not_rebuilt(
     assert await _pg_schema(old) == await _pg_schema(fresh_database)
 
 
+@pytest.mark.parametrize("upto", list(pg_schema.LEGACY_NAMES)[:-1])
 async def test_postgres_database_part_way_through_the_old_chain_gets_the_rest(
-    postgres_server: Any, fresh_database: str, caplog: pytest.LogCaptureFixture,
+    postgres_server: Any, fresh_database: str, caplog: pytest.LogCaptureFixture, upto: str,
 ) -> None:
-    """Before the fair claim: the old claim of six parameters goes, the rest is applied."""
+    """Stopped after any step of the old chain: the rest is applied, and every function ends
+    in its current form, whatever form the step left it in (a signature or result type that
+    changed since is dropped by a numbered file: before the fair claim, the claim of six
+    parameters goes)."""
     old = new_database(postgres_server)
-    await _legacy_pg(old, upto="webhooks-2-finish-many")
+    await legacy_pg(old, upto=upto)
     with caplog.at_level(logging.INFO, logger="herald.migrations"):
         await _open_pg(old)
     applied = [r.migration for r in caplog.records if r.getMessage() == "schema migration applied"]  # type: ignore[attr-defined]
     names = [name for name, _ in _legacy_sections()]
-    had = {pg_schema.LEGACY_NAMES[name] for name in names[:names.index("webhooks-2-finish-many") + 1]}
-    assert 10 not in had and applied == [v for v in PG_VERSIONS if v not in had]
+    had = {pg_schema.LEGACY_NAMES[name] for name in names[:names.index(upto) + 1]}
+    assert applied == [v for v in PG_VERSIONS if v not in had]
+    assert _functions_applied(caplog) == PG_FUNCTIONS
     await _open_pg(fresh_database)
     assert await _pg_schema(old) == await _pg_schema(fresh_database)
 
@@ -366,5 +465,102 @@ async def test_postgres_database_part_way_through_the_old_chain_gets_the_rest(
 async def test_postgres_processes_starting_together_migrate_once(fresh_database: str) -> None:
     logs = await asyncio.to_thread(_start_together, PG_OPENER, fresh_database, 4)
     assert _applied_lines(logs) == len(PG_VERSIONS), logs
+    assert _applied_lines(logs, "functions") == len(PG_FUNCTIONS), logs
     assert not [line for log in logs for line in log.splitlines() if "cannot open" in line], logs
     assert [r[0] for r in await _pg_records(fresh_database)] == PG_VERSIONS
+    assert [r[0] for r in await _pg_function_records(fresh_database)] == PG_FUNCTIONS
+
+
+async def test_postgres_database_from_before_the_functions_moved_gets_them_once_and_no_warning(
+    fresh_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A database the runner made while the numbered files still defined the functions: its
+    records name those files' checksums then (EARLIER_CHECKSUMS) and it has no function record."""
+    await _open_pg(fresh_database)
+    schema = await _pg_schema(fresh_database)
+    conn = await asyncpg.connect(fresh_database)
+    try:
+        for version, (checksum,) in pg_schema.EARLIER_CHECKSUMS.items():
+            await conn.execute("UPDATE herald_schema_migrations SET checksum = $1 WHERE version = $2", checksum, version)
+        await conn.execute("DROP TABLE herald_schema_functions")
+    finally:
+        await conn.close()
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_pg(fresh_database)
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not [r for r in caplog.records if r.getMessage() == "schema migration applied"]
+    assert _functions_applied(caplog) == PG_FUNCTIONS
+    assert await _pg_schema(fresh_database) == schema
+
+
+_F = "CREATE OR REPLACE FUNCTION {name}() RETURNS INTEGER LANGUAGE plpgsql AS $$ BEGIN RETURN {value}; END $$;"
+
+
+def _toy_schema(f_value: int, *, with_g: bool = True) -> Schema:
+    functions = [Function("f", _F.format(name="herald_toy_f", value=f_value))]
+    if with_g:
+        functions.append(Function("g", _F.format(name="herald_toy_g", value=7)))
+    return Schema((Migration(1, "t", "CREATE TABLE toy (x INTEGER);"),), functions=tuple(functions))
+
+
+async def _open_toy(url: str, schema: Schema) -> None:
+    db = PgDatabase(url, schema, max_size=1)
+    await db.open()
+    await db.close()
+
+
+async def test_postgres_a_changed_function_is_applied_once_and_an_unchanged_one_not(
+    fresh_database: str, caplog: pytest.LogCaptureFixture,
+) -> None:
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_toy(fresh_database, _toy_schema(1))
+    assert _functions_applied(caplog) == ["f", "g"]
+    before = dict((n, (c, at)) for n, c, at in await _pg_function_records(fresh_database))
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_toy(fresh_database, _toy_schema(2))  # f changed, g not
+    assert _functions_applied(caplog) == ["f"]
+    assert not [r for r in caplog.records if r.getMessage() == "schema migration applied"]
+    after = dict((n, (c, at)) for n, c, at in await _pg_function_records(fresh_database))
+    assert after["g"] == before["g"] and after["f"][0] == _toy_schema(2).functions[0].checksum != before["f"][0]
+    conn = await asyncpg.connect(fresh_database)
+    try:
+        assert (await conn.fetchval("SELECT herald_toy_f()"), await conn.fetchval("SELECT herald_toy_g()")) == (2, 7)
+    finally:
+        await conn.close()
+
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_toy(fresh_database, _toy_schema(2))
+    assert not [r for r in caplog.records if r.name == "herald.migrations"]
+
+    # a file that goes is forgotten (its function is dropped by a numbered migration), so
+    # the same file added back is applied again
+    conn = await asyncpg.connect(fresh_database)
+    try:
+        await conn.execute("DROP FUNCTION herald_toy_g()")
+    finally:
+        await conn.close()
+    await _open_toy(fresh_database, _toy_schema(2, with_g=False))
+    assert [r[0] for r in await _pg_function_records(fresh_database)] == ["f"]
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="herald.migrations"):
+        await _open_toy(fresh_database, _toy_schema(2))
+    assert _functions_applied(caplog) == ["g"]
+
+
+async def test_postgres_a_function_that_fails_leaves_the_whole_migration_undone(fresh_database: str) -> None:
+    broken = Schema((Migration(1, "t", "CREATE TABLE toy (x INTEGER);"),),
+                    functions=(Function("f", "CREATE OR REPLACE FUNCTION herald_toy_f() RETURNS INTEGER LANGUAGE sql AS"
+                                             " 'SELECT x FROM no_such_table';"),))
+    db = PgDatabase(fresh_database, broken, max_size=1)
+    pool = await asyncpg.create_pool(fresh_database, min_size=1, max_size=1)
+    assert pool is not None
+    try:
+        with pytest.raises(asyncpg.PostgresError):
+            await db._migrate(pool)  # open() would retry it for ever
+        assert await pool.fetchval("SELECT to_regclass('toy') IS NULL AND to_regclass('herald_schema_migrations') IS NULL")
+    finally:
+        await pool.close()
+

@@ -28,6 +28,7 @@ from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
 from schemas import JobEvent
 from tests.harness import make_sealer
+from tests.test_migrations import legacy_pg
 from tests.store_contract.support import CLAIM, new_job, outcomes, running_job
 
 
@@ -302,9 +303,13 @@ async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_data
 
 
 async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
-    """Migrations 13 and 14 on a database with history: old events keep their seq, new ones follow."""
-    before = Schema(tuple(m for m in SCHEMA.migrations if m.version < 13))
-    old = PgJobStore(PgDatabase(fresh_database, before), retention_s=60.0, sealer=make_sealer())
+    """Migration 13 on a database with history: old events keep their seq, new ones follow.
+
+    The database before it is the old chain up to the tenant fair share (``tests/legacy_schema``:
+    the functions as they were then, which gave each event its seq as it was written), its
+    writes made by this code."""
+    await legacy_pg(fresh_database, upto="jobs-tenant-fair-share")
+    old = PgJobStore(PgDatabase(fresh_database, Schema(())), retention_s=60.0, sealer=make_sealer())
     await old.open()
     try:
         job = await running_job(old)

@@ -13,14 +13,18 @@ slots its turns give it, and another tenant's new job waits about one run, not t
   whose consumer answers "no messages" (its messages are all running elsewhere) is asked
   again when its count grows, when a new message is heard, or after ``REPROBE_S`` (a
   redelivery after a dead worker's lease shows no new count).
-* **Who goes next.** Each tenant has a usage: the slot-seconds it was given, decaying with a
-  half-life of ``HALF_LIFE_S``. A start charges the kind's average run time, its end
-  corrects that to the run's real length. A free slot goes to the tenant with work and the
-  least usage, the longest unserved on a tie: at equal load that is round robin; a tenant
-  that has had nothing lately (a newcomer beside a flood) takes free slots until it has had
-  its share. Within a tenant, its consumer hands out messages in stream order (accept order).
-  Usage is per worker process; every process shares its own slots this way, so the
-  deployment's slots are shared the same way (SPEC §13: per deployment, not per process).
+* **Who goes next.** A free slot goes to the tenant with work that holds the fewest of the
+  kind's slots now, then to the one with the least usage lately, then to the longest
+  unserved. Usage is the slot-seconds a tenant was given, decaying with a half-life of
+  ``HALF_LIFE_S``: a start charges the kind's average run time, its end corrects that to
+  the run's real length. At equal load that is round robin; a newcomer beside a flood takes
+  free slots until it holds as many as the flood; a tenant of long jobs holds its share of
+  slots, not more starts. Slots held now come first because usage alone let a flood that
+  had just begun (usage 0) take every free slot from a tenant that had been running for a
+  while, until the flood's usage caught up: seconds (bench/RESULTS.md, issue 21). Within a
+  tenant, its consumer hands out messages in stream order (accept order). Slots and usage
+  are per worker process; every process shares its own slots this way, so the deployment's
+  slots are shared the same way (SPEC §13: per deployment, not per process).
 * **max_running.** A capped tenant's consumers have ``max_ack_pending`` = its cap, so NATS
   itself hands no more of its jobs of a kind to all workers together than it may run; the
   claim (``Change.max_running``) counts in the store across kinds. No store lock is taken
@@ -198,13 +202,15 @@ class KindQueue:
         return max(0.0, min(waits, default=REFRESH_S))
 
     def choose(self, slots: int) -> list[TenantQueue]:
-        """Who gets each of ``slots`` free slots: the least used tenant with work, each time."""
+        """Who gets each of ``slots`` free slots, each time: of the tenants with work, the one
+        holding the fewest slots (its runs here and its picks so far), then the least used."""
         now = time.monotonic()
         candidates = [q for q in self.tenants.values() if q.count > 0 and q.probe_after <= now]
         picks: list[TenantQueue] = []
         extra: dict[TenantQueue, int] = {}
         while candidates and len(picks) < slots:
-            best = min(candidates, key=lambda q: (q.decayed(now) + extra.get(q, 0) * self.average_run_s,
+            best = min(candidates, key=lambda q: (q.running + extra.get(q, 0),
+                                                   q.decayed(now) + extra.get(q, 0) * self.average_run_s,
                                                    q.last_start))
             picks.append(best)
             extra[best] = extra.get(best, 0) + 1

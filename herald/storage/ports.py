@@ -49,7 +49,9 @@ Concurrency rules (each backend must keep them without relying on a database-wid
   plpgsql makes the same decisions for fan-out and finish with its numbers passed in, and
   ``tests/store_contract/test_rulebook.py`` holds both stores to it, case by case. Fan-out and ``finish`` decide and write in one transaction, in turn with
   any other fan-out or finish of the same job and target; a rotation, in turn with any other
-  change of the owner's keys.
+  change of the owner's keys. Both schemas keep the keys the rules rely on: one delivery per
+  event and target (``UNIQUE (event_id, target)``), one current signing key per owner
+  (``webhook_keys_current``).
 
 What the backends may do differently, and callers must allow for:
 

@@ -11,9 +11,11 @@ that drifts from the rulebook fails here, case by case.
 from __future__ import annotations
 
 import math
+import sqlite3
 from dataclasses import dataclass
 from typing import Any
 
+import asyncpg
 import pytest
 
 from herald import delivery_rules as rules
@@ -322,3 +324,18 @@ async def test_a_claim_signs_with_the_keys_the_rulebook_names(stores: Stores) ->
     assert {c.delivery.endpoint_id for c in claimed} == set(expected)
     for c in claimed:
         assert [k.secret for k in c.keys] == expected[c.delivery.endpoint_id], c.delivery.endpoint_id
+
+
+# ----- the keys both stores keep, which the rules rely on -------------------------------------
+
+
+async def test_one_delivery_per_event_and_target_and_one_current_key_per_owner(stores: Stores) -> None:
+    refused = (sqlite3.IntegrityError, asyncpg.UniqueViolationError)
+    target = await endpoint(stores.webhooks)
+    await stores.deliveries.fan_out([event("j1", 1)])
+    with pytest.raises(refused):
+        await _insert_delivery(stores, job="j1", version=1, type="job.succeeded", status="pending", attempts=0,
+                               scheduled_at=0.0, lease_until=None, endpoint_id=target, target=target)
+    key = "INSERT INTO webhook_keys (owner, created_at, algorithm, secret) VALUES ($1, $2, 'hmac-sha256', $3)"
+    with pytest.raises(refused):  # the endpoint's first key is its current one
+        await stores.sql(key, target, 1.0, b"sealed")

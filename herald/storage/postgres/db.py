@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import asyncpg
 
 from herald.jobs import StoreUnavailable
-from herald.storage.migrations import Migration, Schema, migrate
+from herald.storage.migrations import Function, Migration, Schema, migrate
 
 log = logging.getLogger("herald.postgres")
 
@@ -139,6 +139,12 @@ class _Session:
         await self._conn.execute(
             f"INSERT INTO herald_schema_migrations (version, name, checksum, applied_at) VALUES ($1, $2, $3, {NOW_SQL})",
             migration.version, migration.name, migration.checksum)
+
+    async def record_function(self, function: Function) -> None:
+        await self._conn.execute(
+            f"INSERT INTO herald_schema_functions (name, checksum, applied_at) VALUES ($1, $2, {NOW_SQL})"
+            " ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = excluded.applied_at",
+            function.name, function.checksum)
 
 
 class PgDatabase:

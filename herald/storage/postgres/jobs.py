@@ -29,7 +29,7 @@ advisory lock, then numbers every committed unnumbered event of the tenant in id
 after its ``tenant_seq.last``, and commits (the next pass of the tenant waits on the lock
 for this one's numbers; a pass that finds nothing to number writes nothing). Readers read
 numbered events only, by seq: see ``sql/0013_events_numbered_after_commit.sql`` for why
-nothing is missed or read twice and each job keeps its order, ``sql/0014`` for the lock. So the outbox payload of an event (the JSON ``JobEvent``, whose
+nothing is missed or read twice and each job keeps its order, ``sql/functions/events_numbering.sql`` for the lock. So the outbox payload of an event (the JSON ``JobEvent``, whose
 first field is ``seq``) is stored without its ``{"seq":N,`` head, and ``outbox_batch``
 prepends it once numbered: the bytes are exactly what ``msgspec`` would encode. A write
 answers with the event at seq 0, which is what the committing process's own listeners
@@ -95,10 +95,12 @@ _event_encoder = msgspec.json.Encoder()
 SIGNING_KEY_NAME = "url-signing"
 
 # The seed of the 64-bit hash of a tenant's name that keys its numbering passes' advisory
-# lock (sql/0014): "HSEQ" in ASCII, so Herald's other uses of a hash of a name differ.
+# lock (sql/functions/events_numbering.sql): "HSEQ" in ASCII, so Herald's other uses of a
+# hash of a name differ.
 NUMBER_LOCK_SEED = 0x48534551
 
-# The tables and functions: sql/0001-0005, 0013 and 0014 beside this package's schema.py. State names in the
+# The tables: sql/0001-0005 and 0013 beside this package's schema.py; the functions:
+# sql/functions/jobs_writes.sql and events_numbering.sql. State names in the
 # SQL below are the values of ``schemas.jobs.JobState`` (the one list), written out because a
 # query must repeat a partial index's predicate literally for the planner to use the index.
 
@@ -293,12 +295,6 @@ class PgJobStore(CommitListeners):
             yield
         except CONNECTION_ERRORS as exc:
             raise StoreUnavailable(f"the PostgreSQL store is not reachable (HERALD_DATABASE_URL): {exc}") from exc
-
-    @asynccontextmanager
-    async def _connection(self) -> AsyncIterator[asyncpg.pool.PoolConnectionProxy]:
-        """One pooled connection for several statements (one acquire, one release)."""
-        async with self._unavailable_on_errors(), self._db.pool.acquire() as conn:
-            yield conn
 
     async def _fetch(self, sql: str, *args: Any) -> list[asyncpg.Record]:
         async with self._unavailable_on_errors():

@@ -1,4 +1,5 @@
-"""The PostgreSQL schema: ``sql/NNNN_*.sql`` beside this module, applied by ``herald.storage.migrations``.
+"""The PostgreSQL schema: ``sql/NNNN_*.sql`` and the functions, ``sql/functions/*.sql``,
+beside this module, applied by ``herald.storage.migrations``.
 
 Before the runner, each migration was recorded by name in ``herald_migrations``; such a
 database is adopted by mapping those names onto the files that carry the same SQL (the
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 
 from herald.deliveries import CALLBACK_PREFIX
-from herald.storage.migrations import Migration, Schema, Session, load
+from herald.storage.migrations import Migration, Schema, Session, load, load_functions
 from herald.storage.postgres.db import NOW_SQL
 from herald.storage.postgres.jobs import NUMBER_LOCK_SEED
 from herald.storage.postgres.webhooks import KEY_LOCK_CLASS, ORDER_LOCK_CLASS
@@ -47,4 +48,17 @@ async def adopt(session: Session, migrations: Sequence[Migration]) -> Collection
     return {LEGACY_NAMES[name] for name in names if name in LEGACY_NAMES}
 
 
-SCHEMA = Schema(load("herald.storage.postgres", SQL_PARAMS), adopt)
+# The checksums a Herald from before sql/functions/ recorded for the files that defined
+# functions then (and now only point to functions/): the same tables, columns and drops.
+EARLIER_CHECKSUMS = {
+    2: ("cc226ff28c5a628b4bfe049007fc028e7f20313189eb8cbc604fbba283502e4c",),
+    5: ("8d21295175e51d1cbbc018e4f81ef0f194a4cace55ee9041bb08656ef2bea995",),
+    7: ("7d5e09bcd15cc353aca3661d918a1f9368046626ecbe597a6b2d169d3a9eb32f",),
+    8: ("d3b9382f3f006b26ab25340b73e235f57bbb50d8ef74a3b79a9d040a99da9b30",),
+    10: ("502681109507930d239399da0f58f075319f27101f04587d941d9fc39d4392df",),
+    12: ("e7220612765fc13d11ac725c02846ed627c2000c64677a960629cd4c86bd563d",),
+    13: ("6d1c70b2ae931540caa75c0a5901bad1447fabe7d67eddc4c26809872f132c1c",),
+}
+
+SCHEMA = Schema(load("herald.storage.postgres", SQL_PARAMS), adopt,
+                functions=load_functions("herald.storage.postgres", SQL_PARAMS), earlier_checksums=EARLIER_CHECKSUMS)

@@ -1,7 +1,7 @@
 """Webhook endpoints, signing keys and the delivery queue in PostgreSQL.
 
 The decisions are ``herald.delivery_rules``' (the rulebook both stores keep): the plpgsql
-functions (``sql/0007``-``0012``) make them next to the data, with the rulebook's numbers passed in as
+functions (``sql/functions/webhooks_*.sql``) make them next to the data, with the rulebook's numbers passed in as
 arguments (``tests/store_contract/test_rulebook.py`` checks them against the rulebook, case by
 case); key rotation, a rare API write, calls the rulebook itself. What this module
 adds is how it stays correct without SQLite's single writer, when several gateways and
@@ -13,7 +13,7 @@ variable or an uncorrelated sub-select, so that it stays a constant the planner 
 against the indexes (a bare volatile call per row could not be).
 
 Round trips. The hot paths are one statement each, one round trip: ``fan_out``, ``claim``
-and ``finish`` call plpgsql functions (``sql/0007``-``0010``), so their several steps
+and ``finish`` call plpgsql functions (``sql/functions/webhooks_*.sql``), so their several steps
 run next to the data instead of a BEGIN, n statements and a COMMIT over the network.
 A plpgsql function in READ COMMITTED also takes a fresh snapshot per statement, which
 the claim below depends on. The API's rarer writes (update, delete, rotate) are short
@@ -113,7 +113,7 @@ ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpo
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
 
-# The tables and functions: sql/0006-0010 and 0012 beside this package's schema.py.
+# The tables: sql/0006-0012 beside this package's schema.py; the functions: sql/functions/webhooks_*.sql.
 
 _FAIL_PENDING_SQL = f"""
 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,

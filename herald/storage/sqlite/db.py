@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Generic, TypeVar
 
 from herald.keyfiles import private_dir, private_file
-from herald.storage.migrations import Migration, Schema, migrate
+from herald.storage.migrations import Function, Migration, Schema, migrate
 
 T = TypeVar("T")
 
@@ -311,6 +311,12 @@ class _Session:
         self._conn.execute(
             "INSERT INTO herald_schema_migrations (version, name, checksum, applied_at) VALUES (?, ?, ?, ?)",
             (migration.version, migration.name, migration.checksum, time.time()))
+
+    async def record_function(self, function: Function) -> None:
+        self._conn.execute(
+            "INSERT INTO herald_schema_functions (name, checksum, applied_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (name) DO UPDATE SET checksum = excluded.checksum, applied_at = excluded.applied_at",
+            (function.name, function.checksum, time.time()))
 
 
 def statements(script: str) -> Iterator[str]:

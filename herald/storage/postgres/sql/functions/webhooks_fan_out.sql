@@ -1,0 +1,130 @@
+-- PostgreSQL functions, a job event's webhook deliveries.
+-- A repeatable definition (herald/storage/migrations.py): applied, after the numbered
+-- migrations, to every database whose record of this file differs; edit it in place.
+-- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
+
+-- herald.delivery_rules.place for each event and target, next to the data, after the locks
+-- (SQLite's _add_delivery calls the rulebook itself). Its numbers come in as arguments
+-- (p_progress_interval: PROGRESS_INTERVAL_S), and tests/store_contract/test_rulebook.py
+-- holds its decisions to the rulebook's, case by case.
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
+    p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION
+) RETURNS INTEGER LANGUAGE plpgsql SET enable_seqscan = off AS $$
+#variable_conflict use_column
+DECLARE
+    ts DOUBLE PRECISION;
+    t_ords INTEGER[];
+    t_targets TEXT[];
+    t_endpoints TEXT[];
+    t_urls TEXT[];
+    done TEXT[];
+    lock_key INTEGER;
+    i INTEGER;
+    o INTEGER;
+    tgt TEXT;
+    eid TEXT;
+    job TEXT;
+    ver INTEGER;
+    typ TEXT;
+    newer_sent BOOLEAN;
+    last_progress DOUBLE PRECISION;
+    new_status TEXT;
+    due DOUBLE PRECISION;
+    pending INTEGER := 0;
+BEGIN
+    -- Endpoints that take part are held against deletion and API disabling until commit
+    -- (those take the row FOR UPDATE first); routine updates do not wait for this lock.
+    PERFORM 1 FROM webhook_endpoints e
+        WHERE e.tenant = ANY(p_tenants) AND e.status = 'enabled' ORDER BY e.id FOR KEY SHARE;
+
+    -- Every receiver of every event: matching enabled endpoints, then the job's callback
+    -- URL (read from the job's row, never copied into the event stream).
+    SELECT coalesce(array_agg(r.ord ORDER BY r.ord, r.cb, r.target), '{}'),
+           coalesce(array_agg(r.target ORDER BY r.ord, r.cb, r.target), '{}'),
+           coalesce(array_agg(r.endpoint_id ORDER BY r.ord, r.cb, r.target), '{}'),
+           coalesce(array_agg(r.url ORDER BY r.ord, r.cb, r.target), '{}')
+      INTO t_ords, t_targets, t_endpoints, t_urls
+      FROM (
+        SELECT ev.ord::INTEGER AS ord, e.id AS target, e.id AS endpoint_id, NULL::TEXT AS url, 0 AS cb
+          FROM unnest(p_tenants, p_types, p_kinds) WITH ORDINALITY AS ev(tenant, type, kind, ord)
+          JOIN webhook_endpoints e
+            ON e.tenant = ev.tenant AND e.status = 'enabled' AND ev.type = ANY(e.event_types)
+           AND (e.kinds IS NULL OR ev.kind = ANY(e.kinds))
+        UNION ALL
+        SELECT ev.ord::INTEGER, '{callback_prefix}' || j.callback_url, NULL, j.callback_url, 1
+          FROM unnest(p_job_ids, p_types) WITH ORDINALITY AS ev(job_id, type, ord)
+          JOIN jobs j ON j.id = ev.job_id
+         WHERE ev.type <> 'job.progress' AND j.callback_url IS NOT NULL AND j.callback_url <> ''
+      ) r;
+    IF cardinality(t_ords) = 0 THEN
+        RETURN 0;
+    END IF;
+
+    -- One job's deliveries to one target are decided by one fan-out (or finish) at a time.
+    -- Sorted, so that two fan-outs sharing keys cannot deadlock.
+    FOR lock_key IN
+        SELECT DISTINCT hashtext(x.target || chr(10) || p_job_ids[x.ord])
+          FROM unnest(t_targets, t_ords) AS x(target, ord) ORDER BY 1
+    LOOP
+        PERFORM pg_advisory_xact_lock({order_lock}, lock_key);
+    END LOOP;
+    ts := {now};
+
+    -- The body once per event. A redelivered old event refreshes created_at, so pruning
+    -- (which re-checks it under the row lock) cannot drop a body it is about to need.
+    INSERT INTO webhook_messages (event_id, body, created_at)
+    SELECT DISTINCT ON (p_event_ids[x.ord]) p_event_ids[x.ord], p_bodies[x.ord], ts
+      FROM unnest(t_ords) AS x(ord) ORDER BY p_event_ids[x.ord]
+    ON CONFLICT (event_id) DO UPDATE SET created_at = EXCLUDED.created_at;
+
+    -- What was fanned out before (a redelivery), read once for the batch, after the locks.
+    SELECT coalesce(array_agg(d.event_id || chr(10) || d.target), '{}') INTO done
+      FROM webhook_deliveries d WHERE d.event_id = ANY(p_event_ids);
+
+    FOR i IN 1 .. cardinality(t_ords) LOOP
+        o := t_ords[i];
+        tgt := t_targets[i];
+        eid := p_event_ids[o];
+        job := p_job_ids[o];
+        ver := p_versions[o];
+        typ := p_types[o];
+        -- A redelivered NATS message: already fanned out.
+        CONTINUE WHEN eid || chr(10) || tgt = ANY(done);
+        -- A newer event of this job can reach us first. If a newer delivery was already
+        -- sent or is being sent, this one would go back in time; otherwise it goes first.
+        -- The newer rows are locked, so that no claim can lease one while we decide.
+        SELECT coalesce(bool_or(n.attempts > 0 OR n.lease_until > ts), FALSE) INTO newer_sent
+          FROM (SELECT d.attempts, d.lease_until FROM webhook_deliveries d
+                 WHERE d.target = tgt AND d.job_id = job AND d.version > ver
+                   FOR UPDATE) n;
+        new_status := 'pending';
+        due := ts;
+        IF newer_sent THEN
+            new_status := 'superseded';
+        ELSE
+            -- Older deliveries waiting for a retry (or a progress slot) say less than this one.
+            UPDATE webhook_deliveries d SET status = 'superseded', next_attempt_at = NULL, updated_at = ts
+             WHERE d.target = tgt AND d.job_id = job AND d.version < ver
+               AND d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
+               AND (d.attempts > 0 OR d.type = 'job.progress');
+            IF typ = 'job.progress' THEN
+                SELECT max(d.scheduled_at) INTO last_progress FROM webhook_deliveries d
+                 WHERE d.target = tgt AND d.job_id = job AND d.type = 'job.progress'
+                   AND (d.status <> 'superseded' OR d.attempts > 0);  -- sent, or to be
+                IF last_progress IS NOT NULL THEN
+                    due := greatest(ts, last_progress + p_progress_interval);
+                END IF;
+            END IF;
+        END IF;
+        INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
+                                        status, scheduled_at, next_attempt_at, created_at, updated_at)
+        VALUES (gen_random_uuid()::TEXT, p_tenants[o], tgt, t_endpoints[i], t_urls[i], eid, job, ver, typ,
+                new_status, due, CASE WHEN new_status = 'pending' THEN due END, ts, ts)
+        ON CONFLICT (event_id, target) DO NOTHING;
+        IF FOUND AND new_status = 'pending' THEN
+            pending := pending + 1;
+        END IF;
+    END LOOP;
+    RETURN pending;
+END $$;
