@@ -211,7 +211,7 @@ def _burst(ctx: Context, deployment: Deployment, receiver: Receiver, target: htt
         load = httpclient.run(target, processes=1, connections=16, count=ctx.sizes.e2e_jobs, keep_records=True)
         sent = {_job_id(r[3]): r[0] for r in load["records"] if r[2] == 202}
         found = _wait_for(receiver, set(sent), ctx.sizes.wait_s)
-    cpu = meter.stop()
+        cpu = meter.stop()  # before the sampler's last counters (a second after the burst)
     done = [found[j][0] - sent[j] for j in sent if j in found]
     wall = max((found[j][0] for j in sent if j in found), default=0) - min(sent.values(), default=0)
     phase = {
