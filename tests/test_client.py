@@ -260,7 +260,9 @@ def test_wait_honours_retry_after(herald: Deployment) -> None:
     for (at, _status, hint), (next_at, _, _) in zip(polls, polls[1:]):
         assert hint is not None, "the server hints while the job runs"
         assert next_at - at >= float(hint) - 0.05, f"polled after {next_at - at:.2f} s, Retry-After was {hint}"
-    assert len(polls) <= 8, "no busy polling"
+    # With every gap at least its hint, whole-second hints mean no busy polling however long
+    # the run takes on a loaded machine (a count of polls would measure the machine instead).
+    assert all(float(hint) >= 1 for _, _, hint in polls[:-1] if hint is not None), "no busy polling"
 
 
 def test_wait_times_out_with_the_last_status(herald: Deployment) -> None:

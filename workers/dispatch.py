@@ -13,18 +13,21 @@ slots its turns give it, and another tenant's new job waits about one run, not t
   whose consumer answers "no messages" (its messages are all running elsewhere) is asked
   again when its count grows, when a new message is heard, or after ``REPROBE_S`` (a
   redelivery after a dead worker's lease shows no new count).
-* **Who goes next.** A free slot goes to the tenant with work that holds the fewest of the
-  kind's slots now, then to the one with the least usage lately, then to the longest
-  unserved. Usage is the slot-seconds a tenant was given, decaying with a half-life of
-  ``HALF_LIFE_S``: a start charges the kind's average run time, its end corrects that to
-  the run's real length. At equal load that is round robin; a newcomer beside a flood takes
-  free slots until it holds as many as the flood; a tenant of long jobs holds its share of
-  slots, not more starts. Slots held now come first because usage alone let a flood that
-  had just begun (usage 0) take every free slot from a tenant that had been running for a
-  while, until the flood's usage caught up: seconds (bench/RESULTS.md, issue 21). Within a
-  tenant, its consumer hands out messages in stream order (accept order). Slots and usage
-  are per worker process; every process shares its own slots this way, so the deployment's
-  slots are shared the same way (SPEC §13: per deployment, not per process).
+* **Who goes next.** Each tenant has a usage: the slot-seconds it was given, decaying with a
+  half-life of ``HALF_LIFE_S``. A start charges the kind's average run time, its end
+  corrects that to the run's real length. A free slot goes to the tenant with work and the
+  least usage, the longest unserved on a tie: at equal load that is round robin, and a
+  tenant of long jobs gets fewer starts, not more slot time. A tenant that gets work after
+  having none here (a newcomer, or one back after a pause) is placed as a scheduler places
+  a task that wakes up: its usage is raised, if lower, to ``HEAD_START_RUNS`` runs below the
+  least used tenant at work, so it gets a start or two ahead and then takes turns. Without
+  that, a flood that had just begun (no usage yet) took every free slot until its usage
+  caught up with that of a tenant that had been running for a while, whose new jobs then
+  waited seconds (bench/RESULTS.md, issue 21); and a newcomer beside a flood took every
+  slot until it had caught up with the flood's past. Within a tenant, its consumer hands
+  out messages in stream order (accept order). Usage is per worker process; every process
+  shares its own slots this way, so the deployment's slots are shared the same way
+  (SPEC §13: per deployment, not per process).
 * **max_running.** A capped tenant's consumers have ``max_ack_pending`` = its cap, so NATS
   itself hands no more of its jobs of a kind to all workers together than it may run; the
   claim (``Change.max_running``) counts in the store across kinds. No store lock is taken
@@ -60,6 +63,8 @@ REFRESH_S = 0.5  # how often each worker reads the per-tenant message counts
 REPROBE_S = 1.0  # a tenant that had nothing to hand out is asked again after this at the latest
 HINT_RETRY_S = 0.02  # a message heard on the wire may not be stored yet (a cluster commits first)
 HALF_LIFE_S = 10.0  # how fast a tenant's past use fades
+HEAD_START_RUNS = 2  # a tenant that gets work after none starts this many runs below the least used one at work
+PRESENT_S = 1.0  # a tenant charged this recently is still at work here (between two of its jobs)
 REQUEST_TIMEOUT_S = 2.0
 LEGACY = None  # the token of ``jobs.<kind>``, an older Herald's subject
 
@@ -86,6 +91,10 @@ class TenantQueue:
 
     def charge(self, seconds: float, now: float) -> None:
         self.usage, self.usage_at = max(0.0, self.decayed(now) + seconds), now
+
+    def at_work(self, now: float) -> bool:
+        """It has work, runs here, or ran here a moment ago (a steady tenant between two jobs)."""
+        return self.count > 0 or self.running > 0 or now - self.usage_at < PRESENT_S
 
 
 class Inbox:
@@ -176,9 +185,11 @@ class KindQueue:
                     del self.tenants[token]  # forgotten: idle, and its use has faded
                     if queue.inbox is not None:
                         asyncio.ensure_future(queue.inbox.close())
+        now = time.monotonic()
         for token, count in counts.items():
             queue = self.queue(token)
             if count > queue.count:
+                self._arrives(queue, now)
                 queue.probe_after = 0.0
             queue.count = count
         if self.ready():
@@ -187,10 +198,24 @@ class KindQueue:
     def heard(self, token: str | None) -> None:
         """A work message was published for this tenant."""
         queue = self.queue(token)
+        now = time.monotonic()
+        self._arrives(queue, now)
         queue.count += 1
         queue.probe_after = 0.0
-        queue.heard_at = time.monotonic()
+        queue.heard_at = now
         self.wake.set()
+
+    def _arrives(self, queue: TenantQueue, now: float) -> None:
+        """``queue`` has work now: if it had none (and ran nothing lately), its usage is raised to
+        ``HEAD_START_RUNS`` runs below the least used tenant at work, if it was lower (see the
+        module's "Who goes next")."""
+        if queue.at_work(now):
+            return
+        others = [q.decayed(now) for q in self.tenants.values() if q is not queue and q.at_work(now)]
+        if others:
+            floor = min(others) - HEAD_START_RUNS * self.average_run_s
+            if queue.decayed(now) < floor:
+                queue.usage, queue.usage_at = floor, now
 
     def ready(self) -> bool:
         now = time.monotonic()
@@ -202,15 +227,13 @@ class KindQueue:
         return max(0.0, min(waits, default=REFRESH_S))
 
     def choose(self, slots: int) -> list[TenantQueue]:
-        """Who gets each of ``slots`` free slots, each time: of the tenants with work, the one
-        holding the fewest slots (its runs here and its picks so far), then the least used."""
+        """Who gets each of ``slots`` free slots: the least used tenant with work, each time."""
         now = time.monotonic()
         candidates = [q for q in self.tenants.values() if q.count > 0 and q.probe_after <= now]
         picks: list[TenantQueue] = []
         extra: dict[TenantQueue, int] = {}
         while candidates and len(picks) < slots:
-            best = min(candidates, key=lambda q: (q.running + extra.get(q, 0),
-                                                   q.decayed(now) + extra.get(q, 0) * self.average_run_s,
+            best = min(candidates, key=lambda q: (q.decayed(now) + extra.get(q, 0) * self.average_run_s,
                                                    q.last_start))
             picks.append(best)
             extra[best] = extra.get(best, 0) + 1
@@ -228,6 +251,7 @@ class KindQueue:
         if queue.inbox is None:
             queue.inbox = Inbox(self.nc, worker_consumer_name(self.kind.name, queue.token))
         queue.taking = True
+        asked = time.monotonic()
         try:
             messages, status = await queue.inbox.take(batch)
         finally:
@@ -236,8 +260,13 @@ class KindQueue:
         if len(messages) < batch:
             if status == "timeout":
                 queue.consumer_cap = None  # removed while idle? made again next time
-            recently_heard = now - queue.heard_at < 0.5 and status == "404"
-            queue.probe_after = now + (HINT_RETRY_S if recently_heard else REPROBE_S)
+            if queue.heard_at >= asked:
+                # A message was published while the request was out: ask again at the next free
+                # slot (holding the tenant back here would undo the hint; seen in the noisy bench).
+                queue.probe_after = 0.0
+            else:
+                recently_heard = now - queue.heard_at < 0.5 and status == "404"
+                queue.probe_after = now + (HINT_RETRY_S if recently_heard else REPROBE_S)
         for _ in messages:
             queue.charge(self.average_run_s, now)
             queue.last_start = now
