@@ -4,6 +4,14 @@ Long polls wait on a per-job future; SSE streams own a bounded queue each and sh
 keep-alive ticker. The hub never reads the store: it only wakes. Waiters reconcile with the
 store themselves (history for gaps, the row for long polls), so a missed or reordered NATS
 message costs a read, never an event.
+
+A tenant's events reach the hub from every process's relay, so out of seq order whenever
+two relays publish at once (each publishes the rows its own process committed; on
+PostgreSQL a relay numbers other processes' events too). Each out-of-order event would
+make every stream of the tenant read the store. So the hub puts a tenant's events back in
+seq order before its streams see them (``TenantOrder``): an event ahead of the next one
+expected waits, at most ``REORDER_HOLD_S``, for those before it; if they do not come (a
+lost message, a number retention took), the streams get what arrived and read the gap.
 """
 
 from __future__ import annotations
@@ -27,6 +35,11 @@ from schemas.jobs import TERMINAL_EVENT_TYPES
 
 log = logging.getLogger("herald.hub")
 _decoder = msgspec.json.Decoder(JobEvent)
+
+# How long a tenant's event that arrived ahead of its predecessors waits for them.
+REORDER_HOLD_S = 0.1
+# How many such events wait at most (then the gap is the streams' to read).
+REORDER_MAX_HELD = 1024
 
 T = TypeVar("T")
 
@@ -162,6 +175,58 @@ class Subscriber(Inbox["Framed | None"]):
         return self._put(item)
 
 
+class TenantOrder:
+    """A tenant's events in seq order, released to ``release`` (its streams).
+
+    ``next`` is the seq expected next: the first event seen sets it. An event below it was
+    released already (a copy) or given up on, and is dropped: a stream that needs it finds
+    it in the store when it sees the gap. One above it is held until the ones between have
+    come, for ``hold_s`` at most."""
+
+    __slots__ = ("next", "held", "_release", "_hold_s", "_timer")
+
+    def __init__(self, release: Callable[[JobEvent], None], *, hold_s: float = REORDER_HOLD_S) -> None:
+        self.next = 0
+        self.held: dict[int, JobEvent] = {}
+        self._release = release
+        self._hold_s = hold_s
+        self._timer: asyncio.TimerHandle | None = None
+
+    def add(self, event: JobEvent) -> None:
+        seq = event.seq
+        if self.next == 0:
+            self.next = seq
+        if seq < self.next:
+            return
+        if seq > self.next:
+            self.held.setdefault(seq, event)
+            if len(self.held) > REORDER_MAX_HELD:
+                self.give_up()
+            elif self._timer is None:
+                self._timer = asyncio.get_running_loop().call_later(self._hold_s, self.give_up)
+            return
+        self._release(event)
+        self.next = seq + 1
+        while self.held and (following := self.held.pop(self.next, None)) is not None:
+            self._release(following)
+            self.next += 1
+        if not self.held:
+            self.cancel()
+
+    def give_up(self) -> None:
+        """Release what is held, in order, leaving gaps for the streams to read."""
+        self.cancel()
+        held, self.held = self.held, {}
+        for seq in sorted(held):
+            self._release(held[seq])
+            self.next = seq + 1
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+
 class Hub:
     def __init__(self, metrics: Metrics, *, queue_size: int = 256) -> None:
         self._metrics = metrics
@@ -169,6 +234,7 @@ class Hub:
         self._polls: dict[str, set[asyncio.Future[int]]] = defaultdict(set)
         self._job_subs: dict[str, set[Subscriber]] = defaultdict(set)
         self._tenant_subs: dict[str, set[Subscriber]] = defaultdict(set)
+        self._tenant_orders: dict[str, TenantOrder] = {}
         self._output_subs: dict[str, set[OutputSubscriber]] = defaultdict(set)
         self._subscription: NatsSubscription | None = None
         self._output_subscription: NatsSubscription | None = None
@@ -230,11 +296,13 @@ class Hub:
         job_streams = self._job_subs.get(event.job_id)
         if job_streams:
             self._offer(job_streams, Framed(event, job_frame(event)))
-        tenant_streams = self._tenant_subs.get(event.tenant)
-        if tenant_streams and event.seq:
+        if event.seq and event.tenant in self._tenant_subs:
             # seq 0: committed here, numbered later (PostgreSQL numbers a tenant's events
             # after commit): its tenant streams get it numbered, from the relay through NATS.
-            self._offer(tenant_streams, Framed(event, tenant_frame(event)))
+            order = self._tenant_orders.get(event.tenant)
+            if order is None:
+                order = self._tenant_orders[event.tenant] = TenantOrder(self._to_tenant_streams)
+            order.add(event)
         output_streams = self._output_subs.get(event.job_id)
         if output_streams and event.type in TERMINAL_EVENT_TYPES:
             # An output stream's last event carries no id: the browser's Last-Event-ID stays
@@ -243,6 +311,11 @@ class Hub:
             for subscriber in tuple(output_streams):
                 if not subscriber.offer(ended):
                     self._drop_output(subscriber)
+
+    def _to_tenant_streams(self, event: JobEvent) -> None:
+        tenant_streams = self._tenant_subs.get(event.tenant)
+        if tenant_streams:
+            self._offer(tenant_streams, Framed(event, tenant_frame(event)))
 
     def _offer(self, group: set[Subscriber], item: Framed) -> None:
         for subscriber in tuple(group):
@@ -260,6 +333,9 @@ class Hub:
                 if not future.done():
                     future.set_result(-1)
         self._polls.clear()
+        for order in self._tenant_orders.values():
+            order.cancel()
+        self._tenant_orders.clear()  # the next event of each tenant sets where it stands
         for group in (*self._job_subs.values(), *self._tenant_subs.values()):
             for subscriber in group:
                 subscriber.offer(RESYNC)
@@ -363,3 +439,5 @@ class Hub:
             group.discard(subscriber)
             if not group:
                 del table[key]
+                if kind == "tenant" and (order := self._tenant_orders.pop(key, None)) is not None:
+                    order.cancel()

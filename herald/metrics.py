@@ -47,6 +47,8 @@ class Metrics:
         self.transitions_rejected = Counter("herald_transitions_rejected_total", "Stale or duplicate transitions refused")
         self.sse_dropped = Counter("herald_sse_dropped_total", "Streams dropped because the client stopped reading",
                                    ["reason"])
+        self.sse_gap_reads = Counter("herald_sse_gap_reads_total",
+                                     "Store reads by streams whose live events arrived with a gap", ["stream"])
         # SPEC §13. No tenant label by default: one series per tenant would grow without bound
         # (Prometheus keeps every series it has seen). HERALD_METRICS_TENANT_LABELS=1 adds the
         # per-tenant counter for deployments with few tenants.

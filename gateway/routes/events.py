@@ -122,6 +122,7 @@ async def _job_stream(svc: Services, tenant: str, job_id: str, resume: int | Non
             if subscriber.overflowed:
                 return  # dropped as a slow consumer; it resumes with Last-Event-ID
             if item is RESYNC or item.event.version > last + 1:
+                svc.metrics.sse_gap_reads.labels(stream="job").inc()
                 batch = await svc.store.job_events(job_id, last)
             elif item.event.version == last + 1:
                 yield item.frame  # built once by the hub for every stream of this job
@@ -202,6 +203,7 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
             if subscriber.overflowed:
                 return
             if item is RESYNC or item.event.seq > last + 1:
+                svc.metrics.sse_gap_reads.labels(stream="tenant").inc()
                 batch = await svc.store.tenant_events(tenant, last, 10_000)
             elif item.event.seq == last + 1:
                 if kind is None or item.event.kind == kind:
