@@ -75,6 +75,10 @@ async def _connect_nats(svc: Services, owner: TaskOwner) -> None:
         except Exception:  # a cluster without a JetStream leader yet, a node restarting
             log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
             await asyncio.sleep(1.0)
+    if owner.closing:  # the gateway began stopping while NATS was connecting (a port taken, a signal)
+        with contextlib.suppress(Exception):
+            await nc.close()
+        return
     # Retention deletes results, so the sweeper starts once the result store is reachable.
     owner.spawn(run_sweeper(svc.store, svc.results, svc.settings, functools.partial(purge_output, js)), "sweeper")
     svc.nats = nc

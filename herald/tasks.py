@@ -62,6 +62,7 @@ class TaskOwner(contextlib.AsyncExitStack):
     def __init__(self) -> None:
         super().__init__()
         self._closed = False
+        self.closing = False  # set when the block starts ending: a late starter must not begin
 
     def spawn(self, coro: Coroutine[Any, Any, None], name: str, *, stop: Stop | None = None) -> asyncio.Task[None]:
         """Run ``coro`` as the task ``name`` until this owner's block ends (or it ends first)."""
@@ -74,6 +75,7 @@ class TaskOwner(contextlib.AsyncExitStack):
         return task
 
     async def __aexit__(self, *exc_details: Any) -> bool:
+        self.closing = True
         try:
             return bool(await super().__aexit__(*exc_details))
         finally:
