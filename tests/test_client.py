@@ -125,12 +125,15 @@ class FlakyProxy:
     def _pump(source: socket.socket, sink: socket.socket, record: bytearray, fault: str | None) -> None:
         try:
             while chunk := source.recv(65536):
+                before = len(record)
                 record += chunk
                 if fault == "drop-answer":
                     break
-                sink.sendall(chunk)
-                if fault == "cut-after-event" and re.search(rb"data: [^\n]*\n\n", record):
+                if fault == "cut-after-event" and (event := re.search(rb"data: [^\n]*\n\n", record)):
+                    # One read may hold several events: forward exactly the first, then cut.
+                    sink.sendall(bytes(record[before:event.end()]))
                     break
+                sink.sendall(chunk)
         except OSError:
             pass
         for sock in (source, sink):
