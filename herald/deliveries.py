@@ -7,7 +7,8 @@ webhook routes. Nothing here knows about SQL.
 from __future__ import annotations
 
 import uuid
-from dataclasses import dataclass, fields
+from collections.abc import Collection, Mapping
+from dataclasses import dataclass, field, fields
 from typing import Any, Literal
 
 import msgspec
@@ -180,6 +181,29 @@ class Claimed:
     # The job's kept (traceparent, tracestate) (herald.tracing), read with the claim so that
     # sending needs no second round trip; None: the job has none (or is gone).
     trace_context: tuple[str, str | None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LeaseOffer:
+    """What a notifier may take of the deliveries a fan-out records (``DeliveryQueue.fan_out_leasing``):
+    the arguments of ``DeliveryQueue.claim``, as they stand while the notifier claims nothing else."""
+
+    owner: str
+    lease_s: float
+    per_target: int
+    limit: int
+    in_flight: Mapping[str, int]
+    per_tenant: int = 0
+    tenant_in_flight: Mapping[str, int] = field(default_factory=dict)
+    held: Collection[str] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class FannedOut:
+    """A fan-out's outcome: how many deliveries it left pending, and those of them it leased."""
+
+    pending: int
+    claimed: list[Claimed] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)

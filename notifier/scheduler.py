@@ -23,6 +23,7 @@ import socket
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 from opentelemetry.trace import Span, StatusCode
@@ -33,12 +34,13 @@ from herald.metrics import Metrics
 from herald.timefmt import now
 from notifier.breaker import Breaker, origin_of
 from notifier.delivery import SUCCESS_WITHIN_S, Sender
-from herald.deliveries import Attempted, Claimed, Outcome
+from herald.deliveries import Attempted, Claimed, LeaseOffer, Outcome
 from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
 from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
 from herald.webhook_signing import signature_header
+from schemas import JobEvent
 
 log = logging.getLogger("herald.notifier")
 
@@ -89,6 +91,7 @@ class Scheduler:
         self._targets_of: dict[str, set[str]] = {}
         self.breaker = Breaker(pause_s)
         self._backlog = False  # the last claim filled every free slot
+        self._claiming = asyncio.Lock()  # a claim and a fan-out that leases take turns
 
     def kick(self) -> None:
         """New deliveries were recorded, or a slot came free: look again now."""
@@ -120,20 +123,67 @@ class Scheduler:
         finally:
             await self._shutdown()
 
-    async def _claim_and_start(self) -> None:
+    async def fan_out(self, events: Sequence[JobEvent]) -> int:
+        """Record the deliveries of committed ``events`` (the fan-out); returns how many are pending.
+
+        While this notifier holds no backlog (its last claim took everything due that it
+        could), the same transaction leases what is due at once to it, within the same
+        caps as a claim: a delivered job then costs two write transactions here, the
+        fan-out and its outcome, not three. Fan-out and claim take turns, so neither leases
+        on counts of slots the other is filling."""
+        async with self._claiming:
+            offer = self._offer()
+            if offer is None:
+                pending = await self.queue.fan_out(events)
+                claimed: list[Claimed] = []
+            else:
+                result = await self.queue.fan_out_leasing(events, offer)
+                pending, claimed = result.pending, result.claimed
+                self._backlog = len(claimed) >= offer.limit
+                await self._start(claimed)
+        if pending > len(claimed) and self._claim_would_find_more(events, offer is not None):
+            self.kick()
+        return pending
+
+    def _claim_would_find_more(self, events: Sequence[JobEvent], offered: bool) -> bool:
+        """Whether the deliveries a fan-out left pending need a claim pass now. Those a leasing
+        fan-out left were held back by a cap (a slot that frees wakes the claim), by an older
+        version in flight (its end wakes it) or waiting (scheduled), or are not due yet (a
+        progress slot: the claim pass learns when); or the offer's slots ran out (a backlog)."""
+        return (not offered or self._backlog or not self._tasks
+                or any(event.type == "job.progress" for event in events))
+
+    def _offer(self) -> LeaseOffer | None:
         free = MAX_IN_FLIGHT - len(self._tasks)
-        if free <= 0:
+        if self._stopping or self._backlog or free <= 0:
+            return None
+        return LeaseOffer(owner=self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free,
+                          in_flight=dict(self._in_flight), per_tenant=PER_TENANT,
+                          tenant_in_flight=dict(self._tenant_in_flight), held=self._held())
+
+    async def _claim_and_start(self) -> None:
+        async with self._claiming:
+            free = MAX_IN_FLIGHT - len(self._tasks)
+            if free <= 0:
+                return
+            # The cheap "anything due?" read spares an idle notifier a write transaction per pass;
+            # while the last claim got all it asked for there is a backlog, and it would only add
+            # a round trip before each claim.
+            if not self._backlog and not await self.queue.anything_due():
+                return
+            claimed = await self.queue.claim(
+                self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight),
+                per_tenant=PER_TENANT, tenant_in_flight=dict(self._tenant_in_flight), held=self._held(),
+            )
+            self._backlog = len(claimed) >= free
+            await self._start(claimed)
+
+    async def _start(self, claimed: Sequence[Claimed]) -> None:
+        """Send what was leased to this notifier, but what its target's origin has no slot for or
+        the breaker paces: that is handed back or rescheduled."""
+        if self._stopping and claimed:  # leased by a fan-out that ended after stop(): not sent here
+            await self.queue.release([item.delivery.id for item in claimed], self.owner)
             return
-        # The cheap "anything due?" read spares an idle notifier a write transaction per pass;
-        # while the last claim got all it asked for there is a backlog, and it would only add
-        # a round trip before each claim.
-        if not self._backlog and not await self.queue.anything_due():
-            return
-        claimed = await self.queue.claim(
-            self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight),
-            per_tenant=PER_TENANT, tenant_in_flight=dict(self._tenant_in_flight), held=self._held(),
-        )
-        self._backlog = len(claimed) >= free
         deferred: dict[str, tuple[float, list[str]]] = {}  # origin -> (delay, delivery ids)
         released: list[str] = []
         for item in claimed:

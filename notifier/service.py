@@ -4,9 +4,10 @@ Two loops share one store and one HTTP client:
 
 * the fan-out reads the HERALD_EVENTS stream through the durable ``herald-notifier``
   consumer (every notifier process binds the same one, so they share the messages),
-  records every delivery of a batch in one transaction and only then acks the
-  messages, so a crash before the commit means NATS delivers them again, and a crash
-  after it finds the rows already there;
+  records every delivery of a batch in one transaction (leasing those due at once to
+  this notifier, ``Scheduler.fan_out``) and only then acks the messages, so a crash
+  before the commit means NATS delivers them again, and a crash after it finds the rows
+  already there (leased ones come back when their lease runs out);
 * the scheduler sends whatever is due, whoever recorded it.
 
 The scheduler starts before NATS is reachable: retries already in the store do not
@@ -29,7 +30,6 @@ from herald.metrics import metrics as process_metrics
 from herald.settings import Settings
 from herald.directory import running_directory
 from herald.storage import open_storage
-from herald.storage.ports import DeliveryQueue
 from herald.tasks import TaskOwner
 from notifier.delivery import Sender
 from notifier.notices import Notices
@@ -43,8 +43,7 @@ FETCH_BATCH = 128
 _event_decoder = msgspec.json.Decoder(JobEvent)
 
 
-async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Scheduler,
-                   notices: Notices | None = None) -> None:
+async def _fan_out(messages: list[Msg], scheduler: Scheduler, notices: Notices | None = None) -> None:
     events: list[JobEvent] = []
     decoded: list[Msg] = []
     for message in messages:
@@ -55,7 +54,7 @@ async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Schedul
             log.error("undecodable job event dropped", extra={"subject": message.subject})
             await message.term()
     try:
-        pending = await queue.fan_out(events)
+        pending = await scheduler.fan_out(events)
     except Exception as exc:  # store busy or away: NATS gives the messages back shortly
         log.warning("recording webhook deliveries failed, will retry: %s", exc)
         for message in decoded:
@@ -63,7 +62,6 @@ async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Schedul
                 await message.nak(delay=1.0)
         return
     if pending:
-        scheduler.kick()
         if notices is not None:
             for tenant in {e.tenant for e in events}:
                 notices.note(tenant, None)  # which endpoints got them: the portal re-reads its own
@@ -71,7 +69,7 @@ async def _fan_out(messages: list[Msg], queue: DeliveryQueue, scheduler: Schedul
         await message.ack()
 
 
-async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Scheduler, stop: asyncio.Event,
+async def _consume(subscription: object, scheduler: Scheduler, stop: asyncio.Event,
                    notices: Notices | None = None) -> None:
     fetch = subscription.fetch  # type: ignore[attr-defined]
     while not stop.is_set():
@@ -85,7 +83,7 @@ async def _consume(subscription: object, queue: DeliveryQueue, scheduler: Schedu
                 await asyncio.wait_for(stop.wait(), timeout=0.5)
             continue
         try:
-            await _fan_out(messages, queue, scheduler, notices)
+            await _fan_out(messages, scheduler, notices)
         except Exception as exc:  # e.g. an ack lost to a reconnect: NATS redelivers, fan-out is idempotent
             log.warning("handling job events failed: %s", exc)
 
@@ -127,7 +125,7 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         await jetstream.ensure_topology(js, settings)
         subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)
         log.info("notifier ready", extra={"owner": scheduler.owner})
-        owner.spawn(_consume(subscription, queue, scheduler, stop, notices), "event-consumer")
+        owner.spawn(_consume(subscription, scheduler, stop, notices), "event-consumer")
         await stop.wait()
         log.info("notifier stopping")
         with contextlib.suppress(Exception):

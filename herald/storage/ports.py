@@ -72,8 +72,10 @@ from herald.deliveries import (
     Claimed,
     DeliveryRow,
     EndpointRow,
+    FannedOut,
     Finished,
     HealthRow,
+    LeaseOffer,
     Outcome,
     Plan,
 )
@@ -349,6 +351,13 @@ class DeliveryQueue(Protocol):
         callback URL) in one transaction, idempotent per target and event; each placed as
         ``herald.delivery_rules.place`` says (superseding, progress slots). Returns how many are
         pending."""
+
+    async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
+        """``fan_out``, and in the same transaction ``claim`` (with ``offer``'s arguments) among the
+        targets it recorded deliveries for: what is due at once goes out without a claim of its
+        own. The notifier offers this only while it has claimed everything due it could
+        (no backlog), so what it leases here jumps no queue. A store may lease nothing
+        (``claimed`` empty): the claim then finds them, as after ``fan_out``."""
 
     async def anything_due(self) -> bool: ...
 

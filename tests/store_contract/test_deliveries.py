@@ -9,12 +9,14 @@ import asyncio
 import itertools
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
+from typing import Any
 
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, Attempted, Claimed, Outcome, Plan
+from herald.deliveries import CALLBACK_PREFIX, Attempted, Claimed, FannedOut, LeaseOffer, Outcome, Plan
 from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S
 from herald.jobs import NewJob
 from herald.storage.ports import DeliveryQueue, JobStore
@@ -403,6 +405,65 @@ async def test_defer_hands_deliveries_back_later_without_an_attempt(stores: Stor
     assert await stores.count("webhook_attempts") == 0
     assert {c.delivery.target for c in await claim(queue, "n2")} == {other}  # the paced target is not due
     assert await queue.next_due_after(after) == pytest.approx(min(r["next_attempt_at"] for r in rows))
+
+
+def _leased(items: Sequence[Claimed]) -> set[tuple[str, str]]:
+    return {(c.delivery.target, c.delivery.event_id) for c in items}
+
+
+async def test_a_fan_out_that_leases_takes_what_a_claim_would_and_the_claim_finds_the_rest(stores: Stores) -> None:
+    """``fan_out_leasing``: what it leases is what the claim would have leased (the first pending
+    version per job and target, each once, to the offer's owner, ready to send); the claim after
+    it finds the rest. A store may lease nothing at all (PostgreSQL does not fold the claim in
+    yet); SQLite leases all that is due."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    hook = await endpoint(webhooks)
+    await stores.jobs.accept(new_job(job_id="j1", callback_url="https://cb.example/done"))
+    callback = CALLBACK_PREFIX + "https://cb.example/done"
+    offer = LeaseOffer(owner="n1", lease_s=30.0, per_target=10, limit=100, in_flight={})
+    result = await queue.fan_out_leasing(
+        [event("j1", 1, "job.running"), event("j1", 2, "job.succeeded"), event("j2", 1)], offer)
+    assert result.pending == 5  # j1.1 and j1.2 to the endpoint and the callback, j2.1 to the endpoint
+    first = {(hook, "evt_j1.1"), (callback, "evt_j1.1"), (hook, "evt_j2.1")}
+    leased = _leased(result.claimed)
+    rest = _leased(await claim(queue, "n2"))
+    assert leased | rest == first and not leased & rest  # j1.2 waits behind j1.1 at both targets
+    if stores.backend == "sqlite":
+        assert leased == first
+    for item in result.claimed:
+        assert item.delivery.lease_owner == "n1" and item.keys and item.body
+        assert item.url == ("https://cb.example/done" if item.delivery.target == callback else "https://example.com/hook")
+    assert await queue.fan_out_leasing([event("j1", 2, "job.succeeded")], offer) == FannedOut(0)  # already there
+
+
+async def test_a_fan_out_leases_within_the_claims_caps(stores: Stores) -> None:
+    """The offer's caps hold as the claim's do: slots per target (with what is in flight), per
+    tenant, the held targets, the limit."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    a = await endpoint(webhooks, tenant="a")
+    b = await endpoint(webhooks, tenant="b")
+
+    async def lease(batch: str, **caps: Any) -> Counter[str]:
+        offer = LeaseOffer(**{"owner": "n1", "lease_s": 30.0, "per_target": 10, "limit": 100, "in_flight": {}, **caps})
+        events = [event(f"{batch}{tenant}{n}", 1, tenant=tenant) for tenant in ("a", "b") for n in range(3)]
+        result = await queue.fan_out_leasing(events, offer)
+        assert result.pending == 6
+        await claim(queue, "n9")  # what it left is out of the next case's way
+        return Counter(item.delivery.target for item in result.claimed)
+
+    caps: list[tuple[dict[str, Any], dict[str, int]]] = [
+        ({"per_target": 2, "in_flight": {a: 1}}, {a: 1, b: 2}),
+        ({"per_tenant": 2, "tenant_in_flight": {"a": 2, "b": 1}}, {b: 1}),
+        ({"held": [a]}, {b: 3}),
+        ({"limit": 0}, {}),
+        ({"limit": 2}, {a: 1, b: 1}),  # the fewest in flight first: one each
+    ]
+    for n, (given, expected) in enumerate(caps):
+        got = await lease(f"c{n}", **given)
+        if stores.backend == "sqlite":
+            assert got == expected, given
+        else:
+            assert all(got[t] <= expected.get(t, 0) for t in got), given
 
 
 # ----- outcomes ----------------------------------------------------------------------------------

@@ -85,8 +85,10 @@ from herald.deliveries import (
     DeliveryRow,
     EndpointLimitReached,
     EndpointRow,
+    FannedOut,
     Finished,
     HealthRow,
+    LeaseOffer,
     Outcome,
     Plan,
     TestEventsLimited,
@@ -483,6 +485,11 @@ class PgDeliveryQueue:
                 "SELECT herald_webhook_fan_out($1, $2, $3, $4, $5, $6, $7, $8)", *args))
 
         return await _retrying(call)
+
+    async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
+        """``fan_out`` alone: the claim (a function of its own, with its locks) finds what is due.
+        Folding it into the fan-out's function is not done here yet (bench/RESULTS.md, issue 24)."""
+        return FannedOut(await self.fan_out(events))
 
     async def anything_due(self) -> bool:
         """Cheap read: is a claim worth its transaction?"""

@@ -33,7 +33,9 @@ from herald.deliveries import (
     Claimed,
     DeliveryRow,
     EndpointRow,
+    FannedOut,
     Finished,
+    LeaseOffer,
     Outcome,
     Plan,
     callback_owner,
@@ -101,20 +103,25 @@ ORDER BY d.next_attempt_at, d.seq LIMIT :room
 Target = tuple[str, str | None, str | None]  # (target, endpoint id, callback URL)
 
 
-def _targets(conn: sqlite3.Connection, event: JobEvent, endpoints: Sequence[EndpointRow]) -> list[Target]:
-    """Every receiver of ``event``: the matching enabled endpoints and the job's callback URL.
-
-    The callback URL is read from the job's row (same store) rather than carried in every
-    event, so it is never copied into the stream's history.
-    """
+def _targets(event: JobEvent, endpoints: Sequence[EndpointRow], callback_url: str | None) -> list[Target]:
+    """Every receiver of ``event``: the matching enabled endpoints and the job's callback URL
+    (``_callback_url``)."""
     targets: list[Target] = [
         (e.id, e.id, None) for e in endpoints if e.wants(event.type, event.kind)
     ]
-    if event.type != "job.progress":
-        row = conn.execute("SELECT callback_url FROM jobs WHERE id = ?", (event.job_id,)).fetchone()
-        if row is not None and row["callback_url"]:
-            targets.append((CALLBACK_PREFIX + row["callback_url"], None, row["callback_url"]))
+    if callback_url:
+        targets.append((CALLBACK_PREFIX + callback_url, None, callback_url))
     return targets
+
+
+def _callback_url(db: Database, event: JobEvent) -> str | None:
+    """Where the job's ``callback_url`` wants ``event``: every type but progress (SPEC §7). Read
+    from the job's row (same store) rather than carried in every event, so it is never copied
+    into the stream's history; a job's callback URL never changes."""
+    if event.type == "job.progress":
+        return None
+    rows = db.read("SELECT callback_url FROM jobs WHERE id = ?", (event.job_id,))
+    return (rows[0]["callback_url"] or None) if rows else None
 
 
 # What ``delivery_rules.place`` needs: the job's deliveries at the target, in one probe of
@@ -148,6 +155,52 @@ def _add_delivery(
     return placement.status == "pending"
 
 
+def _record(conn: sqlite3.Connection, targeted: Sequence[tuple[JobEvent, str | None]],
+            ts: float) -> tuple[int, dict[str, set[str]]]:
+    """The fan-out's writes for events some target wants, each with its job's callback URL:
+    how many deliveries are pending, and by tenant the targets that got one."""
+    endpoints: dict[str, list[EndpointRow]] = {}
+    pending = 0
+    touched: dict[str, set[str]] = {}
+    for event, callback_url in targeted:
+        if event.tenant not in endpoints:
+            rows = conn.execute("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'",
+                                (event.tenant,)).fetchall()
+            endpoints[event.tenant] = [EndpointRow.from_mapping(r) for r in rows]
+        targets = _targets(event, endpoints[event.tenant], callback_url)
+        if not targets:
+            continue
+        body = _payload_encoder.encode(WebhookPayload(type=event.type, timestamp=event.at, data=event.data))
+        conn.execute("INSERT OR IGNORE INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
+                     (event_id(event), body, ts))
+        for target, endpoint_id, url in targets:
+            if _add_delivery(conn, event, target, endpoint_id, url, ts):
+                pending += 1
+                touched.setdefault(event.tenant, set()).add(target)
+    return pending, touched
+
+
+def _lease(conn: sqlite3.Connection, ts: float, rows: Sequence[sqlite3.Row], owner: str, lease_s: float,
+           sealer: Sealer) -> list[Claimed]:
+    """Lease the candidate ``rows`` (``_TARGET_CANDIDATES_SQL``) to ``owner``, each with what sending needs."""
+    keys_by_owner: dict[str, tuple[SigningKey, ...]] = {}
+    claimed: list[Claimed] = []
+    conn.executemany("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
+                     [(owner, ts + lease_s, row["id"]) for row in rows])
+    for row in rows:
+        key_owner = row["endpoint_id"] or callback_owner(row["tenant"])
+        if key_owner not in keys_by_owner:
+            if row["endpoint_id"] is None:
+                current_callback_key(conn, row["tenant"], ts, sealer)  # created on first use
+            keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts, sealer))
+        delivery = replace(DeliveryRow.from_mapping(row), lease_owner=owner, lease_until=ts + lease_s)  # as leased
+        url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
+        trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
+        claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner],
+                               trace_context=trace))
+    return claimed
+
+
 class SqliteDeliveryQueue:
     def __init__(self, db: Database, sealer: Sealer) -> None:
         self.db = db
@@ -155,27 +208,45 @@ class SqliteDeliveryQueue:
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of ``events`` in one transaction; returns how many are pending."""
+        targeted = self._targeted(events)
+        if not targeted:
+            return 0
+        return await self.db.write(lambda conn: _record(conn, targeted, now())[0])
 
-        def tx(conn: sqlite3.Connection) -> int:
+    async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
+        """``fan_out``, then ``claim`` among the targets it recorded for, in the same transaction."""
+        targeted = self._targeted(events)
+        if not targeted:
+            return FannedOut(0)
+
+        def tx(conn: sqlite3.Connection) -> FannedOut:
             ts = now()
-            endpoints: dict[str, list[EndpointRow]] = {}
-            pending = 0
-            for event in events:
-                if event.tenant not in endpoints:
-                    rows = conn.execute("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'",
-                                        (event.tenant,)).fetchall()
-                    endpoints[event.tenant] = [EndpointRow.from_mapping(r) for r in rows]
-                targets = _targets(conn, event, endpoints[event.tenant])
-                if not targets:
-                    continue
-                body = _payload_encoder.encode(WebhookPayload(type=event.type, timestamp=event.at, data=event.data))
-                conn.execute("INSERT OR IGNORE INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
-                             (event_id(event), body, ts))
-                for target, endpoint_id, url in targets:
-                    pending += _add_delivery(conn, event, target, endpoint_id, url, ts)
-            return pending
+            pending, touched = _record(conn, targeted, ts)
+            if not touched or offer.limit <= 0:
+                return FannedOut(pending)
+            busy = offer.tenant_in_flight
+            rows = _fair_order(_candidates(conn, ts, offer.per_target, offer.in_flight, offer.per_tenant, busy,
+                                           offer.held, only=touched), busy, offer.per_tenant)[:offer.limit]
+            return FannedOut(pending, _lease(conn, ts, rows, offer.owner, offer.lease_s, self.sealer))
 
         return await self.db.write(tx)
+
+    def _targeted(self, events: Sequence[JobEvent]) -> list[tuple[JobEvent, str | None]]:
+        """The events some target may want, each with its job's callback URL, judged by reads on
+        the loop: a batch of events nobody wants (most of a busy notifier's: queued and running,
+        when endpoints ask for the outcome only) takes no write transaction. The transaction
+        reads the endpoints again (one enabled now may be gone by then)."""
+        endpoints: dict[str, list[EndpointRow]] = {}
+        targeted: list[tuple[JobEvent, str | None]] = []
+        for event in events:
+            if event.tenant not in endpoints:
+                rows = self.db.read("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'",
+                                    (event.tenant,))
+                endpoints[event.tenant] = [EndpointRow.from_mapping(r) for r in rows]
+            callback_url = _callback_url(self.db, event)
+            if callback_url or any(e.wants(event.type, event.kind) for e in endpoints[event.tenant]):
+                targeted.append((event, callback_url))
+        return targeted
 
     async def anything_due(self) -> bool:
         """Cheap read on the loop: is a claim transaction worth taking the write lock for?"""
@@ -204,22 +275,7 @@ class SqliteDeliveryQueue:
             ts = now()
             rows = _fair_order(_candidates(conn, ts, per_target, in_flight, per_tenant, tenants_busy, held),
                                tenants_busy, per_tenant)[:limit]
-            keys_by_owner: dict[str, tuple[SigningKey, ...]] = {}
-            claimed: list[Claimed] = []
-            conn.executemany("UPDATE webhook_deliveries SET lease_owner = ?, lease_until = ? WHERE id = ?",
-                             [(owner, ts + lease_s, row["id"]) for row in rows])
-            for row in rows:
-                key_owner = row["endpoint_id"] or callback_owner(row["tenant"])
-                if key_owner not in keys_by_owner:
-                    if row["endpoint_id"] is None:
-                        current_callback_key(conn, row["tenant"], ts, self.sealer)  # created on first use
-                    keys_by_owner[key_owner] = tuple(live_keys(conn, key_owner, ts, self.sealer))
-                delivery = replace(DeliveryRow.from_mapping(row), lease_owner=owner, lease_until=ts + lease_s)  # as leased
-                url = row["endpoint_url"] if row["endpoint_id"] is not None else row["url"]
-                trace = (row["job_traceparent"], row["job_tracestate"]) if row["job_traceparent"] else None
-                claimed.append(Claimed(delivery=delivery, url=url, body=bytes(row["body"]), keys=keys_by_owner[key_owner],
-                                       trace_context=trace))
-            return claimed
+            return _lease(conn, ts, rows, owner, lease_s, self.sealer)
 
         return await self.db.write(tx)
 
@@ -291,18 +347,22 @@ class SqliteDeliveryQueue:
 
 def _candidates(
     conn: sqlite3.Connection, ts: float, per_target: int, in_flight: Mapping[str, int], per_tenant: int,
-    busy: Mapping[str, int], held: Collection[str],
+    busy: Mapping[str, int], held: Collection[str], only: Mapping[str, Collection[str]] | None = None,
 ) -> dict[str, list[tuple[int, sqlite3.Row]]]:
     """Each target's oldest claimable deliveries, at most the slots it has left here, by tenant,
     each with its rank in its target. Not read at all: a tenant at its cap (none of its
     deliveries could be taken), a target with no slot left or held back by the notifier (so
-    they cannot crowd out the rest either)."""
+    they cannot crowd out the rest either). ``only``: these tenants' targets, not every one
+    with pending deliveries (a fan-out's own)."""
     held = set(held)
     by_target: dict[str, list[sqlite3.Row]] = {}
-    for (tenant,) in conn.execute(_PENDING_TENANTS_SQL).fetchall():
+    tenants = sorted(only) if only is not None else [t for (t,) in conn.execute(_PENDING_TENANTS_SQL).fetchall()]
+    for tenant in tenants:
         if per_tenant > 0 and busy.get(tenant, 0) >= per_tenant:
             continue
-        for (target,) in conn.execute(_PENDING_TARGETS_SQL, {"tenant": tenant}).fetchall():
+        targets = (sorted(only[tenant]) if only is not None
+                   else [t for (t,) in conn.execute(_PENDING_TARGETS_SQL, {"tenant": tenant}).fetchall()])
+        for target in targets:
             room = per_target - in_flight.get(target, 0)
             if room > 0 and target not in held:
                 by_target.setdefault(target, []).extend(conn.execute(

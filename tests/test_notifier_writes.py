@@ -1,0 +1,160 @@
+"""The notifier's write transactions per delivered job (issue 24): a fan-out batch nobody wants
+takes none, and a delivered job takes two, its fan-out (which leases it) and its outcome.
+
+Real parts: an SQLite file, the notifier's scheduler and sender, a receiver on 127.0.0.1. The
+one thing watched from outside is which transactions the notifier's ``Database`` is asked for
+(a counting wrapper around ``Database.write``; the transactions themselves run as ever).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+
+from herald.jobs import NewJob
+from herald.metrics import metrics
+from herald.storage.sqlite.db import Database
+from herald.storage.sqlite.jobs import SqliteJobStore
+from herald.storage.sqlite.queue import SqliteDeliveryQueue
+from herald.storage.sqlite.schema import SCHEMA
+from herald.storage.sqlite.webhooks import SqliteWebhookStore
+from notifier.delivery import Sender
+from notifier.retry import RetryPolicy
+from notifier.scheduler import Scheduler
+from schemas import JobEvent
+from tests.harness import make_sealer
+
+
+class _Receiver(BaseHTTPRequestHandler):
+    received: list[str] = []
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["content-length"]))
+        type(self).received.append(self.headers["webhook-id"])
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.fixture
+def receiver() -> Iterator[tuple[str, list[str]]]:
+    handler = type("Receiver", (_Receiver,), {"received": []})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", handler.received
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+class _Writes:
+    """The names of the transactions a Database was asked to write, in order."""
+
+    def __init__(self, db: Database) -> None:
+        self.names: list[str] = []
+        write = db.write
+
+        async def counted(fn: Callable[[Any], Any]) -> Any:
+            self.names.append(fn.__qualname__.split(".")[1])  # SqliteDeliveryQueue.<method>.<locals>.tx
+            return await write(fn)
+
+        db.write = counted  # type: ignore[method-assign]
+
+
+@contextlib.asynccontextmanager
+async def _notifier(tmp_path: Path) -> AsyncIterator[tuple[SqliteJobStore, SqliteWebhookStore, Scheduler, _Writes]]:
+    """The job and webhook stores (a gateway's), and a notifier's scheduler on its own Database."""
+    gateway_db = Database(tmp_path / "herald.db", SCHEMA)
+    jobs = SqliteJobStore(gateway_db, retention_s=3600, sealer=make_sealer())
+    await jobs.open()
+    notifier_db = Database(tmp_path / "herald.db", SCHEMA)
+    await notifier_db.open()
+    writes = _Writes(notifier_db)
+    async with Sender(allow_private=True) as sender:
+        scheduler = Scheduler(SqliteDeliveryQueue(notifier_db, make_sealer()), sender,
+                              RetryPolicy(schedule=(1.0,), min_backoff_s=1.0), metrics(),
+                              idle_poll_s=0.2, retention_s=3600)
+        run = asyncio.create_task(scheduler.run())
+        try:
+            yield jobs, SqliteWebhookStore(gateway_db, make_sealer()), scheduler, writes
+        finally:
+            scheduler.stop()
+            await run
+            await notifier_db.close()
+            await jobs.close()
+
+
+def _events(queued: JobEvent) -> list[JobEvent]:
+    """The job's three events, as an echo job's are: queued, running, succeeded."""
+    return [queued] + [
+        JobEvent(seq=queued.seq + n, tenant=queued.tenant, job_id=queued.job_id, kind=queued.kind,
+                 version=queued.version + n, type=type, at=queued.at,
+                 data=msgspec.Raw(msgspec.json.encode({"id": queued.job_id, "version": queued.version + n})))
+        for n, type in ((1, "job.running"), (2, "job.succeeded"))
+    ]
+
+
+async def _accepted(jobs: SqliteJobStore, n: int) -> JobEvent:
+    accepted = await jobs.accept(NewJob(id=f"job{n}", tenant="acme", kind="echo", collection="/echoes",
+                                        params=b"{}", deadline_s=60))
+    assert accepted.event is not None
+    return accepted.event
+
+
+async def _until(predicate: Callable[[], bool], what: str, timeout: float = 20.0) -> None:
+    async with asyncio.timeout(timeout):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+async def test_a_delivered_job_takes_two_writes_and_events_nobody_wants_take_none(
+    tmp_path: Path, receiver: tuple[str, list[str]]
+) -> None:
+    url, received = receiver
+    async with _notifier(tmp_path) as (jobs, webhooks, scheduler, writes):
+        await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
+                                       signature="hmac-sha256")
+        await _until(lambda: "prune" in writes.names, "the scheduler's first pass")  # its retention pass
+        writes.names.clear()
+        for n in range(3):
+            queued, running, succeeded = _events(await _accepted(jobs, n))
+            # One batch per event, as on an idle notifier: the two nobody wants write nothing.
+            assert await scheduler.fan_out([queued]) == 0
+            assert await scheduler.fan_out([running]) == 0
+            assert writes.names == [], n
+            assert await scheduler.fan_out([succeeded]) == 1
+            await _until(lambda: len(received) == n + 1, "the delivery")
+            await _until(lambda: "finish_many" in writes.names, "the outcome's commit")
+            # The fan-out leased it (no claim of its own); the outcome is the second.
+            assert writes.names == ["fan_out_leasing", "finish_many"], n
+            writes.names.clear()
+        assert received == [f"evt_job{n}.3" for n in range(3)]
+
+
+async def test_while_a_backlog_waits_the_fan_out_leases_nothing_and_the_claim_serves_it(
+    tmp_path: Path, receiver: tuple[str, list[str]]
+) -> None:
+    """A fan-out leases only while the notifier has claimed all that was due (no backlog): then
+    what it leases jumps no queue. Held back by a full claim, it records and the claim sends."""
+    url, received = receiver
+    async with _notifier(tmp_path) as (jobs, webhooks, scheduler, writes):
+        await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
+                                       signature="hmac-sha256")
+        scheduler._backlog = True  # as after a claim that filled every free slot
+        succeeded = _events(await _accepted(jobs, 0))[2]
+        assert await scheduler.fan_out([succeeded]) == 1
+        assert writes.names[-1] == "fan_out"
+        await _until(lambda: received == ["evt_job0.3"], "the delivery")
+        assert "claim" in writes.names
