@@ -169,8 +169,8 @@ def test_workers_serve_only_their_kinds_and_the_rest_wait(fresh: Deployment, tmp
 
 
 def test_small_json_results_live_in_the_row_where_the_store_keeps_them(fresh: Deployment) -> None:
-    """SQLite keeps a small JSON result in the job's row, written by the success itself (no
-    file, no fsync); a large one, and every one on PostgreSQL, goes to the result store.
+    """Both stores keep a small JSON result in the job's row, written by the success itself (no
+    file, no fsync); a large one goes to the result store.
     Both are served alike: body, type, attachment name, ETag and 304, the signed URL."""
     from workers.runner import ROW_RESULT_MAX_BYTES
 
@@ -190,10 +190,9 @@ def test_small_json_results_live_in_the_row_where_the_store_keeps_them(fresh: De
             again = http.get(f"/sized/{job_id}", headers={"If-None-Match": result.headers["etag"]})
             assert again.status_code == 304 and again.headers["etag"] == result.headers["etag"]
             assert httpx.get(base + done["links"]["result"]).json() == {"data": "x" * sizes[name]}
-    in_row = fresh.database_url is None  # SQLite
-    assert fresh.result_names(started["small"]) == ([] if in_row else ["1.json"])
+    assert fresh.result_names(started["small"]) == []
     assert fresh.result_names(started["large"]) == ["1.json"]
-    if in_row:  # and no scratch directory was made for a result that never needed one
+    if fresh.database_url is None:  # and no scratch directory was made for a result that never needed one
         assert not (fresh.data_dir / "results" / started["small"][:2] / started["small"]).exists()
 
 

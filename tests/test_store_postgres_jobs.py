@@ -307,26 +307,28 @@ async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(f
 
     The database before it is the old chain up to the tenant fair share (``tests/legacy_schema``:
     the functions as they were then, which gave each event its seq as it was written), its
-    writes made by this code."""
+    writes made by this code: two starts (``herald_accept`` takes what it took then; a
+    transition's function has changed since)."""
     await legacy_pg(fresh_database, upto="jobs-tenant-fair-share")
     old = PgJobStore(PgDatabase(fresh_database, Schema(())), retention_s=60.0, sealer=make_sealer())
     await old.open()
     try:
-        job = await running_job(old)
+        first = (await old.accept(new_job())).job
+        second = (await old.accept(new_job())).job
         assert [e.seq for e in await old.tenant_events("t1", 0, 10)] == [1, 2]
     finally:
         await old.close()
     store = new_store(fresh_database)
     await store.open()
     try:
-        await store.transition(job.id, Change(expect={"running"}, attempt=1, progress=50))
+        await store.transition(first.id, CLAIM)
         assert [e.seq for e in await store.tenant_events("t1", 0, 10)] == [1, 2]
         # The old process's rows (complete payloads) and the new one's, as a sweep takes them.
         rows = await store.outbox_batch(100, stale_after_s=0.0)
-        assert [r.msg_id.rsplit(".", 1)[-1] for r in rows if r.msg_id.startswith("ev.")] == ["1", "2", "3"]
-        assert [msgspec.json.decode(r.payload, type=JobEvent).seq for r in rows if r.msg_id.startswith("ev.")] == [
-            1, 2, 3]
-        assert [(e.seq, e.version) for e in await store.tenant_events("t1", 0, 10)] == [(1, 1), (2, 2), (3, 3)]
+        events = [msgspec.json.decode(r.payload, type=JobEvent) for r in rows if r.msg_id.startswith("ev.")]
+        assert [(e.seq, e.job_id, e.version) for e in events] == [(1, first.id, 1), (2, second.id, 1), (3, first.id, 2)]
+        assert [(e.seq, e.job_id, e.version) for e in await store.tenant_events("t1", 0, 10)] == [
+            (1, first.id, 1), (2, second.id, 1), (3, first.id, 2)]
     finally:
         await store.close()
 

@@ -187,6 +187,25 @@ async def test_fencing_by_attempt(stores: Stores) -> None:
     assert await store.get(job.id) == reclaimed
 
 
+async def test_a_success_keeps_its_small_result_in_the_row(stores: Stores) -> None:
+    """``keeps_results``: the success's own write keeps the result body in the row, which
+    every process reads back with the job; a requeued attempt's row has none."""
+    store = stores.jobs
+    assert store.keeps_results
+    job = await running_job(store)
+    body = ENCODER.encode({"answer": 42, "text": "x" * 1000})
+    done = await store.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1, result_body=body,
+                                                 media_type="application/json"))
+    after = done.after
+    assert (after.state, after.result_body, after.media_type, after.result_path) == (
+        "succeeded", body, "application/json", None)
+    other = await stores.another()
+    assert await other.jobs.get(job.id) == await store.get(job.id) == after
+    assert done.event is not None and b"answer" not in bytes(done.event.data)  # the status links to it
+    plain = await running_job(store)
+    assert (await store.get(plain.id)) == plain and plain.result_body is None
+
+
 async def test_unknown_job_and_invisible_changes(stores: Stores) -> None:
     store = stores.jobs
     with pytest.raises(TransitionRejected) as missing:

@@ -119,8 +119,8 @@ _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT 
 
 _OUTBOX_BATCH = "SELECT * FROM herald_outbox_batch($1, $2, $3)"
 
-_TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 22)) + ")"
-_CAPPED_TRANSITION = "SELECT herald_claim_capped(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
+_TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
+_CAPPED_TRANSITION = "SELECT herald_claim_capped(" + ", ".join(f"${n}" for n in range(1, 24)) + ")"
 
 # GREATEST: a transition that committed while this statement waited for the row keeps its
 # (possibly later) time; a job's updated_at never goes back.
@@ -197,8 +197,6 @@ def _queued_row(new: NewJob, ts: float) -> JobRow:
 
 def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
     """The row after ``change`` at time ``ts`` (``herald.transitions.changed_row``: one rule for both stores)."""
-    if change.result_body is not None:
-        raise ValueError("the PostgreSQL job store keeps no result in the row (keeps_results is False)")
     return changed_row(before, change, at=ts, retention_s=retention_s)[0]
 
 
@@ -253,7 +251,7 @@ def _age(now: float, since: float | None) -> float:
 class PgJobStore(CommitListeners):
     """The job store in PostgreSQL. One per process; any number of processes share the database."""
 
-    keeps_results = False  # results live in the result store (NATS by default), the row names them
+    keeps_results = True  # a small JSON result rides in the success's transaction (jobs.result_body, migration 15)
 
     def __init__(self, db: PgDatabase, *, retention_s: float, sealer: Sealer) -> None:
         self._db = db
@@ -379,7 +377,7 @@ class PgJobStore(CommitListeners):
                     *((change.max_running,) if capped else ()),
                     job_id, before.version, before.updated_at,
                     after.state, after.progress, after.attempt, after.cancel_requested,
-                    after.heartbeat_at, after.error, after.result_path, after.media_type,
+                    after.heartbeat_at, after.error, after.result_path, after.media_type, after.result_body,
                     after.finished_at, after.expires_at, after.updated_at,
                     kind_of_change, event_subject(after.tenant, after.id), bytes(event.data), event_tail,
                     work_subject, work_msg_id, work_payload,

@@ -116,7 +116,7 @@ $fn$;
 CREATE OR REPLACE FUNCTION herald_transition(
     p_id TEXT, p_seen_version INTEGER, p_seen_updated_at DOUBLE PRECISION,
     p_state TEXT, p_progress INTEGER, p_attempt INTEGER, p_cancel_requested BOOLEAN,
-    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT,
+    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT, p_result_body BYTEA,
     p_finished_at DOUBLE PRECISION, p_expires_at DOUBLE PRECISION, p_updated_at DOUBLE PRECISION,
     p_event_type TEXT, p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
     p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
@@ -132,6 +132,7 @@ BEGIN
     UPDATE jobs j SET
         state = p_state, progress = p_progress, attempt = p_attempt, cancel_requested = p_cancel_requested,
         heartbeat_at = p_heartbeat_at, error = p_error, result_path = p_result_path, media_type = p_media_type,
+        result_body = p_result_body,
         finished_at = p_finished_at, expires_at = p_expires_at, updated_at = p_updated_at,
         version = p_seen_version + 1
     WHERE j.id = p_id AND j.version = p_seen_version AND j.updated_at = p_seen_updated_at
@@ -155,7 +156,7 @@ CREATE OR REPLACE FUNCTION herald_claim_capped(
     p_max_running INTEGER,
     p_id TEXT, p_seen_version INTEGER, p_seen_updated_at DOUBLE PRECISION,
     p_state TEXT, p_progress INTEGER, p_attempt INTEGER, p_cancel_requested BOOLEAN,
-    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT,
+    p_heartbeat_at DOUBLE PRECISION, p_error BYTEA, p_result_path TEXT, p_media_type TEXT, p_result_body BYTEA,
     p_finished_at DOUBLE PRECISION, p_expires_at DOUBLE PRECISION, p_updated_at DOUBLE PRECISION,
     p_event_type TEXT, p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
     p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA
@@ -176,7 +177,7 @@ BEGIN
         RETURN -1;
     END IF;
     RETURN herald_transition(p_id, p_seen_version, p_seen_updated_at, p_state, p_progress, p_attempt,
-                             p_cancel_requested, p_heartbeat_at, p_error, p_result_path, p_media_type,
+                             p_cancel_requested, p_heartbeat_at, p_error, p_result_path, p_media_type, p_result_body,
                              p_finished_at, p_expires_at, p_updated_at, p_event_type, p_event_subject,
                              p_event_data, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload);
 END
