@@ -10,12 +10,14 @@ back into the database although no writer checkpoints.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import os
 import signal
 import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -274,3 +276,39 @@ async def test_one_process_checkpoints_and_another_takes_over_when_it_is_gone(tm
         await grows(size)  # `second` took the role over
     finally:
         await second.close()
+
+
+async def test_a_batch_commits_on_the_loop_when_the_lock_is_free_and_waits_for_it_on_the_thread(tmp_path: Path) -> None:
+    """A free write lock: the batch runs on the event loop itself (no hop to the writer
+    thread and back). Held by another process: the batch waits for it on the writer thread,
+    while the loop goes on, and commits once the lock is let go."""
+    path = tmp_path / "herald.db"
+    db = Database(path, SCHEMA)
+    await db.open()
+    loop_thread = threading.get_ident()
+    ran_on: list[int] = []
+
+    def insert_noting_thread(n: int):  # type: ignore[no-untyped-def]
+        def tx(conn: sqlite3.Connection) -> int:
+            ran_on.append(threading.get_ident())
+            return _insert(n)(conn)
+        return tx
+
+    other = os.open(path.with_name(path.name + ".lock"), os.O_RDWR)  # its own open file: another holder
+    try:
+        assert await db.write(insert_noting_thread(1)) == 1
+        assert ran_on == [loop_thread], "a free lock: committed on the loop"
+        fcntl.flock(other, fcntl.LOCK_EX)
+        waiting = asyncio.ensure_future(db.write(insert_noting_thread(2)))
+        ticks = 0
+        for _ in range(20):  # the loop is free while the write waits for the lock
+            await asyncio.sleep(0.01)
+            ticks += 1
+        assert ticks == 20 and not waiting.done(), "a write got in while another holder had the lock"
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert await asyncio.wait_for(waiting, timeout=10) == 2
+        assert len(ran_on) == 2 and ran_on[1] != loop_thread, "a held lock: waited for on the writer thread"
+    finally:
+        os.close(other)
+        await db.close()
+    assert _count(path) == {1, 2}

@@ -1,10 +1,17 @@
-"""SQLite access: one writer thread per process, reads on the event loop.
+"""SQLite access: writes on the event loop when the write lock is free, else on one writer
+thread per process; reads on the event loop.
 
 Why not aiosqlite (the stack's first choice): it runs every statement as its own hop to
 its thread and shares one connection between all coroutines, so a multi-statement
 transaction either holds a lock across several hops or interleaves with another
 coroutine's statements. Herald's transactions (job + event + outbox + key) must be one
-unit, so each runs as a single function on the writer thread: one hop per transaction.
+unit, so each runs as a single function, and the functions queued together commit as one
+batch. A batch runs on the event loop itself when the write lock is free at that moment
+(a commit in WAL mode with ``synchronous=NORMAL`` writes to the WAL and does not fsync: a
+fraction of a millisecond); only when another process holds the lock does it go to the
+writer thread, which waits for the lock there. On these machines a hop to a thread and
+the answer back (a futex wake, a write to the loop's self-pipe, two context switches)
+cost as much CPU as the transaction (bench/RESULTS.md, issue 24).
 Point reads (the status poll, the hot path) run directly on a separate read connection:
 in WAL mode readers never wait for the writer, and a primary-key lookup is microseconds,
 cheaper than any thread hop.
@@ -75,8 +82,9 @@ class Database:
     """Owns the two connections to one SQLite file. ``open()`` and ``close()`` are safe to call twice
     (the job store and the webhook store share one Database).
 
-    Writes are group-committed: every transaction function queued while the writer thread
-    was busy runs in the next ``BEGIN IMMEDIATE ... COMMIT``, each inside its own
+    Writes are group-committed: every transaction function queued in the same turn of the
+    loop, or while the writer thread was busy, runs in the next ``BEGIN IMMEDIATE ... COMMIT``
+    (on the loop when the write lock is free, else on the writer thread), each inside its own
     ``SAVEPOINT``. A function that raises rolls back to its savepoint (its writes vanish,
     the others' stay) and its caller gets the exception; every caller is answered only
     after the batch has committed, so nothing is reported that is not durable. Each
@@ -88,7 +96,7 @@ class Database:
     comes within ``RIDE_WAIT_S`` does it get a commit of its own.
     """
 
-    def __init__(self, path: Path, schema: Schema, *, max_batch: int = 64) -> None:
+    def __init__(self, path: Path, schema: Schema, *, max_batch: int = 64, on_loop: bool = True) -> None:
         self.path = path
         self.schema = schema  # brought up to date when the database opens (herald.storage.sqlite.schema.SCHEMA)
         # This process's name on the outbox rows it commits: its relay publishes those.
@@ -102,7 +110,11 @@ class Database:
         self._riders: list[_Pending[Any]] = []  # write_soon: waiting for the next batch
         self._riders_due = False  # their wait is over: the next drain commits them, alone if need be
         self._queue_lock = threading.Lock()
-        self._draining = False
+        self._draining = False  # a drain owns the queue: scheduled on the loop, or on the writer thread
+        # Whoever uses the writer connection holds this: the loop's drain (which only tries
+        # it), the writer thread's jobs (drains, scans, open and close).
+        self._writer_use = threading.Lock()
+        self._on_loop = on_loop  # False: every batch on the writer thread (as before issue 24)
         self._lock_fd: int | None = None
         self._checkpointer: threading.Thread | None = None
         self._stop_checkpointing = threading.Event()
@@ -178,7 +190,7 @@ class Database:
             os.close(role)  # releases the role, if held
 
     async def write(self, fn: Callable[[sqlite3.Connection], T]) -> T:
-        """Run ``fn`` as one transaction (a savepoint of the next group commit) on the writer thread."""
+        """Run ``fn`` as one transaction (a savepoint of the next group commit), on the loop or the writer thread."""
         loop = asyncio.get_running_loop()
         pending: _Pending[T] = _Pending(fn, loop.create_future(), loop)
         with self._queue_lock:
@@ -186,8 +198,67 @@ class Database:
             start = not self._draining
             self._draining = True
         if start:
-            self._executor.submit(self._drain)
+            self._start_drain(loop)
         return await pending.future
+
+    def _start_drain(self, loop: asyncio.AbstractEventLoop | None) -> None:
+        """The queue has a drain now (``_draining`` was just set): on the loop, once the
+        writes of this turn of the loop are queued too (they share the batch), or on the
+        writer thread."""
+        if loop is not None and self._on_loop:
+            loop.call_soon(self._drain_on_loop)
+        else:
+            self._executor.submit(self._drain)
+
+    def _drain_on_loop(self) -> None:
+        """Loop: commit what is queued here if this process's writer and the database's write
+        lock are both free now; else hand the drain to the writer thread, which waits for them."""
+        if not self._writer_use.acquire(blocking=False):
+            self._release_to_thread()  # a scan is using the writer: after it
+            return
+        try:
+            if self._writer is None or self._lock_fd is None:  # not open yet, or closed
+                self._release_to_thread()
+                return
+            try:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:  # another process is writing: wait for it off the loop
+                self._release_to_thread()
+                return
+            try:
+                with self._queue_lock:
+                    batch = self._take_batch()
+                if batch:
+                    self._commit_locked(batch, _settle_now)
+            finally:
+                fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
+        finally:
+            self._writer_use.release()
+        with self._queue_lock:
+            if not self._queue and not self._riders_due:
+                self._draining = False
+                return
+        # More than a batch was queued (or riders fell due meanwhile): the rest in a later turn.
+        asyncio.get_running_loop().call_soon(self._drain_on_loop)
+
+    def _release_to_thread(self) -> None:
+        """The writer thread drains: it opens the database first (its jobs run in order), or
+        answers that the database is closed; once closed for good, answered here."""
+        try:
+            self._executor.submit(self._drain)
+        except RuntimeError:  # the executor is shut down: nothing will drain the queue
+            with self._queue_lock:
+                batch = list(self._queue) + self._riders
+                self._queue.clear()
+                self._riders, self._riders_due, self._draining = [], False, False
+            for pending in batch:
+                _settle_now(pending, None, sqlite3.ProgrammingError("database is closed"))
+
+    def _take_batch(self) -> list[_Pending[Any]]:
+        """Under ``_queue_lock``: the next batch (riders go with any batch)."""
+        batch, self._riders, self._riders_due = self._riders, [], False
+        batch += [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
+        return batch
 
     def write_soon(self, fn: Callable[[sqlite3.Connection], T]) -> asyncio.Future[T]:
         """Run ``fn`` as one transaction of the next batch this process commits, or on its own
@@ -203,7 +274,7 @@ class Database:
             loop.call_later(RIDE_WAIT_S, self._riders_wait_over)
         return pending.future
 
-    def _riders_wait_over(self) -> None:
+    def _riders_wait_over(self, *, on_loop: bool = True) -> None:
         with self._queue_lock:
             if not self._riders:  # they rode with a batch meanwhile
                 return
@@ -212,55 +283,68 @@ class Database:
             self._draining = True
         if start:
             with contextlib.suppress(RuntimeError):  # closed meanwhile: close() committed them
-                self._executor.submit(self._drain)
+                self._start_drain(asyncio.get_running_loop() if on_loop else None)
 
     def _drain(self) -> None:
         """Writer thread: commit batches until the queue is empty (riders go with any batch)."""
-        while True:
-            with self._queue_lock:
-                if not self._queue and not self._riders_due:
-                    self._draining = False
-                    return
-                batch, self._riders, self._riders_due = self._riders, [], False
-                batch += [self._queue.popleft() for _ in range(min(len(self._queue), self._max_batch))]
-            if batch:
-                self._commit_batch(batch)
+        with self._writer_use:
+            while True:
+                with self._queue_lock:
+                    if not self._queue and not self._riders_due:
+                        self._draining = False
+                        return
+                    batch = self._take_batch()
+                if batch:
+                    self._commit_batch(batch)
 
     def _commit_batch(self, batch: list[_Pending[Any]]) -> None:
-        conn = self._writer
-        if conn is None:
+        """Writer thread: one batch under the write lock, each caller answered through its loop."""
+        if self._writer is None:
             for pending in batch:
                 pending.answer(None, sqlite3.ProgrammingError("database is closed"))
             return
-        outcomes: list[tuple[Any, BaseException | None]] = []
         try:
             with self._write_lock():
-                conn.execute("BEGIN IMMEDIATE")
-                try:
-                    for pending in batch:
-                        outcomes.append(_in_savepoint(conn, pending.fn))
-                except BaseException:
-                    conn.execute("ROLLBACK")
-                    raise
-                conn.execute("COMMIT")
-                # Answered before the lock is let go (each answer is a call_soon_threadsafe):
-                # so callers on one event loop hear of commits in the order they were made, even
-                # from two Databases on one file (the store contract's "two processes").
-                for pending, (result, error) in zip(batch, outcomes):
-                    pending.answer(result, error)
+                self._commit_locked(batch, _Pending.answer)
+        except BaseException as exc:  # the lock itself failed
+            for pending in batch:
+                pending.answer(None, exc)
+
+    def _commit_locked(self, batch: list[_Pending[Any]],
+                       answer: Callable[[_Pending[Any], Any, BaseException | None], None]) -> None:
+        """One ``BEGIN IMMEDIATE ... COMMIT`` of the batch, the write lock held by the caller."""
+        conn = self._writer
+        assert conn is not None
+        outcomes: list[tuple[Any, BaseException | None]] = []
+        try:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                for pending in batch:
+                    outcomes.append(_in_savepoint(conn, pending.fn))
+            except BaseException:
+                conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
         except BaseException as exc:  # BEGIN, COMMIT or a savepoint step failed: nothing of the batch stands
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
                     conn.execute("ROLLBACK")
             for pending in batch:
-                pending.answer(None, exc)
+                answer(pending, None, exc)
+            return
+        # Answered before the lock is let go: so callers on one event loop hear of commits in
+        # the order they were made, even from two Databases on one file (the store contract's
+        # "two processes").
+        for pending, (result, error) in zip(batch, outcomes):
+            answer(pending, result, error)
 
     async def read_in_thread(self, fn: Callable[[sqlite3.Connection], T]) -> T:
         """For scans too long to run on the event loop (sweeps, retention)."""
 
         def _read() -> T:
-            assert self._writer is not None, "database is closed"
-            return fn(self._writer)
+            with self._writer_use:
+                assert self._writer is not None, "database is closed"
+                return fn(self._writer)
 
         return await asyncio.get_running_loop().run_in_executor(self._executor, _read)
 
@@ -275,7 +359,7 @@ class Database:
         if self.reader is not None:
             self.reader.close()
             self.reader = None
-        self._riders_wait_over()  # queued before the writer closes: the executor runs in order
+        self._riders_wait_over(on_loop=False)  # queued before the writer closes: the executor runs in order
         self._stop_checkpointing.set()
         if self._checkpointer is not None:
             await asyncio.to_thread(self._checkpointer.join)
@@ -285,12 +369,13 @@ class Database:
         self._executor.shutdown(wait=True)
 
     def _close_writer(self) -> None:
-        writer, self._writer = self._writer, None
-        if writer is not None:
-            writer.close()
-        if self._lock_fd is not None:
-            os.close(self._lock_fd)
-            self._lock_fd = None
+        with self._writer_use:
+            writer, self._writer = self._writer, None
+            if writer is not None:
+                writer.close()
+            if self._lock_fd is not None:
+                os.close(self._lock_fd)
+                self._lock_fd = None
 
 
 class _Session:
@@ -362,6 +447,11 @@ class _Pending(Generic[T]):
             self.loop.call_soon_threadsafe(_settle, self.future, result, error)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
+
+
+def _settle_now(pending: _Pending[Any], result: Any, error: BaseException | None) -> None:
+    """On the caller's own loop: no hop through ``call_soon_threadsafe``."""
+    _settle(pending.future, result, error)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
