@@ -126,6 +126,89 @@ async def test_a_transition_between_read_and_write_is_not_overwritten(pg: PgJobS
     assert final is not None and (final.state, final.version) == ("cancelled", 3)
 
 
+# ----- a transition judged on the row this process saw last ---------------------------------
+
+
+def count_round_trips(pg: PgJobStore, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The statements ``pg`` sends from now on: reads on its pool, writes by group commit."""
+    sent: list[str] = []
+    db = pg._db
+
+    def counting(name: str, call: Callable[..., Awaitable[Any]]) -> Callable[..., Awaitable[Any]]:
+        async def counted(sql: str, *args: Any, **kwargs: Any) -> Any:
+            sent.append(f"{name} {sql.split('(')[0]}")
+            return await call(sql, *args, **kwargs)
+        return counted
+
+    class CountingPool:  # asyncpg's Pool has slots: its methods cannot be replaced on it
+        def __init__(self, pool: asyncpg.Pool) -> None:
+            self._pool = pool
+            for name in ("fetch", "fetchrow", "fetchval"):
+                setattr(self, name, counting(name, getattr(pool, name)))
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(self._pool, name)
+
+    counted_pool = CountingPool(db.pool)
+    monkeypatch.setattr(PgDatabase, "pool", property(lambda self: counted_pool if self is db else self._pool))
+    for name in ("fetchval_grouped", "fetchrow_grouped"):
+        monkeypatch.setattr(db, name, counting(name, getattr(db, name)))
+    return sent
+
+
+async def test_a_workers_claim_and_success_are_one_round_trip_each(
+    pg: PgJobStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker reads the job, claims it, succeeds: the claim is judged on the row just read,
+    the success on the claimed row, each at the server's clock as last read plus the time
+    since, so each is its write alone. A start after a recent clock read is one too."""
+    job = (await pg.accept(new_job())).job
+    before = await pg.clock()
+    sent = count_round_trips(pg, monkeypatch)
+    seen = await pg.get(job.id)
+    assert seen == job and len(sent) == 1
+    running = (await pg.transition(job.id, CLAIM)).after
+    done = (await pg.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1))).after
+    assert [s.split()[0] for s in sent] == ["fetchrow", "fetchval_grouped", "fetchval_grouped"]
+    second = (await pg.accept(new_job())).job
+    assert [s.split()[0] for s in sent[3:]] == ["fetchrow_grouped"]
+    after = await db_clock(pg._db.url)
+    assert before <= running.updated_at <= done.updated_at <= after
+    assert before <= second.created_at <= after
+    assert await pg.get(job.id) == done and done.state == "succeeded"
+
+
+async def test_a_remembered_row_that_moved_is_read_and_judged_again(pg: PgJobStore, fresh_database: str) -> None:
+    """Another process changed the job since this one saw it: the compare-and-set on the
+    remembered row misses, and the change is judged on the row as it is, never refused on
+    the remembered one."""
+    job = (await pg.accept(new_job())).job
+    assert await pg.get(job.id) == job  # remembered: queued
+    claimed = run_in_other_process_like(fresh_database, lambda other: other.transition(job.id, CLAIM))
+    with pytest.raises(TransitionRejected, match="state is running") as refused:
+        await pg.transition(job.id, CLAIM)
+    assert refused.value.current == claimed.after
+
+    mine = await running_job(pg)  # remembered: running, version 2
+    asked = Change(expect={"running"}, attempt=1, cancel_requested=True)
+    run_in_other_process_like(fresh_database, lambda other: other.transition(mine.id, asked))
+    done = await pg.transition(mine.id, Change(expect={"running"}, to="succeeded", attempt=1))
+    assert (done.before.version, done.after.version, done.after.cancel_requested) == (3, 4, True)
+    assert [e.version for e in await pg.job_events(mine.id, 0)] == [1, 2, 3, 4]
+
+    # Refused on the remembered row (attempt 1), allowed on the row as it is (attempt 2).
+    third = await running_job(pg)
+
+    async def requeue_and_claim(other: PgJobStore) -> JobRow:
+        await other.transition(third.id, Change(expect={"running"}, to="queued", attempt=1, requeue=True))
+        return (await other.transition(third.id, CLAIM)).after
+
+    again = run_in_other_process_like(fresh_database, requeue_and_claim)
+    assert again.attempt == 2
+    moved = await pg.transition(third.id, Change(expect={"running"}, attempt=2, progress=10))
+    assert (moved.before, moved.after.progress, moved.after.version) == (again, 10, 5)
+
+
 # ----- schema, clock, group commit -------------------------------------------------------
 
 

@@ -11,11 +11,17 @@ the migration (``herald_accept``, ``herald_transition``, both ending in
 database cannot compute is the event's payload: it is the status object encoded by Python
 (``JobRow.status()``), and it contains the change's time, which must come from the
 server's clock. So a write first reads that clock (for a transition, in the same round
-trip as the row it judges), encodes, then sends the one statement:
+trip as the row it judges), encodes, then sends the one statement; unless this process read
+both recently (``recent.py``): the server's clock as read at most a second ago plus the time
+elapsed here since, and the job's row as this process last read or wrote it (a worker's
+claim follows its read of the job, its success its claim). A transition judged on such a row
+still compares-and-sets on it, so a row that moved since makes the write miss and the row is
+read and judged again; a refusal is only ever said of a row just read.
 
-* ``accept``: 2 round trips (clock; ``herald_accept``), on one pooled connection;
-* ``transition``: 2 round trips (row + clock; ``herald_transition``), 2 more per lost race;
-* ``heartbeat``, reads, outbox, retention: 1 round trip each.
+* ``accept``: 1 round trip (``herald_accept``), 2 when the clock must be read first;
+* ``transition``: 1 round trip (``herald_transition``) on a remembered row, else 2 (row +
+  clock; ``herald_transition``), 2 more per lost race;
+* ``heartbeat``, reads, outbox, retention: 1 round trip each (``get`` reads the clock too).
 
 (asyncpg's pool adds its reset query when a connection goes back: that is ``PgDatabase``'s
 choice, one per call above however many statements it runs.)
@@ -62,6 +68,7 @@ gateways at once share the work instead of deadlocking with each other or with a
 from __future__ import annotations
 
 import secrets
+import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
@@ -86,6 +93,7 @@ from herald.storage.committing import CommitListeners
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
+from herald.storage.postgres.recent import RecentRows, ServerClock
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
@@ -105,8 +113,6 @@ NUMBER_LOCK_SEED = 0x48534551
 # query must repeat a partial index's predicate literally for the planner to use the index.
 
 # ----- statements ---------------------------------------------------------------------------
-
-_CLOCK = f"SELECT {NOW_SQL}"
 
 _ACCEPT = (
     "SELECT a.outcome, a.wait_s, a.event_seq, (a.job).* FROM herald_accept("
@@ -257,6 +263,8 @@ class PgJobStore(CommitListeners):
         self._db = db
         self.retention_s = retention_s
         self._sealer = sealer
+        self._clock = ServerClock()
+        self._rows = RecentRows()
         super().__init__()
 
     async def open(self) -> None:
@@ -281,7 +289,29 @@ class PgJobStore(CommitListeners):
 
     async def clock(self) -> float:
         async with self._unavailable_on_errors():
-            return await self._db.clock()
+            sent = time.monotonic()
+            now = await self._db.clock()
+        self._clock.read(now, sent)
+        return now
+
+    async def _now(self) -> float:
+        """The server's time: guessed from a recent read (``ServerClock``), else read."""
+        now = self._clock.now()
+        return now if now is not None else await self.clock()
+
+    async def _read_for_change(self, job_id: str) -> tuple[float, JobRow | None]:
+        """The job's row and the server's time, in one round trip; both remembered."""
+        sent = time.monotonic()
+        record = await self._db.pool.fetchrow(_READ_FOR_CHANGE, job_id)
+        assert record is not None
+        now = float(record["now"])
+        self._clock.read(now, sent)
+        if record["id"] is None:
+            self._rows.forget(job_id)
+            return now, None
+        row = JobRow.from_mapping(record)
+        self._rows.saw(row)
+        return now, row
 
 
     # ----- connections ------------------------------------------------------------------
@@ -313,7 +343,7 @@ class PgJobStore(CommitListeners):
     ) -> Accepted:
         """Spend a start token, write the job (queued, version 1), its key and its outbox rows: one transaction."""
         async with self._unavailable_on_errors():
-            ts = float(await self._db.pool.fetchval(_CLOCK))
+            ts = await self._now()
             job = _queued_row(new, ts)
             event, event_tail = _unnumbered_event(job, "job.queued")
             work_subject, work_msg_id, work_payload = _work_message(job)
@@ -343,6 +373,7 @@ class PgJobStore(CommitListeners):
         if outcome == "replayed":
             return Accepted(job=stored, replayed=True)
         event = msgspec.structs.replace(event, seq=record["event_seq"])
+        self._rows.saw(stored)
         self._committed(stored, event)
         return Accepted(job=stored, replayed=False, event=event)
 
@@ -353,20 +384,28 @@ class PgJobStore(CommitListeners):
         return await self._observed_transition(job_id, change, lambda: self._compare_and_set(job_id, change))
 
     async def _compare_and_set(self, job_id: str, change: Change) -> Transition:
+        # One round trip when this process saw the job last (a worker's success after its
+        # claim, its claim after reading the message's job): judged on the remembered row at
+        # the remembered clock (``recent.py``), which the compare-and-set checks.
+        before = self._rows.get(job_id)
+        now = self._clock.now()
         async with self._unavailable_on_errors():
             while True:
-                record = await self._db.pool.fetchrow(_READ_FOR_CHANGE, job_id)
-                assert record is not None
-                before = JobRow.from_mapping(record) if record["id"] is not None else None
-                reason = refusal(before, change)
-                if reason is not None:
-                    raise TransitionRejected(job_id, reason, before)
-                assert before is not None
+                remembered = before is not None and now is not None and refusal(before, change) is None
+                if not remembered:
+                    now, before = await self._read_for_change(job_id)
+                    reason = refusal(before, change)
+                    if reason is not None:
+                        raise TransitionRejected(job_id, reason, before)
+                assert before is not None and now is not None
                 # The server's clock may step back (NTP); a job's times never do.
-                ts = max(float(record["now"]), before.updated_at)
+                ts = max(now, before.updated_at)
                 after = _changed_row(before, change, ts, self.retention_s)
                 kind_of_change = event_type(before, after)
                 if kind_of_change is None:
+                    if remembered:  # said only of the row as it is now
+                        before = None
+                        continue
                     return Transition(before=before, after=before, event=None)  # nothing visible changed
                 event, event_tail = _unnumbered_event(after, kind_of_change)
                 work_subject, work_msg_id, work_payload = _work_message(after) if change.requeue else (None, None, None)
@@ -383,22 +422,34 @@ class PgJobStore(CommitListeners):
                     work_subject, work_msg_id, work_payload,
                     order=before.tenant,
                 )
+                if seq == -1 and remembered:  # at the cap; but the claim may be refused anyway on the row as it is now
+                    before = None
+                    continue
                 if seq == -1:
                     raise TransitionRejected(job_id, TENANT_AT_CAP, before)
                 if seq is not None:
+                    self._rows.saw(after)
                     return Transition(before=before, after=after, event=msgspec.structs.replace(event, seq=seq))
-                # Another writer committed between our read and our write: judge the new row.
+                # Another writer committed between our read (or the row we remembered) and
+                # our write: judge the new row.
+                before = None
 
     async def heartbeat(self, job_id: str, attempt: int) -> JobRow | None:
         """Move only ``updated_at``/``heartbeat_at`` (not an event). None: the worker lost the job."""
         record = await self._fetchrow(_HEARTBEAT, job_id, attempt)
-        return JobRow.from_mapping(record) if record is not None else None
+        if record is None:
+            self._rows.forget(job_id)
+            return None
+        row = JobRow.from_mapping(record)
+        self._rows.saw(row)
+        return row
 
     # ----- reads -------------------------------------------------------------------------
 
     async def get(self, job_id: str) -> JobRow | None:
-        record = await self._fetchrow("SELECT * FROM jobs WHERE id = $1", job_id)
-        return JobRow.from_mapping(record) if record is not None else None
+        # With the server's time (the clock of a transition that may follow: a worker's claim).
+        async with self._unavailable_on_errors():
+            return (await self._read_for_change(job_id))[1]
 
     async def get_for_tenant(self, tenant: str, job_id: str) -> JobRow | None:
         record = await self._fetchrow("SELECT * FROM jobs WHERE id = $1 AND tenant = $2", job_id, tenant)
