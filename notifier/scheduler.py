@@ -140,7 +140,11 @@ class Scheduler:
                 result = await self.queue.fan_out_leasing(events, offer)
                 pending, claimed = result.pending, result.claimed
                 self._backlog = len(claimed) >= offer.limit
-                await self._start(claimed)
+                try:
+                    await self._start(claimed)
+                except Exception as exc:  # the fan-out stands (its events are acked): a lease not
+                    # handed back or deferred runs out and the delivery is claimed again
+                    log.warning("handing back deliveries the fan-out leased failed: %s", exc)
         if pending > len(claimed) and self._claim_would_find_more(events, offer is not None):
             self.kick()
         return pending
