@@ -450,8 +450,12 @@ class _Pending(Generic[T]):
 
 
 def _settle_now(pending: _Pending[Any], result: Any, error: BaseException | None) -> None:
-    """On the caller's own loop: no hop through ``call_soon_threadsafe``."""
-    _settle(pending.future, result, error)
+    """On the caller's own loop: no hop through ``call_soon_threadsafe`` (a caller on another
+    loop, which Herald never has, is answered through its own)."""
+    if pending.loop is asyncio.get_running_loop():
+        _settle(pending.future, result, error)
+    else:
+        pending.answer(result, error)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
