@@ -19,7 +19,7 @@ from typing import Any
 
 import httpx
 
-from herald.deliveries import Attempted, Claimed
+from herald.deliveries import Attempted, Claimed, LeaseOffer
 from herald.jobs import IdempotencyClaim, JobRow, NewJob, StoreUnavailable
 from herald.settings import Settings
 from herald.storage import open_storage
@@ -113,6 +113,8 @@ def _calls(storage: Storage, seen: _Seen) -> dict[str, Callable[[], Awaitable[An
         "webhooks.messages": lambda: webhooks.messages([claimed.delivery.event_id]),
         "webhooks.endpoint_health": lambda: webhooks.endpoint_health([endpoint_id], 10),
         "deliveries.fan_out": lambda: queue.fan_out([seen.event]),
+        "deliveries.fan_out_leasing": lambda: queue.fan_out_leasing(
+            [seen.event], LeaseOffer(owner="n1", lease_s=30, per_target=1, limit=1, in_flight={})),
         "deliveries.anything_due": lambda: queue.anything_due(),
         "deliveries.next_due_after": lambda: queue.next_due_after(0),
         "deliveries.claim": lambda: queue.claim("n1", lease_s=30, per_target=1, limit=1, in_flight={}),
