@@ -72,9 +72,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="e2e also runs Celery + Redis and arq on the same trivial jobs (needs redis-server and "
                         "the bench extra) and gives Herald's rate as a ratio of theirs")
+    parser.add_argument("--workers", type=int, default=2, metavar="N",
+                        help="worker processes of the e2e scenario's one-machine shape (default 2, as herald up): "
+                        "how the rate grows with a third where cores allow")
     parser.add_argument("--tracing", action="store_true",
                         help="tracing on: Herald's processes export spans over OTLP/HTTP to a sink the bench starts")
     args = parser.parse_args(argv)
+    if args.workers < 1:
+        parser.error("--workers: at least 1")
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
             ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
-                          herald_env=overrides, postgres=postgres, peers=args.peers)
+                          herald_env=overrides, postgres=postgres, peers=args.peers,
+                          workers=args.workers)
             for name in names:
                 # Each scenario on each store in turn (interleaved: noise hits the stores alike).
                 variants = [(store, "one") for store in stores]

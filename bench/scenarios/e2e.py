@@ -155,16 +155,16 @@ class Deployment:
 
 
 def _one_machine(ctx: Context) -> Deployment:
-    """``herald up``'s processes, started one by one: a gateway, two workers, a notifier."""
+    """``herald up``'s processes, started one by one: a gateway, two workers (``--workers``), a notifier."""
     herald = ctx.herald("e2e", HERALD_KINDS=KINDS, HERALD_API_KEYS=_api_keys(ctx))
     herald.start_gateway()
-    workers = [herald.start_worker(f"worker{i}") for i in range(2)]
+    workers = [herald.start_worker(f"worker{i}") for i in range(ctx.workers)]
     notifier = herald.start_notifier()
     meters = {"gateway": herald.gateway(), "notifier": notifier, "nats": herald.nats.proc,
               **{w.name.rsplit("-", 1)[-1]: w for w in workers}, **ctx.store_meters()}
     return Deployment(port=herald.port, sse_port=herald.port, base=herald.base, meters=meters, log=herald.gateway(),
                       database_url=herald.database_url,
-                      description={"shape": "one machine: 1 gateway, 2 workers, 1 notifier, 1 nats-server",
+                      description={"shape": f"one machine: 1 gateway, {len(workers)} workers, 1 notifier, 1 nats-server",
                                    "store": herald.store, "workers": len(workers),
                                    "worker_concurrency": herald.env().get("HERALD_WORKER_CONCURRENCY", "4 (default)")})
 
