@@ -221,7 +221,14 @@ def test_max_streams_counts_sse_long_polls_and_feed_polls_together(capped: Deplo
         assert job.status_code == 202, job.text
         job_id = job.json()["id"]
         etag = acme.get(f"/jobs/{job_id}").headers["etag"]
-        cursor = acme.get("/events", headers={"Accept": "application/json"}).json()["next_cursor"]
+        # The cursor is taken after the job's own event: a feed poll from before it would be
+        # answered at once (PostgreSQL numbers an event just after its commit), holding nothing.
+        def after_created() -> str | None:
+            feed = acme.get("/events", headers={"Accept": "application/json"}).json()
+            seen = any(e["data"]["id"] == job_id for e in feed["events"])
+            return feed["next_cursor"] if seen else None
+
+        cursor = wait_until(after_created, what="the job's event in the tenant feed")
     results: dict[str, int] = {}
 
     def hold(name: str, method: str, path: str, **kwargs: Any) -> None:
