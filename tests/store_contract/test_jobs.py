@@ -9,6 +9,7 @@ in order while it grows; one start budget across gateways; retention leaves tomb
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 
@@ -493,6 +494,42 @@ async def test_queued_ages_per_kind(stores: Stores) -> None:
             await store.list_jobs("t2", state="queued", kind=None, before=None, limit=10):
         await store.transition(job.id, CLAIM)
     assert await store.queued_ages(["report"]) == {"report": 0.0}
+
+
+async def test_queue_ages_are_the_oldest_queued_job_over_every_tenant_and_kind(stores: Stores) -> None:
+    """/metrics' ages read one index tenant by tenant and kind by kind (migration 5 on SQLite,
+    16 on PostgreSQL): each kind's oldest queued job wherever it is -- behind another kind of
+    the same tenant, in a tenant that sorts last -- and the oldest of all for the store."""
+    store = stores.jobs
+
+    async def accept(tenant: str, kind: str) -> JobRow:
+        return (await store.accept(dataclasses.replace(new_job(tenant), kind=kind))).job
+
+    oldest_report = await accept("z-last", "report")
+    oldest_export = await accept("a-first", "export")
+    claimed = await accept("a-first", "report")
+    next_report = await accept("a-first", "report")
+    await accept("m-middle", "export")
+    await accept("z-last", "zip")
+    await store.transition(claimed.id, CLAIM)  # running: no longer queued
+
+    def within(age: float, job: JobRow, before: float, after: float) -> bool:
+        return before - job.created_at - 1e-6 <= age <= after - job.created_at + 1e-6
+
+    before = await store.clock()
+    ages = await store.queued_ages(["report", "export", "none"])
+    stats = await store.stats()
+    after = await store.clock()
+    assert set(ages) == {"report", "export", "none"} and ages["none"] == 0.0
+    assert within(ages["report"], oldest_report, before, after)
+    assert within(ages["export"], oldest_export, before, after)
+    assert within(stats.oldest_queued_age_s, oldest_report, before, after)
+
+    await store.transition(oldest_report.id, CLAIM)
+    before = await store.clock()
+    later = await store.queued_ages(["report"])
+    after = await store.clock()
+    assert within(later["report"], next_report, before, after)  # the next one's
 
 
 async def test_signing_key_is_the_same_for_every_process(stores: Stores) -> None:

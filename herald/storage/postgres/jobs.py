@@ -107,7 +107,7 @@ SIGNING_KEY_NAME = "url-signing"
 # hash of a name differ.
 NUMBER_LOCK_SEED = 0x48534551
 
-# The tables: sql/0001-0005 and 0013 beside this package's schema.py; the functions:
+# The tables: sql/0001-0005, 0013 and 0016 beside this package's schema.py; the functions:
 # sql/functions/jobs_writes.sql and events_numbering.sql. State names in the
 # SQL below are the values of ``schemas.jobs.JobState`` (the one list), written out because a
 # query must repeat a partial index's predicate literally for the planner to use the index.
@@ -136,17 +136,42 @@ _HEARTBEAT = (
     " WHERE j.id = $1 AND j.state = 'running' AND j.attempt = $2 RETURNING j.*"
 )
 
+# The oldest queued job of each (tenant, kind) that has one, from jobs_live_by_tenant (state,
+# tenant, kind, created_at) alone: a loose scan, one probe per tenant with queued jobs and
+# one per (tenant, kind), each the first entry of its range, however long the queue
+# (migration 16; a GROUP BY would read every queued row).
+_QUEUED_SINCE = """
+WITH RECURSIVE
+  t(tenant) AS (
+    SELECT MIN(tenant) FROM jobs WHERE state = 'queued'
+    UNION ALL
+    SELECT (SELECT MIN(j.tenant) FROM jobs j WHERE j.state = 'queued' AND j.tenant > t.tenant)
+      FROM t WHERE t.tenant IS NOT NULL),
+  q(tenant, kind) AS (
+    SELECT t.tenant, (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = t.tenant)
+      FROM t WHERE t.tenant IS NOT NULL
+    UNION ALL
+    SELECT q.tenant,
+           (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind > q.kind)
+      FROM q WHERE q.kind IS NOT NULL),
+  queued(kind, since) AS (
+    SELECT q.kind,
+           (SELECT MIN(j.created_at) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind = q.kind)
+      FROM q WHERE q.kind IS NOT NULL)
+"""
+
 _STATS = (
-    f"SELECT {NOW_SQL} AS now,"
-    " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued') AS queued_since,"
+    _QUEUED_SINCE
+    + f"SELECT {NOW_SQL} AS now,"
+    " (SELECT MIN(since) FROM queued) AS queued_since,"
     " (SELECT COUNT(*) FROM outbox) AS outbox_pending,"
     " (SELECT MIN(created_at) FROM outbox) AS outbox_since"
 )
 
-# The subquery per kind is one lookup in jobs_queued_by_kind (a GROUP BY would read every queued row).
 _QUEUED_AGES = (
-    f"SELECT k.kind, {NOW_SQL} AS now,"
-    " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued' AND jobs.kind = k.kind) AS since"
+    _QUEUED_SINCE
+    + f"SELECT k.kind, {NOW_SQL} AS now,"
+    " (SELECT MIN(since) FROM queued WHERE queued.kind = k.kind) AS since"
     " FROM unnest($1::text[]) AS k(kind)"
 )
 
@@ -155,7 +180,7 @@ _TENANT_QUEUED_AGE = (
     " (SELECT MIN(created_at) FROM jobs WHERE state = 'queued' AND kind = $1 AND tenant = $2) AS since"
 )
 
-# One lookup in jobs_running_by_tenant per tenant.
+# One lookup in jobs_live_by_tenant per tenant.
 _RUNNING_COUNTS = (
     "SELECT t.tenant, (SELECT COUNT(*) FROM jobs WHERE state = 'running' AND jobs.tenant = t.tenant) AS running"
     " FROM unnest($1::text[]) AS t(tenant)"

@@ -42,12 +42,35 @@ from herald.timefmt import now, rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent, JobMessage
 
-# The tables: sql/0001_jobs.sql beside this package's schema.py. State names in the SQL below
+# The tables: sql/0001_jobs.sql and 0005 beside this package's schema.py. State names in the SQL below
 # are the values of ``schemas.jobs.JobState`` (the one list), written out because a query must
 # repeat a partial index's predicate literally for the planner to use the index.
 
 _event_encoder = msgspec.json.Encoder()
 _SIGNING_KEY_NAME = "url-signing"
+
+# Each kind's oldest queued job, from jobs_live_by_tenant (state, tenant, kind, created_at)
+# alone: a loose scan, one probe per tenant with queued jobs and one per (tenant, kind),
+# each the first entry of its range, however long the queue (migration 5).
+_QUEUED_SINCE_BY_KIND = """
+WITH RECURSIVE
+  t(tenant) AS (
+    SELECT MIN(tenant) FROM jobs WHERE state = 'queued'
+    UNION ALL
+    SELECT (SELECT MIN(j.tenant) FROM jobs j WHERE j.state = 'queued' AND j.tenant > t.tenant)
+      FROM t WHERE t.tenant IS NOT NULL),
+  q(tenant, kind) AS (
+    SELECT t.tenant, (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = t.tenant)
+      FROM t WHERE t.tenant IS NOT NULL
+    UNION ALL
+    SELECT q.tenant,
+           (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind > q.kind)
+      FROM q WHERE q.kind IS NOT NULL)
+SELECT q.kind,
+       MIN((SELECT MIN(j.created_at) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind = q.kind))
+         AS since
+  FROM q WHERE q.kind IS NOT NULL GROUP BY q.kind
+"""
 
 
 def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
@@ -314,9 +337,13 @@ class SqliteJobStore(CommitListeners):
         rows = self._db.read("SELECT last FROM tenant_seq WHERE tenant = ?", (tenant,))
         return int(rows[0]["last"]) if rows else 0
 
+    def _queued_since(self) -> dict[str, float]:
+        """Each kind's oldest queued job's created_at (the kinds with none are left out)."""
+        return {r["kind"]: r["since"] for r in self._db.read(_QUEUED_SINCE_BY_KIND)}
+
     async def stats(self) -> StoreStats:
         ts = now()
-        queued = self._db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued'")[0]["t"]
+        queued = min(self._queued_since().values(), default=None)
         deleting = list(self._deleting)
         outbox = self._db.read(f"SELECT COUNT(*) AS n, MIN(created_at) AS t FROM outbox"
                                f" WHERE seq NOT IN ({','.join('?' * len(deleting))})", deleting)[0]
@@ -328,12 +355,8 @@ class SqliteJobStore(CommitListeners):
 
     async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:
         ts = now()
-        ages: dict[str, float] = {}
-        for kind in kinds:
-            since = self._db.read("SELECT MIN(created_at) AS t FROM jobs WHERE state = 'queued' AND kind = ?",
-                                  (kind,))[0]["t"]
-            ages[kind] = max(0.0, ts - since) if since is not None else 0.0
-        return ages
+        since = self._queued_since()
+        return {kind: max(0.0, ts - since[kind]) if kind in since else 0.0 for kind in kinds}
 
     async def tenant_queued_age(self, kind: str, tenant: str) -> float:
         since = self._db.read(
@@ -397,7 +420,7 @@ class SqliteJobStore(CommitListeners):
 
         def read(conn: sqlite3.Connection) -> list[JobRow]:
             rows = conn.execute(
-                "SELECT * FROM jobs WHERE state IN ('queued', 'running')"
+                "SELECT * FROM jobs WHERE (state = 'queued' OR state = 'running')"
                 " AND ((state = 'running' AND COALESCE(heartbeat_at, 0) < ?) OR deadline_at < ?)",
                 (stale_before, deadline_before),
             ).fetchall()
