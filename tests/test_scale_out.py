@@ -708,37 +708,47 @@ def test_two_of_everything_survive_kill_9_of_nats_leader_worker_and_gateway(scal
         receiver.stop()
 
 
+def _burst(bases: list[str], key: str, count: int) -> tuple[list[httpx.Response], float]:
+    """``count`` starts alternating between the gateways, six at a time; the answers and seconds taken."""
+    clients = [httpx.Client(base_url=b, headers={"Authorization": f"Bearer {key}"}, timeout=10) for b in bases]
+    try:
+        for c in clients:  # connections open before the burst, so it is one
+            assert c.get("/jobs", params={"limit": 1}).status_code == 200
+
+        def fire(i: int) -> httpx.Response:
+            return clients[i % 2].post("/exports", json={"format": "csv", "rows": 1})
+
+        began = time.monotonic()
+        with ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(fire, range(count)))
+        return answers, time.monotonic() - began
+    finally:
+        for c in clients:
+            c.close()
+
+
 def test_start_budget_is_one_across_gateways(scale: Scale) -> None:
     """HERALD_RATE_LIMIT=5 (burst 10) at two gateways: a burst of 30 alternating starts
     admits about 10 in all, not 10 per gateway; the rest are 429 with Retry-After."""
     rate = 5
-    tenant, key = "metered", "key-metered"
-    keys = ",".join(f"{t}:{k}" for t, k in {**KEYS, tenant: key}.items())
+    tenants = {f"metered{i}": f"key-metered{i}" for i in range(3)}
+    keys = ",".join(f"{t}:{k}" for t, k in {**KEYS, **tenants}.items())
     with diagnosed(scale):
         bases = [scale.spawn("gateway", name, HERALD_RATE_LIMIT=str(rate), HERALD_API_KEYS=keys)
                  for name in ("r1", "r2")]
-        clients = [httpx.Client(base_url=b, headers={"Authorization": f"Bearer {key}"}, timeout=10) for b in bases]
-        try:
-            for c in clients:  # connections open before the burst, so it is one
-                assert c.get("/jobs", params={"limit": 1}).status_code == 200
-
-            def fire(i: int) -> httpx.Response:
-                return clients[i % 2].post("/exports", json={"format": "csv", "rows": 1})
-
-            began = time.monotonic()
-            with ThreadPoolExecutor(6) as pool:
-                answers = list(pool.map(fire, range(30)))
-            elapsed = time.monotonic() - began
-        finally:
-            for c in clients:
-                c.close()
+        # A burst tells one budget from two only if it ends before the refill could make up the
+        # difference; a burst slowed by a loaded machine is tried again with a fresh tenant.
+        for key in tenants.values():
+            answers, elapsed = _burst(bases, key, 30)
+            if elapsed < 1.5:
+                break
+        assert elapsed < 1.5, f"every burst took over 1.5 s (last {elapsed:.2f} s): too slow to tell one budget from two"
 
         codes = Counter(a.status_code for a in answers)
         admitted = codes[202]
         per_gateway = Counter(i % 2 for i, a in enumerate(answers) if a.status_code == 202)
         print(f"\nburst of 30 in {elapsed:.2f} s: {dict(codes)}; admitted per gateway {dict(per_gateway)}")
         assert set(codes) <= {202, 429}, [(a.status_code, a.text[:200]) for a in answers if a.status_code not in (202, 429)]
-        assert elapsed < 1.5, f"the burst took {elapsed:.2f} s: too slow to tell one budget from two"
         assert 2 * rate <= admitted <= 2 * rate + math.ceil(rate * elapsed) + 1, (
             f"{admitted} admitted: one budget of burst {2 * rate} across both gateways (plus refill)")
         for answer in answers:

@@ -109,8 +109,9 @@ def test_long_poll_wakes_on_transition_and_304_on_timeout(fresh: Deployment) -> 
         poll.join(10)
         response = answer["response"]
         assert response.status_code == 200 and response.json()["state"] == "cancelled"
-        # Woken by the committed transition, not by a timer (generous bound for a shared machine).
-        assert answer["at"] - cancelled_at < 1.0
+        # Woken by the committed transition, not by its 30 s timer (the bound is far from both:
+        # a loaded machine has taken over a second to answer).
+        assert answer["at"] - cancelled_at < 10.0
         assert http.get(f"/jobs/{job['id']}", params={"wait": 61}).status_code == 400
 
 
