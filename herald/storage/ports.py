@@ -172,7 +172,9 @@ class JobStore(Protocol):
     async def job_events(self, job_id: str, after_version: int, limit: int = 1000) -> list[JobEvent]: ...
 
     async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
-        """The tenant's numbered events after ``after_seq``, in seq order."""
+        """The tenant's numbered events after ``after_seq``, in seq order: every event whose
+        transaction committed before the call among them (a backend that numbers after commit
+        numbers the tenant's committed events first)."""
 
     async def last_event_seq(self, tenant: str) -> int:
         """The tenant's highest seq given so far (0: none)."""

@@ -518,6 +518,14 @@ class PgJobStore(CommitListeners):
         return [_event_from_record(r) for r in records]
 
     async def tenant_events(self, tenant: str, after_seq: int, limit: int, kind: str | None = None) -> list[JobEvent]:
+        # The tenant's committed events are numbered first, so a reader sees every change that
+        # committed before it asked (a job that GET /jobs/{id} shows succeeded has its event in
+        # the feed), not only what a relay's pass has numbered yet. The partial index on
+        # unnumbered events makes that a lookup; a pass that finds nothing writes nothing.
+        await self._fetchval(
+            "SELECT herald_number_events($1) WHERE EXISTS (SELECT 1 FROM events WHERE tenant = $1 AND seq IS NULL)",
+            tenant,
+        )
         if kind is None:
             records = await self._fetch(
                 "SELECT * FROM events WHERE tenant = $1 AND seq > $2 ORDER BY seq LIMIT $3", tenant, after_seq, limit
