@@ -10,7 +10,6 @@ from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
-import nats
 from nats.aio.client import Client as NATS
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -39,6 +38,7 @@ from herald.constants import (
     worker_consumer_name,
 )
 from herald.kinds import KindDeclaration, declared_kinds
+from herald.natsclient import Client
 from herald.settings import Settings
 from herald.storage.results import ensure_result_buckets, retry_nats
 
@@ -73,18 +73,20 @@ async def connect(
     async def on_error(exc: Exception) -> None:
         log.warning("nats error: %s", exc)
 
-    return await nats.connect(
+    nc = Client()  # nats-py's, with writes coalesced over a few turns of the loop (herald/natsclient.py)
+    await nc.connect(
         servers=settings.nats_servers,
         **auth_options(settings),
         name=name,
         max_reconnect_attempts=-1,
-        reconnect_time_wait=0.25,
+        reconnect_time_wait=0.25,  # type: ignore[arg-type]  # a float works; nats-py's annotation says int
         connect_timeout=2,
         allow_reconnect=True,
         error_cb=on_error,
         reconnected_cb=reconnected,
         pending_size=64 * 1024 * 1024,
     )
+    return nc
 
 
 async def connect_until_ready(settings: Settings, name: str, *, stop: asyncio.Event) -> NATS | None:

@@ -1,0 +1,69 @@
+"""The NATS client of every Herald process: nats-py's, with a flusher that waits a few turns
+of the event loop before it writes.
+
+nats-py queues each command (a publish, an ack, a pull request) and wakes its flusher
+task, which writes everything queued so far in one ``sendto`` on the next turn of the loop.
+A worker's job makes its writes in a chain of turns, each a step after the other: the
+success commits, the run's task acks its message, the relay's task wakes and publishes the
+committed events, the freed slot wakes the dispatch loop, which sends the next pull
+request. Written as they came, that was about five ``sendto`` per job, a third of a worker's
+event-loop time (bench/RESULTS.md, issue 24). Here the flusher lets the loop run up to
+``COALESCE_TURNS`` more turns while they add to what is queued, so such a chain leaves in
+one or two writes.
+
+Nothing is promised on a write: a message is acked after its job's state is committed and
+an event is published from a committed outbox row, whenever the bytes leave. A turn of a
+loop with nothing else to do takes microseconds, so an idle process's writes are not held
+back; a busy one's wait only for work that was already ready to run.
+
+It overrides nats-py's ``Client._flusher`` (a private method, the same body plus the wait):
+with a nats-py that no longer has it, the override is simply never called and writes go out
+as nats-py makes them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
+from nats.aio.client import Client as NATS
+
+COALESCE_TURNS = 3  # at most this many turns of the loop between the first queued command and the write
+
+
+class Client(NATS):
+    async def flush(self, timeout: int = DEFAULT_FLUSH_TIMEOUT) -> None:
+        """What is queued is written first, then the PING: nats-py writes the PING straight to
+        the socket, ahead of the queue, which the flusher's wait would otherwise make longer;
+        the PONG means the server has read everything published before."""
+        if self._pending_data_size > 0 and self.is_connected and self._transport is not None:
+            self._transport.writelines(self._pending[:])
+            self._pending = []
+            self._pending_data_size = 0
+        await super().flush(timeout)
+
+    async def _flusher(self) -> None:
+        assert self._transport, "Client.connect must be called first"
+        assert self._flush_queue, "Client.connect must be called first"
+        while True:
+            if not self.is_connected or self.is_connecting:
+                break
+            future: asyncio.Future[object] = await self._flush_queue.get()
+            try:
+                # The rest of the chain that queued this command, if it is still running.
+                for _ in range(COALESCE_TURNS):
+                    await asyncio.sleep(0)
+                if self._pending_data_size > 0 and self.is_connected:
+                    self._transport.writelines(self._pending[:])
+                    self._pending = []
+                    self._pending_data_size = 0
+                    await self._transport.drain()
+            except OSError as e:
+                await self._error_cb(e)  # type: ignore[misc]
+                await self._process_op_err(e)
+                break
+            except (asyncio.CancelledError, RuntimeError, AttributeError):
+                break  # closing (RuntimeError: the event loop is closed)
+            finally:
+                if not future.done():
+                    future.set_result(None)
