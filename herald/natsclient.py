@@ -8,13 +8,14 @@ success commits, the run's task acks its message, the relay's task wakes and pub
 committed events, the freed slot wakes the dispatch loop, which sends the next pull
 request. Written as they came, that was about five ``sendto`` per job, a third of a worker's
 event-loop time (bench/RESULTS.md, issue 24). Here the flusher lets the loop run up to
-``COALESCE_TURNS`` more turns while they add to what is queued, so such a chain leaves in
-one or two writes.
+``COALESCE_TURNS`` more turns while it has other callbacks due (CPython's loop keeps them in
+its ``_ready`` queue; a loop without one gets no wait), so such a chain leaves in one or two
+writes, and an idle loop is not made to spin (a first version that always waited three turns
+cost more in turns than it saved in writes: bench/RESULTS.md, issue 24).
 
 Nothing is promised on a write: a message is acked after its job's state is committed and
-an event is published from a committed outbox row, whenever the bytes leave. A turn of a
-loop with nothing else to do takes microseconds, so an idle process's writes are not held
-back; a busy one's wait only for work that was already ready to run.
+an event is published from a committed outbox row, whenever the bytes leave. An idle process's
+writes leave at once; a busy one's wait only for work that was already due to run.
 
 It overrides nats-py's ``Client._flusher`` (a private method, the same body plus the wait):
 with a nats-py that no longer has it, the override is simply never called and writes go out
@@ -50,8 +51,12 @@ class Client(NATS):
                 break
             future: asyncio.Future[object] = await self._flush_queue.get()
             try:
-                # The rest of the chain that queued this command, if it is still running.
+                # The rest of the chain that queued this command, while it is still running:
+                # only while the loop has other callbacks due (an idle loop would only spin).
+                ready = getattr(asyncio.get_running_loop(), "_ready", None)
                 for _ in range(COALESCE_TURNS):
+                    if not ready:
+                        break
                     await asyncio.sleep(0)
                 if self._pending_data_size > 0 and self.is_connected:
                     self._transport.writelines(self._pending[:])
