@@ -225,6 +225,36 @@ async def test_sqlite_migration_4_keeps_every_delivery_and_the_keys_postgres_has
         assert "idempotency_by_job" in {r[1] for r in conn.execute("PRAGMA index_list(idempotency_keys)")}
 
 
+async def test_sqlite_migration_6_keeps_every_event_in_a_rowid_table(tmp_path: Path) -> None:
+    """Migration 6 makes events again as a rowid table (issue 24: a WITHOUT ROWID table took
+    each tenant's event mid-tree): every row kept, the same keys unique, the same reads by
+    index."""
+    path = tmp_path / "herald.db"
+    before = Database(path, Schema(sqlite_schema.SCHEMA.migrations[:5]))
+    await before.open()
+    await before.close()
+    insert = ("INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data)"
+              " VALUES (?, ?, ?, 'report', ?, 'job.running', 1.0, x'7b7d')")
+    with sqlite3.connect(path) as conn:
+        for n in range(1, 5):
+            conn.execute(insert, ("t1" if n % 2 else "t2", n, f"j{n}", 1))
+        rows = conn.execute("SELECT * FROM events ORDER BY tenant, seq").fetchall()
+
+    await _open_sqlite(path)
+
+    with sqlite3.connect(path) as conn:
+        assert conn.execute("SELECT * FROM events ORDER BY tenant, seq").fetchall() == rows
+        assert "WITHOUT ROWID" not in conn.execute("SELECT sql FROM sqlite_master WHERE name = 'events'").fetchone()[0]
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(insert, ("t1", 1, "j9", 1))  # one event per tenant and seq
+        with pytest.raises(sqlite3.IntegrityError):
+            conn.execute(insert, ("t1", 9, "j1", 1))  # one event per job and version
+        for read, index in [("SELECT * FROM events WHERE tenant = 't1' AND seq > 1 ORDER BY seq LIMIT 10", "events_by_seq"),
+                            ("SELECT * FROM events WHERE job_id = 'j1' AND version > 0 ORDER BY version", "events_by_job")]:
+            plan = " / ".join(r[3] for r in conn.execute("EXPLAIN QUERY PLAN " + read))
+            assert f"USING INDEX {index}" in plan and "TEMP B-TREE" not in plan, plan
+
+
 SQLITE_OPENER = textwrap.dedent("""
     import asyncio, logging, sys
     from pathlib import Path
