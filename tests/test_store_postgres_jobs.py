@@ -268,6 +268,18 @@ async def test_grouped_statements_each_get_their_own_outcome(pg: PgJobStore) -> 
     assert sorted(r["n"] for r in await db.pool.fetch("SELECT n FROM grouped")) == list(range(1, 41))
 
 
+async def test_a_statement_grouped_alone_is_its_own_transaction_in_one_round_trip(pg: PgJobStore) -> None:
+    """A batch of one is sent without BEGIN and COMMIT (two round trips and two sends of
+    three): the server commits it as its own implicit transaction. Statements queued
+    together still share one transaction (one WAL flush)."""
+    db = pg._db
+    # SAVEPOINT is refused outside a transaction block: a BEGIN sent first would open one.
+    with pytest.raises(asyncpg.NoActiveSQLTransactionError):
+        await db.fetchval_grouped("SAVEPOINT alone")
+    together = await asyncio.gather(*(db.fetchval_grouped("SELECT pg_current_xact_id()::text") for _ in range(3)))
+    assert len(set(together)) == 1
+
+
 async def _deadlocks(url: str) -> int:
     """Deadlocks PostgreSQL detected in this database, once every other session has ended
     (a session reports its counts when it exits)."""
