@@ -90,6 +90,7 @@ from herald.jobs import (
 )
 from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
+from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
@@ -136,29 +137,12 @@ _HEARTBEAT = (
     " WHERE j.id = $1 AND j.state = 'running' AND j.attempt = $2 RETURNING j.*"
 )
 
-# The oldest queued job of each (tenant, kind) that has one, from jobs_live_by_tenant (state,
-# tenant, kind, created_at) alone: a loose scan, one probe per tenant with queued jobs and
-# one per (tenant, kind), each the first entry of its range, however long the queue
-# (migration 16; a GROUP BY would read every queued row).
-_QUEUED_SINCE = """
-WITH RECURSIVE
-  t(tenant) AS (
-    SELECT MIN(tenant) FROM jobs WHERE state = 'queued'
-    UNION ALL
-    SELECT (SELECT MIN(j.tenant) FROM jobs j WHERE j.state = 'queued' AND j.tenant > t.tenant)
-      FROM t WHERE t.tenant IS NOT NULL),
-  q(tenant, kind) AS (
-    SELECT t.tenant, (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = t.tenant)
-      FROM t WHERE t.tenant IS NOT NULL
-    UNION ALL
-    SELECT q.tenant,
-           (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind > q.kind)
-      FROM q WHERE q.kind IS NOT NULL),
-  queued(kind, since) AS (
-    SELECT q.kind,
-           (SELECT MIN(j.created_at) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind = q.kind)
-      FROM q WHERE q.kind IS NOT NULL)
-"""
+# The oldest queued job of each (tenant, kind) that has one: a loose scan of
+# jobs_live_by_tenant (herald/storage/live_scan.py).
+_QUEUED_SINCE = (
+    QUEUED_TENANT_KINDS
+    + f",\n  queued(kind, since) AS (SELECT q.kind, {OLDEST_OF_TENANT_KIND} FROM q WHERE q.kind IS NOT NULL)\n"
+)
 
 _STATS = (
     _QUEUED_SINCE

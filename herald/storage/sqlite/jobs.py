@@ -35,6 +35,7 @@ from herald.jobs import (
 )
 from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
+from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.sqlite import resealing
 from herald.storage.sqlite.db import Database
@@ -49,28 +50,11 @@ from schemas import JobEvent, JobMessage
 _event_encoder = msgspec.json.Encoder()
 _SIGNING_KEY_NAME = "url-signing"
 
-# Each kind's oldest queued job, from jobs_live_by_tenant (state, tenant, kind, created_at)
-# alone: a loose scan, one probe per tenant with queued jobs and one per (tenant, kind),
-# each the first entry of its range, however long the queue (migration 5).
-_QUEUED_SINCE_BY_KIND = """
-WITH RECURSIVE
-  t(tenant) AS (
-    SELECT MIN(tenant) FROM jobs WHERE state = 'queued'
-    UNION ALL
-    SELECT (SELECT MIN(j.tenant) FROM jobs j WHERE j.state = 'queued' AND j.tenant > t.tenant)
-      FROM t WHERE t.tenant IS NOT NULL),
-  q(tenant, kind) AS (
-    SELECT t.tenant, (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = t.tenant)
-      FROM t WHERE t.tenant IS NOT NULL
-    UNION ALL
-    SELECT q.tenant,
-           (SELECT MIN(j.kind) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind > q.kind)
-      FROM q WHERE q.kind IS NOT NULL)
-SELECT q.kind,
-       MIN((SELECT MIN(j.created_at) FROM jobs j WHERE j.state = 'queued' AND j.tenant = q.tenant AND j.kind = q.kind))
-         AS since
-  FROM q WHERE q.kind IS NOT NULL GROUP BY q.kind
-"""
+# Each kind's oldest queued job: a loose scan of jobs_live_by_tenant (herald/storage/live_scan.py).
+_QUEUED_SINCE_BY_KIND = (
+    QUEUED_TENANT_KINDS
+    + f"\nSELECT q.kind, MIN({OLDEST_OF_TENANT_KIND}) AS since FROM q WHERE q.kind IS NOT NULL GROUP BY q.kind\n"
+)
 
 
 def _fetch(conn: sqlite3.Connection, job_id: str) -> JobRow | None:
