@@ -280,6 +280,79 @@ async def test_a_statement_grouped_alone_is_its_own_transaction_in_one_round_tri
     assert len(set(together)) == 1
 
 
+async def _record_outbox_deletes(url: str) -> None:
+    """A trigger that writes down, for each outbox row deleted, the top-level statement that
+    deleted it (``current_query()``: the text the client sent) and its transaction."""
+    conn = await asyncpg.connect(url)
+    try:
+        await conn.execute("""
+            CREATE TABLE outbox_deletes (seq BIGINT, query TEXT, xid TEXT);
+            CREATE FUNCTION record_outbox_delete() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO outbox_deletes VALUES (OLD.seq, current_query(), pg_current_xact_id()::text);
+                RETURN OLD;
+            END $$;
+            CREATE TRIGGER outbox_deleted AFTER DELETE ON outbox FOR EACH ROW EXECUTE FUNCTION record_outbox_delete();
+        """)
+    finally:
+        await conn.close()
+
+
+async def _outbox_deletes(url: str) -> list[asyncpg.Record]:
+    conn = await asyncpg.connect(url)
+    try:
+        return list(await conn.fetch("SELECT seq, query, xid FROM outbox_deletes ORDER BY seq"))
+    finally:
+        await conn.close()
+
+
+async def test_published_rows_are_deleted_in_front_of_the_next_statement(pg: PgJobStore, fresh_database: str) -> None:
+    """The relay's delete of published rows is no statement of its own: it rides in front of
+    the next statement the process sends anyway (here a worker's claim), in that statement's
+    text, so it costs no round trip, send or commit. Meanwhile the rows are not handed out
+    again nor counted as pending."""
+    await _record_outbox_deletes(fresh_database)
+    job = (await pg.accept(new_job())).job
+    published = await pg.outbox_batch(100)
+    assert len(published) == 2  # the event and the work message
+    await pg.outbox_done([r.seq for r in published])
+    assert await pg.outbox_batch(100) == [] and await pg.outbox_batch(100, stale_after_s=0) == []
+    assert (await pg.stats()).outbox_pending == 0
+
+    claimed = (await pg.transition(job.id, CLAIM)).after
+    deletes = await _outbox_deletes(fresh_database)
+    assert [d["seq"] for d in deletes] == [r.seq for r in published]
+    for delete in deletes:
+        assert delete["query"].startswith("WITH _rider AS (DELETE FROM outbox"), delete["query"]
+        assert "herald_transition(" in delete["query"], delete["query"]  # the claim's own statement
+    (row,) = await pg._db.pool.fetch("SELECT xmin::text AS xid FROM jobs WHERE id = $1", claimed.id)
+    assert {d["xid"] for d in deletes} == {row["xid"]}  # one transaction: one commit, one WAL flush
+    assert [r.msg_id for r in await pg.outbox_batch(100)] == [f"ev.{job.id}.2"]
+
+
+async def test_a_delete_with_no_statement_to_ride_goes_alone_and_at_close(fresh_database: str) -> None:
+    """No statement comes: the delete goes on its own after a short wait; and a store that
+    closes first sends what waits."""
+    for closing in (False, True):
+        store = new_store(fresh_database)
+        await store.open()
+        if not closing:
+            await _record_outbox_deletes(fresh_database)
+        try:
+            await store.accept(new_job())
+            published = await store.outbox_batch(100)
+            await store.outbox_done([r.seq for r in published])
+            if not closing:
+                deadline = time.monotonic() + 30
+                while len(await _outbox_deletes(fresh_database)) < 2 and time.monotonic() < deadline:
+                    await asyncio.sleep(0.01)
+        finally:
+            await store.close()
+        deletes = [d for d in await _outbox_deletes(fresh_database) if d["seq"] in {r.seq for r in published}]
+        assert [d["seq"] for d in deletes] == [r.seq for r in published], closing
+        assert {d["query"] for d in deletes} == {"DELETE FROM outbox WHERE seq = ANY($1::bigint[])"}
+
+
 async def _deadlocks(url: str) -> int:
     """Deadlocks PostgreSQL detected in this database, once every other session has ended
     (a session reports its counts when it exits)."""

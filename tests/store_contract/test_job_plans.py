@@ -46,7 +46,7 @@ PLANS = {
     "postgres": COMMON + [
         ("each kind's oldest queued job (/metrics)", pg_jobs._QUEUED_AGES, (["report", "export"],),
          "jobs_live_by_tenant"),
-        ("the oldest queued job and the outbox (/metrics)", pg_jobs._STATS, (), "jobs_live_by_tenant"),
+        ("the oldest queued job and the outbox (/metrics)", pg_jobs._STATS, ([],), "jobs_live_by_tenant"),
         ("tenants' running jobs (gateway, worker)", pg_jobs._RUNNING_COUNTS, (["t1", "t2"],), "jobs_live_by_tenant"),
         ("the sweeper's live jobs",
          "SELECT * FROM jobs WHERE state IN ('queued', 'running')"

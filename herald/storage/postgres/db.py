@@ -15,7 +15,7 @@ import functools
 import inspect
 import logging
 import secrets
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
 import asyncpg
@@ -26,6 +26,9 @@ from herald.storage.migrations import Function, Migration, Schema, migrate
 log = logging.getLogger("herald.postgres")
 
 MAX_GROUP = 64  # statements per group commit
+# A write that may wait (``write_soon``) rides in the next batch's first statement, or goes
+# alone this long after it was asked for when no other statement comes (as SQLite's).
+RIDE_WAIT_S = 0.05
 
 # pg_advisory_xact_lock key for schema migrations ("HERALD" in ASCII, as a bigint).
 MIGRATION_LOCK = 0x48455241_4C44
@@ -111,6 +114,54 @@ def _lock_order(statement: _Grouped) -> str:
     return statement.order
 
 
+class _Rider:
+    """Writes that need not commit now (``write_soon``): one statement with one array parameter
+    (``{}`` in its text), the arrays of every caller joined, and their futures."""
+
+    __slots__ = ("sql", "values", "futures")
+
+    def __init__(self, sql: str) -> None:
+        self.sql = sql
+        self.values: list[Any] = []
+        self.futures: list[asyncio.Future[None]] = []
+
+    def alone(self) -> _Grouped:
+        """Itself as a statement of its own (no statement came to ride, or the one it rode failed)."""
+        statement = _Grouped(self.sql.format("$1"), (self.values,), row=False)
+        statement.future.add_done_callback(self._settle_from)
+        return statement
+
+    def _settle_from(self, future: asyncio.Future[Any]) -> None:
+        error = None if future.cancelled() else future.exception()
+        self.settle(error)
+
+    def settle(self, error: BaseException | None) -> None:
+        for future in self.futures:
+            if future.done():
+                continue
+            if error is not None:
+                future.set_exception(error)
+            else:
+                future.set_result(None)
+
+
+def _riding(statement: _Grouped, rider: _Rider) -> _Grouped | None:
+    """``statement`` with the rider's write in front, as a data-modifying CTE (run once and to
+    completion, read or not), in the same statement; None when its text cannot carry one."""
+    head = statement.sql.lstrip()
+    word = head.split(None, 1)[0].upper() if head else ""
+    cte = f"_rider AS ({rider.sql.format(f'${len(statement.args) + 1}')})"
+    if word == "WITH":
+        sql = f"WITH {cte}, {head[4:].lstrip()}"
+    elif word in ("SELECT", "INSERT", "UPDATE", "DELETE"):
+        sql = f"WITH {cte} {head}"
+    else:
+        return None
+    riding = _Grouped(sql, (*statement.args, rider.values), row=statement.row, order=statement.order)
+    riding.future = statement.future  # its caller hears the statement's own outcome
+    return riding
+
+
 async def _one_by_one(conn: asyncpg.Connection, batch: list[_Grouped], *, alone: bool = False) -> None:
     """A batch that failed, again statement by statement: each caller gets its own outcome.
 
@@ -170,6 +221,9 @@ class PgDatabase:
         self._opener: asyncio.Task[None] | None = None
         self._batch: list[_Grouped] = []
         self._committer: asyncio.Task[None] | None = None
+        self._riders: dict[str, _Rider] = {}  # write_soon: waiting for the next batch's first statement
+        self._riders_due = False  # their wait is over: the next batch takes them, alone if need be
+        self._ride_timer: asyncio.TimerHandle | None = None
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -251,38 +305,100 @@ class PgDatabase:
         """``fetchrow`` under the same group commit as ``fetchval_grouped``."""
         return await self._grouped(_Grouped(sql, args, row=True, order=order))  # type: ignore[no-any-return]
 
-    async def _grouped(self, statement: _Grouped) -> Any:
-        self._batch.append(statement)
+    def write_soon(self, sql: str, values: Sequence[Any]) -> asyncio.Future[None]:
+        """A write that need not commit now (the relay's outbox deletes), with ``values`` as its
+        one array parameter (``{}`` in ``sql``): it rides in front of the next grouped
+        statement this process sends anyway, in that statement's own text (a data-modifying
+        CTE), so it costs no round trip, send or commit of its own; only when none comes
+        within ``RIDE_WAIT_S`` does it go alone. Calls with the same ``sql`` are joined. The
+        future is done once it committed (or failed: then nothing of it was written)."""
+        rider = self._riders.get(sql)
+        if rider is None:
+            rider = self._riders[sql] = _Rider(sql)
+        rider.values.extend(values)
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        rider.futures.append(future)
+        if self._ride_timer is None:
+            self._ride_timer = asyncio.get_running_loop().call_later(RIDE_WAIT_S, self._riders_wait_over)
+        return future
+
+    def _riders_wait_over(self) -> None:
+        self._ride_timer = None
+        if self._riders:
+            self._riders_due = True
+            self._start_committer()
+
+    def _take_riders(self) -> list[_Rider]:
+        riders, self._riders = list(self._riders.values()), {}
+        self._riders_due = False
+        if self._ride_timer is not None:
+            self._ride_timer.cancel()
+            self._ride_timer = None
+        return riders
+
+    def _start_committer(self) -> None:
         if self._committer is None or self._committer.done():
             self._committer = asyncio.create_task(self._commit_batches(), name="postgres-group-commit")
+
+    async def _grouped(self, statement: _Grouped) -> Any:
+        self._batch.append(statement)
+        self._start_committer()
         return await statement.future
 
     async def _commit_batches(self) -> None:
-        while self._batch:
+        while self._batch or (self._riders and self._riders_due):
             batch, self._batch = self._batch[:MAX_GROUP], self._batch[MAX_GROUP:]
             batch.sort(key=_lock_order)
+            riders = self._take_riders()
+            # Each rider goes in front of the first statement that can carry it, in its text.
+            sent = list(batch)
+            carried: list[_Rider] = []
+            unridden: list[_Grouped] = []
+            for rider in riders:
+                for i, statement in enumerate(batch):
+                    if sent[i] is statement and (riding := _riding(statement, rider)) is not None:
+                        sent[i] = riding
+                        carried.append(rider)
+                        break
+                else:
+                    unridden.append(rider.alone())
+            sent += unridden
+            # If the batch fails: the statements as they were, each in its own transaction,
+            # and the riders alone.
+            again = batch + unridden + [rider.alone() for rider in carried]
             try:
                 async with self.pool.acquire() as conn:
-                    if len(batch) == 1:
+                    if len(sent) == 1:
                         # Alone, it commits as its own implicit transaction: one round trip, not
                         # three (BEGIN and COMMIT are a round trip and a send each; the profile of
                         # a PostgreSQL worker found half its CPU in socket writes).
-                        await _one_by_one(conn, batch, alone=True)
-                        continue
-                    try:
-                        async with conn.transaction():
-                            values = [await statement.run(conn) for statement in batch]
-                    except asyncpg.PostgresError:
-                        await _one_by_one(conn, batch)
-                        continue
+                        if not carried:
+                            await _one_by_one(conn, sent, alone=True)
+                            continue
+                        try:
+                            values = [await sent[0].run(conn)]
+                        except asyncpg.PostgresError:
+                            await _one_by_one(conn, again, alone=True)
+                            continue
+                    else:
+                        try:
+                            async with conn.transaction():
+                                values = [await statement.run(conn) for statement in sent]
+                        except asyncpg.PostgresError:
+                            await _one_by_one(conn, again)
+                            continue
             except BaseException as exc:  # the pool or the connection failed: every caller hears it
-                for statement in batch:
+                for statement in sent:
                     statement.settle(None, exc)
+                for rider in carried:
+                    rider.settle(exc)
                 if not isinstance(exc, Exception):
                     raise
                 continue
-            for statement, value in zip(batch, values):
+            for statement, value in zip(sent, values):
                 statement.settle(value, None)
+            for rider in carried:
+                rider.settle(None)
 
     async def clock(self) -> float:
         return float(await self.pool.fetchval(f"SELECT {NOW_SQL}"))
@@ -291,6 +407,9 @@ class PgDatabase:
         await self.pool.fetchval("SELECT 1")
 
     async def close(self) -> None:
+        if self._riders and self._pool is not None:  # the writes that wait for a ride go now
+            self._riders_due = True
+            self._start_committer()
         if self._committer is not None:
             await asyncio.wait({self._committer})  # the statements already queued still commit
         if self._opener is not None and not self._opener.done():

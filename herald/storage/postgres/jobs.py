@@ -67,6 +67,7 @@ gateways at once share the work instead of deadlocking with each other or with a
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -124,7 +125,10 @@ _ACCEPT = (
 # The row to judge and the server's time to stamp the change with, in one round trip.
 _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
 
-_OUTBOX_BATCH = "SELECT * FROM herald_outbox_batch($1, $2, $3)"
+_OUTBOX_BATCH = "SELECT * FROM herald_outbox_batch($1, $2, $3, $4)"
+# Published rows: the delete rides in front of this process's next grouped statement
+# (``PgDatabase.write_soon``; the array fills the braces).
+_OUTBOX_DELETE = "DELETE FROM outbox WHERE seq = ANY({}::bigint[])"
 
 _TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
 _CAPPED_TRANSITION = "SELECT herald_claim_capped(" + ", ".join(f"${n}" for n in range(1, 24)) + ")"
@@ -148,8 +152,8 @@ _STATS = (
     _QUEUED_SINCE
     + f"SELECT {NOW_SQL} AS now,"
     " (SELECT MIN(since) FROM queued) AS queued_since,"
-    " (SELECT COUNT(*) FROM outbox) AS outbox_pending,"
-    " (SELECT MIN(created_at) FROM outbox) AS outbox_since"
+    " (SELECT COUNT(*) FROM outbox WHERE seq <> ALL($1::bigint[])) AS outbox_pending,"
+    " (SELECT MIN(created_at) FROM outbox WHERE seq <> ALL($1::bigint[])) AS outbox_since"
 )
 
 _QUEUED_AGES = (
@@ -274,6 +278,9 @@ class PgJobStore(CommitListeners):
         self._sealer = sealer
         self._clock = ServerClock()
         self._rows = RecentRows()
+        # Outbox rows published, whose delete waits to ride in this process's next grouped
+        # statement: never handed out again, nor counted as pending, meanwhile.
+        self._deleting: set[int] = set()
         super().__init__()
 
     async def open(self) -> None:
@@ -526,7 +533,7 @@ class PgJobStore(CommitListeners):
         return int(last) if last is not None else 0
 
     async def stats(self) -> StoreStats:
-        record = await self._fetchrow(_STATS)
+        record = await self._fetchrow(_STATS, list(self._deleting))
         assert record is not None
         return StoreStats(
             oldest_queued_age_s=_age(record["now"], record["queued_since"]),
@@ -556,16 +563,31 @@ class PgJobStore(CommitListeners):
         # outbox order, and a later batch picks up a lower seq that committed late (rows
         # are deleted by seq, never by range).
         records = await self._fetch(_OUTBOX_BATCH, self._db.origin,
-                                    None if stale_after_s is None else float(stale_after_s), limit)
+                                    None if stale_after_s is None else float(stale_after_s), limit,
+                                    list(self._deleting))
         return [OutboxRow(seq=r["seq"], subject=r["subject"], msg_id=r["msg_id"], payload=bytes(r["payload"]),
                           traceparent=r["traceparent"], tracestate=r["tracestate"])
                 for r in records]
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
-        if seqs:
-            # With the next group commit: no WAL flush of its own for published rows.
-            async with self._unavailable_on_errors():
-                await self._db.fetchval_grouped("DELETE FROM outbox WHERE seq = ANY($1::bigint[])", list(seqs))
+        """The rows leave the outbox at once for this process (never handed out again); their
+        delete rides in front of the next statement this process groups anyway
+        (``PgDatabase.write_soon``), so a published batch costs no statement, round trip or
+        commit of its own (alone after ``RIDE_WAIT_S`` when none comes, and at close). A
+        crash before that commit leaves them to a stale pass: published again, dropped by
+        JetStream's duplicate window."""
+        done = [s for s in seqs if s not in self._deleting]
+        if not done:
+            return
+        self._deleting.update(done)
+
+        def committed(future: asyncio.Future[None]) -> None:
+            # Committed: the rows are gone. Failed: they are handed out (and published) again.
+            self._deleting.difference_update(done)
+            if not future.cancelled():
+                future.exception()  # retrieved: a failed delete is not an error of anyone's
+
+        self._db.write_soon(_OUTBOX_DELETE, done).add_done_callback(committed)
 
     # ----- sweeping and retention -------------------------------------------------------
 

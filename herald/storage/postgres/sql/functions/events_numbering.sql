@@ -40,11 +40,13 @@ END
 $fn$;
 
 -- The relay's batch: the oldest unpublished rows this process committed (p_stale_s NULL),
--- or anyone's older than p_stale_s; their events numbered first, so every event row comes
+-- or anyone's older than p_stale_s, but not p_skip (published: their delete waits to ride
+-- in the process's next statement); their events numbered first, so every event row comes
 -- with its complete JobEvent payload. Tenants are numbered in byte order, the order a group
 -- commit takes tenants' rows in (Python's sort), so two passes cannot wait on each other's
 -- locks, nor a pass and a capped claim's batch on each other's tenant rows, in a cycle.
-CREATE OR REPLACE FUNCTION herald_outbox_batch(p_origin TEXT, p_stale_s DOUBLE PRECISION, p_limit INTEGER)
+CREATE OR REPLACE FUNCTION herald_outbox_batch(p_origin TEXT, p_stale_s DOUBLE PRECISION, p_limit INTEGER,
+                                               p_skip BIGINT[])
 RETURNS TABLE (seq BIGINT, subject TEXT, msg_id TEXT, payload BYTEA, traceparent TEXT, tracestate TEXT)
 LANGUAGE plpgsql AS $fn$
 #variable_conflict use_column
@@ -54,10 +56,12 @@ DECLARE
 BEGIN
     IF p_stale_s IS NULL THEN
         SELECT array_agg(b.seq) INTO v_batch FROM (
-            SELECT o.seq FROM outbox o WHERE o.origin = p_origin ORDER BY o.seq LIMIT p_limit) b;
+            SELECT o.seq FROM outbox o WHERE o.origin = p_origin AND o.seq <> ALL (p_skip)
+            ORDER BY o.seq LIMIT p_limit) b;
     ELSE
         SELECT array_agg(b.seq) INTO v_batch FROM (
-            SELECT o.seq FROM outbox o WHERE o.created_at < {now} - p_stale_s ORDER BY o.seq LIMIT p_limit) b;
+            SELECT o.seq FROM outbox o WHERE o.created_at < {now} - p_stale_s AND o.seq <> ALL (p_skip)
+            ORDER BY o.seq LIMIT p_limit) b;
     END IF;
     IF v_batch IS NULL THEN
         RETURN;
