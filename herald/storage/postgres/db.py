@@ -322,6 +322,11 @@ class PgDatabase:
             self._ride_timer = asyncio.get_running_loop().call_later(RIDE_WAIT_S, self._riders_wait_over)
         return future
 
+    @property
+    def statements_queued(self) -> bool:
+        """Statements wait for the next batch: a write queued now (``write_soon``) rides with them."""
+        return bool(self._batch)
+
     def _riders_wait_over(self) -> None:
         self._ride_timer = None
         if self._riders:

@@ -587,7 +587,15 @@ class PgJobStore(CommitListeners):
             if not future.cancelled():
                 future.exception()  # retrieved: a failed delete is not an error of anyone's
 
-        self._db.write_soon(_OUTBOX_DELETE, done).add_done_callback(committed)
+        deleted = self._db.write_soon(_OUTBOX_DELETE, done)
+        deleted.add_done_callback(committed)
+        if self._db.statements_queued:
+            # This process's next batch is queued already: the delete commits with it in a
+            # moment, and the relay's next read then finds that batch's rows too (one read for
+            # both, as when the delete was a statement queued behind them). Otherwise the
+            # relay goes on at once, and the delete waits for whatever comes next.
+            async with self._unavailable_on_errors():
+                await asyncio.shield(deleted)
 
     # ----- sweeping and retention -------------------------------------------------------
 
