@@ -307,50 +307,37 @@ async def _outbox_deletes(url: str) -> list[asyncpg.Record]:
 
 
 async def test_published_rows_are_deleted_in_front_of_the_next_statement(pg: PgJobStore, fresh_database: str) -> None:
-    """The relay's delete of published rows is no statement of its own: it rides in front of
-    the next statement the process sends anyway (here a worker's claim), in that statement's
-    text, so it costs no round trip, send or commit. Meanwhile the rows are not handed out
-    again nor counted as pending."""
+    """The relay's delete of published rows joins the next group commit, as a statement
+    would, but is no statement of its own: it goes in front of the batch's first statement
+    (here a worker's claim), in that statement's text, so it costs no round trip or send, and
+    the claim and the delete are no batch of two (BEGIN, two statements, COMMIT)."""
     await _record_outbox_deletes(fresh_database)
     job = (await pg.accept(new_job())).job
     published = await pg.outbox_batch(100)
     assert len(published) == 2  # the event and the work message
-    await pg.outbox_done([r.seq for r in published])
-    assert await pg.outbox_batch(100) == [] and await pg.outbox_batch(100, stale_after_s=0) == []
-    assert (await pg.stats()).outbox_pending == 0
-
-    claimed = (await pg.transition(job.id, CLAIM)).after
+    _, claimed = await asyncio.gather(pg.outbox_done([r.seq for r in published]), pg.transition(job.id, CLAIM))
     deletes = await _outbox_deletes(fresh_database)
     assert [d["seq"] for d in deletes] == [r.seq for r in published]
     for delete in deletes:
         assert delete["query"].startswith("WITH _rider AS (DELETE FROM outbox"), delete["query"]
         assert "herald_transition(" in delete["query"], delete["query"]  # the claim's own statement
-    (row,) = await pg._db.pool.fetch("SELECT xmin::text AS xid FROM jobs WHERE id = $1", claimed.id)
+    (row,) = await pg._db.pool.fetch("SELECT xmin::text AS xid FROM jobs WHERE id = $1", job.id)
     assert {d["xid"] for d in deletes} == {row["xid"]}  # one transaction: one commit, one WAL flush
+    assert claimed.after.state == "running"
     assert [r.msg_id for r in await pg.outbox_batch(100)] == [f"ev.{job.id}.2"]
 
 
-async def test_a_delete_with_no_statement_to_ride_goes_alone_and_at_close(fresh_database: str) -> None:
-    """No statement comes: the delete goes on its own after a short wait; and a store that
-    closes first sends what waits."""
-    for closing in (False, True):
-        store = new_store(fresh_database)
-        await store.open()
-        if not closing:
-            await _record_outbox_deletes(fresh_database)
-        try:
-            await store.accept(new_job())
-            published = await store.outbox_batch(100)
-            await store.outbox_done([r.seq for r in published])
-            if not closing:
-                deadline = time.monotonic() + 30
-                while len(await _outbox_deletes(fresh_database)) < 2 and time.monotonic() < deadline:
-                    await asyncio.sleep(0.01)
-        finally:
-            await store.close()
-        deletes = [d for d in await _outbox_deletes(fresh_database) if d["seq"] in {r.seq for r in published}]
-        assert [d["seq"] for d in deletes] == [r.seq for r in published], closing
-        assert {d["query"] for d in deletes} == {"DELETE FROM outbox WHERE seq = ANY($1::bigint[])"}
+async def test_a_delete_with_nothing_to_ride_goes_alone_at_once(pg: PgJobStore, fresh_database: str) -> None:
+    """Nothing else queued: the delete is a statement of its own, sent at once; the rows are
+    gone when ``outbox_done`` returns."""
+    await _record_outbox_deletes(fresh_database)
+    await pg.accept(new_job())
+    published = await pg.outbox_batch(100)
+    await pg.outbox_done([r.seq for r in published])
+    deletes = await _outbox_deletes(fresh_database)
+    assert [d["seq"] for d in deletes] == [r.seq for r in published]
+    assert {d["query"] for d in deletes} == {"DELETE FROM outbox WHERE seq = ANY($1::bigint[])"}
+    assert await pg.outbox_batch(100, stale_after_s=0) == []
 
 
 async def _deadlocks(url: str) -> int:

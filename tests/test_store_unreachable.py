@@ -34,10 +34,8 @@ from tests.store_contract.support import event, new_job
 
 PORTS = {"jobs": JobStore, "webhooks": WebhookStore, "deliveries": DeliveryQueue, "tenants": TenantStore}
 # Not calls that can be answered 503: open() waits for the database by design (the gateway
-# opens in the background meanwhile), close() lets go, on_commit() registers a callback,
-# outbox_done() hands its delete to the next statement the process sends (a failed delete
-# only means the rows are published again, and dropped as duplicates).
-NOT_REQUESTS = {"open", "close", "on_commit", "outbox_done"}
+# opens in the background meanwhile), close() lets go, on_commit() registers a callback.
+NOT_REQUESTS = {"open", "close", "on_commit"}
 
 
 def _port_methods() -> set[str]:
@@ -90,6 +88,7 @@ def _calls(storage: Storage, seen: _Seen) -> dict[str, Callable[[], Awaitable[An
         "jobs.tenant_queued_age": lambda: jobs.tenant_queued_age("report", "sweep"),
         "jobs.running_counts": lambda: jobs.running_counts(["sweep"]),
         "jobs.outbox_batch": lambda: jobs.outbox_batch(10, stale_after_s=0),
+        "jobs.outbox_done": lambda: jobs.outbox_done([1]),
         "jobs.live_jobs": lambda: jobs.live_jobs(stale_before=0, deadline_before=0),
         "jobs.expired": lambda: jobs.expired(0),
         "jobs.forget": lambda: jobs.forget([job], 0),

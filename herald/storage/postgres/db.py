@@ -26,9 +26,6 @@ from herald.storage.migrations import Function, Migration, Schema, migrate
 log = logging.getLogger("herald.postgres")
 
 MAX_GROUP = 64  # statements per group commit
-# A write that may wait (``write_soon``) rides in the next batch's first statement, or goes
-# alone this long after it was asked for when no other statement comes (as SQLite's).
-RIDE_WAIT_S = 0.05
 
 # pg_advisory_xact_lock key for schema migrations ("HERALD" in ASCII, as a bigint).
 MIGRATION_LOCK = 0x48455241_4C44
@@ -115,7 +112,7 @@ def _lock_order(statement: _Grouped) -> str:
 
 
 class _Rider:
-    """Writes that need not commit now (``write_soon``): one statement with one array parameter
+    """Writes that ride in the next batch (``ride``): one statement with one array parameter
     (``{}`` in its text), the arrays of every caller joined, and their futures."""
 
     __slots__ = ("sql", "values", "futures")
@@ -221,9 +218,7 @@ class PgDatabase:
         self._opener: asyncio.Task[None] | None = None
         self._batch: list[_Grouped] = []
         self._committer: asyncio.Task[None] | None = None
-        self._riders: dict[str, _Rider] = {}  # write_soon: waiting for the next batch's first statement
-        self._riders_due = False  # their wait is over: the next batch takes them, alone if need be
-        self._ride_timer: asyncio.TimerHandle | None = None
+        self._riders: dict[str, _Rider] = {}  # ride: waiting for the next batch's first statement
 
     @property
     def pool(self) -> asyncpg.Pool:
@@ -305,40 +300,26 @@ class PgDatabase:
         """``fetchrow`` under the same group commit as ``fetchval_grouped``."""
         return await self._grouped(_Grouped(sql, args, row=True, order=order))  # type: ignore[no-any-return]
 
-    def write_soon(self, sql: str, values: Sequence[Any]) -> asyncio.Future[None]:
-        """A write that need not commit now (the relay's outbox deletes), with ``values`` as its
-        one array parameter (``{}`` in ``sql``): it rides in front of the next grouped
-        statement this process sends anyway, in that statement's own text (a data-modifying
-        CTE), so it costs no round trip, send or commit of its own; only when none comes
-        within ``RIDE_WAIT_S`` does it go alone. Calls with the same ``sql`` are joined. The
-        future is done once it committed (or failed: then nothing of it was written)."""
+    def ride(self, sql: str, values: Sequence[Any]) -> asyncio.Future[None]:
+        """A write with ``values`` as its one array parameter (``{}`` in ``sql``; the relay's
+        outbox deletes) that joins the next batch, as a grouped statement would (the batch
+        starts at once when none is being committed), but not as a statement of its own: it
+        goes in front of the batch's first statement, in that statement's text (a
+        data-modifying CTE), so it costs no round trip or send, and a batch it joins is no
+        larger (a statement and a delete were a batch of two: ``BEGIN``, two statements,
+        ``COMMIT``). Alone only when nothing else is queued. Calls with the same ``sql`` are
+        joined. The future is done once it committed."""
         rider = self._riders.get(sql)
         if rider is None:
             rider = self._riders[sql] = _Rider(sql)
         rider.values.extend(values)
         future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         rider.futures.append(future)
-        if self._ride_timer is None:
-            self._ride_timer = asyncio.get_running_loop().call_later(RIDE_WAIT_S, self._riders_wait_over)
+        self._start_committer()
         return future
-
-    @property
-    def statements_queued(self) -> bool:
-        """Statements wait for the next batch: a write queued now (``write_soon``) rides with them."""
-        return bool(self._batch)
-
-    def _riders_wait_over(self) -> None:
-        self._ride_timer = None
-        if self._riders:
-            self._riders_due = True
-            self._start_committer()
 
     def _take_riders(self) -> list[_Rider]:
         riders, self._riders = list(self._riders.values()), {}
-        self._riders_due = False
-        if self._ride_timer is not None:
-            self._ride_timer.cancel()
-            self._ride_timer = None
         return riders
 
     def _start_committer(self) -> None:
@@ -351,7 +332,7 @@ class PgDatabase:
         return await statement.future
 
     async def _commit_batches(self) -> None:
-        while self._batch or (self._riders and self._riders_due):
+        while self._batch or self._riders:
             batch, self._batch = self._batch[:MAX_GROUP], self._batch[MAX_GROUP:]
             batch.sort(key=_lock_order)
             riders = self._take_riders()
@@ -412,9 +393,6 @@ class PgDatabase:
         await self.pool.fetchval("SELECT 1")
 
     async def close(self) -> None:
-        if self._riders and self._pool is not None:  # the writes that wait for a ride go now
-            self._riders_due = True
-            self._start_committer()
         if self._committer is not None:
             await asyncio.wait({self._committer})  # the statements already queued still commit
         if self._opener is not None and not self._opener.done():

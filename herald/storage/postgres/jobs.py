@@ -67,7 +67,6 @@ gateways at once share the work instead of deadlocking with each other or with a
 
 from __future__ import annotations
 
-import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -126,8 +125,8 @@ _ACCEPT = (
 _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
 
 _OUTBOX_BATCH = "SELECT * FROM herald_outbox_batch($1, $2, $3, $4)"
-# Published rows: the delete rides in front of this process's next grouped statement
-# (``PgDatabase.write_soon``; the array fills the braces).
+# Published rows: the delete rides in front of the first statement of this process's next
+# group commit (``PgDatabase.ride``; the array fills the braces).
 _OUTBOX_DELETE = "DELETE FROM outbox WHERE seq = ANY({}::bigint[])"
 
 _TRANSITION = "SELECT herald_transition(" + ", ".join(f"${n}" for n in range(1, 23)) + ")"
@@ -278,8 +277,8 @@ class PgJobStore(CommitListeners):
         self._sealer = sealer
         self._clock = ServerClock()
         self._rows = RecentRows()
-        # Outbox rows published, whose delete waits to ride in this process's next grouped
-        # statement: never handed out again, nor counted as pending, meanwhile.
+        # Outbox rows published, whose delete waits for this process's next group commit:
+        # never handed out again, nor counted as pending, meanwhile.
         self._deleting: set[int] = set()
         super().__init__()
 
@@ -570,32 +569,19 @@ class PgJobStore(CommitListeners):
                 for r in records]
 
     async def outbox_done(self, seqs: Sequence[int]) -> None:
-        """The rows leave the outbox at once for this process (never handed out again); their
-        delete rides in front of the next statement this process groups anyway
-        (``PgDatabase.write_soon``), so a published batch costs no statement, round trip or
-        commit of its own (alone after ``RIDE_WAIT_S`` when none comes, and at close). A
-        crash before that commit leaves them to a stale pass: published again, dropped by
-        JetStream's duplicate window."""
+        """With the next group commit, as before, but no statement of its own: the delete rides
+        in front of the batch's first statement (``PgDatabase.ride``), so a published batch
+        costs no statement, round trip or send of its own, and the batch it joins no
+        ``BEGIN``/``COMMIT`` it would not have paid anyway."""
         done = [s for s in seqs if s not in self._deleting]
         if not done:
             return
-        self._deleting.update(done)
-
-        def committed(future: asyncio.Future[None]) -> None:
-            # Committed: the rows are gone. Failed: they are handed out (and published) again.
-            self._deleting.difference_update(done)
-            if not future.cancelled():
-                future.exception()  # retrieved: a failed delete is not an error of anyone's
-
-        deleted = self._db.write_soon(_OUTBOX_DELETE, done)
-        deleted.add_done_callback(committed)
-        if self._db.statements_queued:
-            # This process's next batch is queued already: the delete commits with it in a
-            # moment, and the relay's next read then finds that batch's rows too (one read for
-            # both, as when the delete was a statement queued behind them). Otherwise the
-            # relay goes on at once, and the delete waits for whatever comes next.
+        self._deleting.update(done)  # a stale pass meanwhile does not hand them out again
+        try:
             async with self._unavailable_on_errors():
-                await asyncio.shield(deleted)
+                await self._db.ride(_OUTBOX_DELETE, done)
+        finally:
+            self._deleting.difference_update(done)  # gone; or, failed, published again
 
     # ----- sweeping and retention -------------------------------------------------------
 
