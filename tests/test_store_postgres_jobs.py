@@ -340,6 +340,40 @@ async def test_a_delete_with_nothing_to_ride_goes_alone_at_once(pg: PgJobStore, 
     assert await pg.outbox_batch(100, stale_after_s=0) == []
 
 
+async def test_a_batch_of_function_calls_is_one_statement_without_begin_and_commit(pg: PgJobStore) -> None:
+    """Statements queued together that are each one function call go to the server as one
+    statement (``SELECT f($1) AS r0, f($2) AS r1, ...``): one round trip and one implicit
+    transaction for the batch, not a round trip per statement plus BEGIN and COMMIT. Each
+    caller still hears its own outcome, and one that fails fails alone."""
+    db = pg._db
+    await db.pool.execute("""
+        CREATE FUNCTION herald_seen(n INTEGER) RETURNS TEXT LANGUAGE sql VOLATILE AS $$
+            SELECT n || ' ' || current_query() $$;
+        CREATE FUNCTION herald_tenth(n INTEGER) RETURNS INTEGER LANGUAGE sql VOLATILE AS $$ SELECT 10 / n $$;
+    """)
+    seen = await asyncio.gather(*(db.fetchval_grouped("SELECT herald_seen($1)", n) for n in range(3)))
+    numbers, queries = zip(*(s.split(" ", 1) for s in seen))
+    assert numbers == ("0", "1", "2")  # each caller its own value
+    assert len(set(queries)) == 1 and "AS r2" in queries[0], queries  # one statement for the three
+    outcomes = await asyncio.gather(*(db.fetchval_grouped("SELECT herald_tenth($1)", n) for n in (1, 2, 0, 5)),
+                                    return_exceptions=True)
+    assert outcomes[:2] == [10, 5] and outcomes[3] == 2
+    assert isinstance(outcomes[2], asyncpg.DivisionByZeroError)
+
+    # A worker's claims queued together: one statement, the relay's delete in front of it.
+    await _record_outbox_deletes(pg._db.url)
+    jobs = [(await pg.accept(new_job())).job for _ in range(3)]
+    published = await pg.outbox_batch(100)
+    _, *claimed = await asyncio.gather(pg.outbox_done([r.seq for r in published]),
+                                       *(pg.transition(job.id, CLAIM) for job in jobs))
+    assert [c.after.state for c in claimed] == ["running"] * 3
+    deletes = await _outbox_deletes(pg._db.url)
+    assert len(deletes) == len(published) == 6
+    assert len({d["query"] for d in deletes}) == 1
+    query = deletes[0]["query"]
+    assert query.startswith("WITH _rider AS (DELETE FROM outbox") and query.count("herald_transition(") == 3, query
+
+
 async def _deadlocks(url: str) -> int:
     """Deadlocks PostgreSQL detected in this database, once every other session has ended
     (a session reports its counts when it exits)."""

@@ -11,9 +11,11 @@ crashing the process.
 from __future__ import annotations
 
 import asyncio
+import copy
 import functools
 import inspect
 import logging
+import re
 import secrets
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
@@ -107,6 +109,40 @@ class _Grouped:
             self.future.set_result(value)
 
 
+class _Combined(_Grouped):
+    """Statements that are each one function call (``SELECT f($1, ...)``), sent as one: ``SELECT
+    f($1, ...) AS r0, g($23, ...) AS r1, ...``, evaluated left to right (the batch's lock order)
+    in one implicit transaction: one round trip and one send for the batch, no ``BEGIN`` or
+    ``COMMIT``. If it fails, each is run again alone (``_one_by_one``)."""
+
+    __slots__ = ("parts",)
+
+    def __init__(self, parts: list[_Grouped]) -> None:
+        calls: list[str] = []
+        args: list[Any] = []
+        for i, part in enumerate(parts):
+            match = _ONE_CALL.match(part.sql)
+            assert match is not None
+            shift = len(args)
+            calls.append(_PARAM.sub(lambda m: f"${int(m.group(1)) + shift}", match.group(1)) + f" AS r{i}")
+            args.extend(part.args)
+        super().__init__("SELECT " + ", ".join(calls), tuple(args), row=True, order=parts[0].order)
+        self.parts = parts
+
+    def settle(self, value: Any, error: BaseException | None) -> None:
+        for i, part in enumerate(self.parts):
+            part.settle(None if error is not None else value[i], error)
+
+
+# A statement that is one call of one of Herald's functions with positional parameters.
+_ONE_CALL = re.compile(r"^SELECT (herald_[a-z_]+\((?:\$\d+(?:, )?)*\))$")
+_PARAM = re.compile(r"\$(\d+)")
+
+
+def _combinable(batch: list[_Grouped]) -> bool:
+    return len(batch) > 1 and all(not s.row and _ONE_CALL.match(s.sql) for s in batch)
+
+
 def _lock_order(statement: _Grouped) -> str:
     return statement.order
 
@@ -154,8 +190,8 @@ def _riding(statement: _Grouped, rider: _Rider) -> _Grouped | None:
         sql = f"WITH {cte} {head}"
     else:
         return None
-    riding = _Grouped(sql, (*statement.args, rider.values), row=statement.row, order=statement.order)
-    riding.future = statement.future  # its caller hears the statement's own outcome
+    riding = copy.copy(statement)  # its callers hear the statement's own outcome
+    riding.sql, riding.args = sql, (*statement.args, rider.values)
     return riding
 
 
@@ -285,7 +321,9 @@ class PgDatabase:
         one transaction, and everyone hears back after its commit. If one of them fails, the
         batch is rolled back and each is run again in a transaction of its own, so only
         the failing one fails. A statement queued alone is sent as it is, committed by the
-        server as its own implicit transaction: one round trip, not three.
+        server as its own implicit transaction: one round trip, not three; so is a batch of
+        statements that are each one function call (``SELECT herald_transition($1, ...)``),
+        sent as one ``SELECT f(...) AS r0, g(...) AS r1`` (``_Combined``).
 
         ``order`` is the tenant whose rows the statement locks. A batch holds every lock
         until its commit, so two processes' batches taking two tenants' rows in opposite
@@ -336,12 +374,14 @@ class PgDatabase:
             batch, self._batch = self._batch[:MAX_GROUP], self._batch[MAX_GROUP:]
             batch.sort(key=_lock_order)
             riders = self._take_riders()
-            # Each rider goes in front of the first statement that can carry it, in its text.
-            sent = list(batch)
+            # Statements that are each one function call go as one statement (a worker's
+            # transitions); each rider goes in front of the first statement that can carry it.
+            units: list[_Grouped] = [_Combined(batch)] if _combinable(batch) else batch
+            sent = list(units)
             carried: list[_Rider] = []
             unridden: list[_Grouped] = []
             for rider in riders:
-                for i, statement in enumerate(batch):
+                for i, statement in enumerate(units):
                     if sent[i] is statement and (riding := _riding(statement, rider)) is not None:
                         sent[i] = riding
                         carried.append(rider)
@@ -358,7 +398,7 @@ class PgDatabase:
                         # Alone, it commits as its own implicit transaction: one round trip, not
                         # three (BEGIN and COMMIT are a round trip and a send each; the profile of
                         # a PostgreSQL worker found half its CPU in socket writes).
-                        if not carried:
+                        if not carried and not isinstance(sent[0], _Combined):  # its outcome is its caller's
                             await _one_by_one(conn, sent, alone=True)
                             continue
                         try:
