@@ -195,7 +195,10 @@ class Settings:
     report_page_ms: Annotated[float, NUMBER] = 200.0
     metrics_port: Annotated[int | None, PORT] = None
     workers: Annotated[int, AT_LEAST_ONE] = 2
-    worker_concurrency: Annotated[int, AT_LEAST_ONE] = 4
+    # 8, not 4: a worker's costs are per batch (a pull, a group commit, a relay pass, a flush),
+    # and more jobs in flight fill each batch; CPU per trivial job 0.87 of 4's (bench/RESULTS.md).
+    # A kind whose handler is CPU-bound declares its own, lower ``concurrency``.
+    worker_concurrency: Annotated[int, AT_LEAST_ONE] = 8
     worker_grace_s: Annotated[float, NUMBER] = 10.0
     max_queue_age_s: Annotated[float, NUMBER] = 300.0
     max_held_per_tenant: Annotated[int, COUNT] = 10_000  # a tenant's max_streams default (SPEC §13)

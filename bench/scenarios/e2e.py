@@ -54,6 +54,7 @@ from bench.scenarios.webhooks import _register
 from bench.stats import latency_summary
 from bench.subscribers import Subscribers
 from bench.systems import API_KEY, TENANT, ClusterHerald, Herald
+from herald.settings import Settings
 
 
 KINDS = "bench.handlers:ECHO"
@@ -166,7 +167,7 @@ def _one_machine(ctx: Context) -> Deployment:
                       database_url=herald.database_url,
                       description={"shape": f"one machine: 1 gateway, {len(workers)} workers, 1 notifier, 1 nats-server",
                                    "store": herald.store, "workers": len(workers),
-                                   "worker_concurrency": herald.env().get("HERALD_WORKER_CONCURRENCY", "4 (default)")})
+                                   "worker_concurrency": herald.env().get("HERALD_WORKER_CONCURRENCY", f"{Settings.worker_concurrency} (default)")})
 
 
 def _cluster(ctx: Context) -> Deployment:
@@ -179,7 +180,7 @@ def _cluster(ctx: Context) -> Deployment:
                       log=cluster.proc, database_url=cluster.database_url,
                       description={"shape": "herald up --cluster: 3 NATS nodes (R3), PostgreSQL, 2 gateways, "
                                    "2 workers, 2 notifiers", "store": "postgres", "workers": 2,
-                                   "worker_concurrency": ctx.herald_env.get("HERALD_WORKER_CONCURRENCY", "4 (default)"),
+                                   "worker_concurrency": ctx.herald_env.get("HERALD_WORKER_CONCURRENCY", f"{Settings.worker_concurrency} (default)"),
                                    "startup_s": round(time.monotonic() - started, 1),
                                    "starts_via": cluster.base, "tenant_stream_via": cluster.base_of(1)})
 

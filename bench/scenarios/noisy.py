@@ -46,6 +46,7 @@ from bench.scenario import Context, Outcome
 from bench.scenarios.e2e import _job_id, _succeeded, _ts, _wait_for
 from bench.stats import latency_summary, median
 from bench.systems import Herald
+from herald.settings import Settings
 
 NOISY, QUIET = "a", "b"
 REPORT = {"title": "bench", "pages": 1}  # the noisy neighbour's jobs: HERALD_REPORT_PAGE_MS each
@@ -175,11 +176,11 @@ def run(ctx: Context) -> Outcome:
     secrets = {t: _register(herald, keys[t], f"http://127.0.0.1:{port}/hook/{t}") for t in quiet}
     spread = [keys[f"t{i}"] for i in range(sizes.fair_tenants)]
     h: dict[str, Any] = {"deployment": "1 gateway, 1 notifier, 2 workers for reports and 2 for exports "
-                                       "(concurrency 4: 8 slots a kind)",
+                                       f"(concurrency {Settings.worker_concurrency}: {2 * Settings.worker_concurrency} slots a kind)",
                          "tenants": len(keys)}
     with Receiver(secrets, processes=1, port=port) as receiver:
         # Two workers for each part, all started at once: exports (trivial) for fair share's
-        # cost, reports of noisy_page_ms for the noisy neighbour. Each pair has 8 slots.
+        # cost, reports of noisy_page_ms for the noisy neighbour. Each pair has twice a worker's slots.
         exports = {"HERALD_WORKER_KINDS": "export"}
         reports = {"HERALD_WORKER_KINDS": "report", "HERALD_REPORT_PAGE_MS": str(sizes.noisy_page_ms)}
         workers = herald.start_workers({"worker1": exports, "worker2": exports, "worker3": reports,
