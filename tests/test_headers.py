@@ -69,3 +69,49 @@ def test_header_names_are_found_in_any_case(herald: Deployment) -> None:
     for name in ("Location", "Retry-After", "Cache-Control", "Content-Type", "X-Request-ID"):
         assert response.getheader(name) and response.getheader(name) == response.getheader(name.lower()), name
     connection.close()
+
+
+def _data_segments_in(sock: socket.socket) -> int:
+    """Segments with data this socket has received (Linux ``tcp_info.tcpi_data_segs_in``)."""
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return int.from_bytes(info[152:156], "little")
+
+
+def _exchange(sock: socket.socket, request: bytes) -> tuple[bytes, int]:
+    """Send one keep-alive request; its whole answer (by content-length) and the data segments
+    it came in."""
+    before = _data_segments_in(sock)
+    sock.sendall(request)
+    received = b""
+    while b"\r\n\r\n" not in received:
+        received += sock.recv(65536)
+    head, _, body = received.partition(b"\r\n\r\n")
+    length = next(int(line.split(b":", 1)[1]) for line in head.split(b"\r\n") if line.lower().startswith(b"content-length:"))
+    while len(body) < length:
+        body += sock.recv(65536)
+    return head + b"\r\n\r\n" + body, _data_segments_in(sock) - before
+
+
+def test_a_response_of_known_length_leaves_in_one_write(herald: Deployment) -> None:
+    """Head and body in one segment (one write at the gateway, not two): a 202, a status and a
+    404 problem, on one keep-alive connection; and a HEAD request still gets its head."""
+    gateway = ("127.0.0.1", herald.ports["gateway"])
+    auth = f"Authorization: Bearer {KEYS['acme']}\r\n"
+    body = b'{"title": "one write", "pages": 1}'
+    start = (f"POST /reports HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n"
+             f"Content-Length: {len(body)}\r\n\r\n").encode() + body
+    with socket.create_connection(gateway, timeout=10) as sock:
+        sock.settimeout(10)
+        accepted, segments = _exchange(sock, start)
+        assert accepted.startswith(b"HTTP/1.1 202 "), accepted[:300]
+        assert segments == 1, accepted
+        location = next(line.split(b":", 1)[1].strip() for line in accepted.split(b"\r\n")
+                        if line.lower().startswith(b"location:")).decode()
+        status, segments = _exchange(sock, f"GET {location} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+        assert status.startswith(b"HTTP/1.1 200 ") and segments == 1, status[:300]
+        missing, segments = _exchange(sock, f"GET /jobs/nope HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}\r\n".encode())
+        assert missing.startswith(b"HTTP/1.1 404 ") and segments == 1, missing[:300]
+    with socket.create_connection(gateway, timeout=10) as sock:
+        sock.sendall(b"HEAD /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        head = answer(sock)  # whatever the status, the head arrives, with no body, and the connection closes
+    assert head.startswith(b"HTTP/1.1 ") and head.endswith(b"\r\n\r\n") and b"content-length" in head.lower(), head
