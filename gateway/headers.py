@@ -9,23 +9,15 @@
 Header names go out lower-cased (uvicorn's httptools protocol writes them so). Names are
 case-insensitive (RFC 9110 §5.1); the gateway ran h11 only to keep their case, at ~15 % of
 its CPU per request (bench/RESULTS.md, issue 14).
-
-A response whose length is known (``content-length``: a 202, a status, a problem) leaves in
-one write, head and body together (``_OneWrite``). uvicorn writes the head as soon as the app
-starts the response and the body when it comes, and uvloop sends each write at once: two
-system calls, and on loopback two passes through the receiver's TCP path, both paid in the
-gateway's time. A streamed response (SSE, chunked) still sends its head at once: its body
-may be a while coming.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
 
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from schemas.problems import HEADERS_TOO_LARGE
@@ -65,81 +57,8 @@ def edge(app: ASGIApp) -> ASGIApp:
     return middleware
 
 
-class _Held:
-    """Stands in for the transport while uvicorn writes a response head: keeps it."""
-
-    __slots__ = ("data",)
-
-    def __init__(self) -> None:
-        self.data = b""
-
-    def write(self, data: bytes) -> None:
-        self.data += data
-
-
-class _HeadFirst:
-    """Stands in for the transport while uvicorn writes a body: the held head goes out with
-    the first write, or before the connection closes if nothing is written (a HEAD request)."""
-
-    __slots__ = ("_transport", "head")
-
-    def __init__(self, transport: asyncio.Transport, head: bytes) -> None:
-        self._transport = transport
-        self.head: bytes | None = head
-
-    def write(self, data: bytes) -> None:
-        head, self.head = self.head, None
-        self._transport.write(data if head is None else head + data)
-
-    def close(self) -> None:
-        if self.head is not None:
-            self.write(b"")
-        self._transport.close()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-
-class _OneWrite:
-    """A cycle's ``send``: the head of a response with a ``content-length`` is held until its
-    body, and both go out in one write (module docstring)."""
-
-    __slots__ = ("_cycle", "_send", "_head")
-
-    def __init__(self, cycle: RequestResponseCycle) -> None:
-        self._cycle = cycle
-        self._send = cycle.send
-        self._head: bytes | None = None
-
-    async def __call__(self, message: Any) -> None:
-        cycle = self._cycle
-        if self._head is not None:
-            transport, stand_in = cycle.transport, _HeadFirst(cycle.transport, self._head)
-            self._head = None
-            cycle.transport = stand_in  # type: ignore[assignment]
-            try:
-                await self._send(message)
-            finally:
-                cycle.transport = transport
-            if stand_in.head is not None and cycle.response_complete and not cycle.disconnected:
-                transport.write(stand_in.head)  # complete without a write: a HEAD request
-            return
-        if (message["type"] == "http.response.start" and not cycle.response_started and not cycle.disconnected
-                and any(name.lower() == b"content-length" for name, _ in message.get("headers", ()))):
-            transport, held = cycle.transport, _Held()
-            cycle.transport = held  # type: ignore[assignment]
-            try:
-                await self._send(message)
-            finally:
-                cycle.transport = transport
-            self._head = held.data
-            return
-        await self._send(message)
-
-
 class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on an unfinished request head, whose
-    responses of known length leave in one write."""
+    """uvicorn's httptools protocol with a bound on an unfinished request head."""
 
     _in_head = False  # a request's first bytes arrived, its headers are not complete yet
     _head_bytes = 0
@@ -153,10 +72,6 @@ class HttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         super().on_headers_complete()
-        cycle = self.cycle
-        if cycle is not None and not isinstance(cycle.send, _OneWrite):
-            # Read by the cycle's task when the app is called, which is after this returns.
-            cycle.send = _OneWrite(cycle)  # type: ignore[method-assign]
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
