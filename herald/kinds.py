@@ -158,6 +158,9 @@ REPORT = KindDeclaration(
     collection="/reports",
     handler="workers.kinds.report:run_report",
     media_type="application/pdf",
+    # Rendering is CPU work in threads: more at once only slows each and the worker's loop
+    # (its heartbeats; bench/RESULTS.md, "More jobs in flight per worker").
+    concurrency=4,
     example={"title": "Quarterly report", "pages": 5},
     description="A PDF with one page per step; each page costs HERALD_REPORT_PAGE_MS (demo kind).",
 )
@@ -169,6 +172,7 @@ EXPORT = KindDeclaration(
     handler="workers.kinds.export:run_export",
     media_type=_export_media_type,
     media_types=("text/csv", "application/x-ndjson"),
+    concurrency=4,  # rows made and written in threads: CPU work, as the report's
     example={"format": "csv", "rows": 1000},
     description="A deterministic synthetic orders table as CSV (with a header row) or NDJSON (demo kind).",
 )

@@ -13,8 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from herald.kinds import KindError, discover
-from herald.settings import Settings
+from herald.kinds import REPORT, KindError, discover
 from tests.harness import Deployment, client, wait_for_state, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,8 +135,8 @@ def test_workers_serve_only_their_kinds_and_the_rest_wait(fresh: Deployment, tmp
     fresh.env_overrides.update(HERALD_KINDS=f"{FIXTURE}:ECHO", KINDS_TEST_LOG=str(log))
     base = fresh.start_gateway()
     reports_only = fresh.start_worker("reports", HERALD_WORKER_KINDS="report")
-    # Only the kind it serves, with the default slots (HERALD_WORKER_CONCURRENCY's).
-    assert fresh.logged("reports", "worker ready")[0]["kinds"] == {"report": Settings.worker_concurrency}
+    # Only the kind it serves, with the slots the kind declares.
+    assert fresh.logged("reports", "worker ready")[0]["kinds"] == {"report": REPORT.concurrency}
     with client(base) as http:
         echo = http.post("/echoes", json={"message": "waiting"}).json()
         report = http.post("/reports", json={"title": "served", "pages": 2}).json()
