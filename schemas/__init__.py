@@ -3,7 +3,7 @@
 from schemas.base import Base
 from schemas.jobs import JobLinks, JobList, JobStatus, JobState, TERMINAL_STATES, EventType
 from schemas.kinds import ExportParams, JobParams, ReportParams
-from schemas.messages import JobEvent, JobMessage
+from schemas.messages import JobEvent, JobMessage, QueuedJob
 from schemas.problems import FieldError, Problem
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "JobState",
     "JobStatus",
     "Problem",
+    "QueuedJob",
     "ReportParams",
     "TERMINAL_STATES",
 ]

@@ -11,22 +11,28 @@ database on the session's server (``postgres_server`` in conftest).
 from __future__ import annotations
 
 import asyncio
+import re
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import asyncpg
 import msgspec
 import pytest
 
+from herald import workmessage
 from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
 from herald.storage.postgres.jobs import PgJobStore
 from herald.storage.migrations import Schema
 from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
-from schemas import JobEvent
+from launcher.pgserver import PostgresServer
+from schemas import JobEvent, JobMessage
+from workers.runner import job_of
 from tests.harness import make_sealer
 from tests.test_migrations import legacy_pg
 from tests.store_contract.support import CLAIM, new_job, outcomes, running_job
@@ -176,6 +182,80 @@ async def test_a_workers_claim_and_success_are_one_round_trip_each(
     assert before <= running.updated_at <= done.updated_at <= after
     assert before <= second.created_at <= after
     assert await pg.get(job.id) == done and done.state == "succeeded"
+
+
+class ServerLog:
+    """The statements one backend sent, as the server logged them (``log_statement = all`` in
+    that session; the test server's ``log_line_prefix`` names the backend's pid)."""
+
+    _LINE = re.compile(r"\[(\d+)\] LOG:  (?:statement|execute [^:]*): (.*)")
+
+    def __init__(self, path: Path, pid: int) -> None:
+        self._path, self._pid, self._offset = path, pid, 0
+
+    def mark(self) -> None:
+        self._offset = self._path.stat().st_size
+
+    def since_mark(self) -> list[str]:
+        with open(self._path, "rb") as log:
+            log.seek(self._offset)
+            lines = log.read().decode("utf-8", "replace").splitlines()
+        return [m.group(2) for m in map(self._LINE.search, lines) if m is not None and int(m.group(1)) == self._pid]
+
+
+async def test_a_claim_from_a_message_that_carries_its_job_sends_one_statement(
+    pg: PgJobStore, fresh_database: str, postgres_server: PostgresServer
+) -> None:
+    """The work message carries its job as queued (``herald.workmessage``), and the worker's
+    claim is judged on that row: counted at the server, the claim path sends the claim
+    alone, no read before it. A message without the row (an older Herald's) reads first. A
+    job cancelled since its message was made: the compare-and-set misses, then the read, and
+    the claim is refused on the row as it is (the message is acked, nothing runs)."""
+    worker = new_store(fresh_database, max_size=1)  # one connection: the claim path's statements are one backend's
+    await worker.open()
+    try:
+        jobs = [(await pg.accept(new_job())).job for _ in range(4)]
+        messages = {w.job_id: w for w in (workmessage.decode(r.payload)
+                                          for r in await pg.outbox_batch(100) if not r.msg_id.startswith("ev."))}
+        assert all(workmessage.carried_row(messages[j.id]) == replace(j, callback_url=None) for j in jobs)
+        await worker._db.pool.execute("SET log_statement = 'all'")
+        log = ServerLog(postgres_server.log_path, await worker._db.pool.fetchval("SELECT pg_backend_pid()"))
+        capped = Change(expect={"queued"}, to="running", claim=True, max_running=10)
+
+        async def claim_path(work: JobMessage, change: Change) -> list[str]:
+            await worker.clock()  # a busy worker's clock was read within the second (ServerClock)
+            log.mark()
+            job = await job_of(work, worker)
+            assert job is not None
+            try:
+                await worker.transition(job.id, change)
+            finally:
+                sent = log.since_mark()
+            return sent
+
+        # The first claim of the connection prepares its statement; counted from the second.
+        await claim_path(messages[jobs[0].id], CLAIM)
+        (alone,) = await claim_path(messages[jobs[1].id], CLAIM)
+        assert alone.startswith("SELECT herald_transition("), alone
+        (capped_alone,) = await claim_path(messages[jobs[2].id], capped)
+        assert capped_alone.startswith("SELECT herald_claim_capped("), capped_alone
+
+        older = msgspec.structs.replace(messages[jobs[3].id], job=None)
+        read, claim = await claim_path(older, CLAIM)
+        assert read.startswith("SELECT c.now, j.* FROM") and claim.startswith("SELECT herald_transition("), (read, claim)
+
+        # Cancelled after its message was made (by another process): refused on the row as it is.
+        cancelled = (await pg.accept(new_job())).job
+        (work,) = [workmessage.decode(r.payload) for r in await pg.outbox_batch(100) if r.msg_id == cancelled.id]
+        now_cancelled = (await pg.transition(cancelled.id, Change(expect={"queued"}, to="cancelled"))).after
+        with pytest.raises(TransitionRejected, match="state is cancelled") as refused:
+            await claim_path(work, CLAIM)
+        assert refused.value.current == now_cancelled
+        missed, read_again = log.since_mark()
+        assert missed.startswith("SELECT herald_transition(") and read_again.startswith("SELECT c.now, j.* FROM")
+        assert await pg.get(cancelled.id) == now_cancelled
+    finally:
+        await worker.close()
 
 
 async def test_a_remembered_row_that_moved_is_read_and_judged_again(pg: PgJobStore, fresh_database: str) -> None:

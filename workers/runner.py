@@ -24,7 +24,7 @@ from nats.aio.client import Client as NATS
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from herald import jetstream, tracing
+from herald import jetstream, tracing, workmessage
 from herald.kinds import JSON_MEDIA_TYPE
 from herald.logs import log_event, log_transition
 from herald.metrics import metrics
@@ -58,7 +58,6 @@ FETCH_BATCH = 16  # at most this many slots handed out at once
 # and every result on a store that keeps none, go through the result store.
 ROW_RESULT_MAX_BYTES = 64 * 1024
 PARKED_POLL_S = 0.25  # a claim refused at the tenant's max_running tries again this often
-_message_decoder = msgspec.msgpack.Decoder(JobMessage)
 
 
 class _Slot:
@@ -189,12 +188,12 @@ class Worker:
 
     async def _handle(self, message: Msg, slot: _Slot) -> None:
         try:
-            work = _message_decoder.decode(message.data)
+            work = workmessage.decode(message.data)
         except msgspec.DecodeError:
             log.error("undecodable job message dropped", extra={"subject": message.subject})
             await message.term()
             return
-        job = await self.store.get(work.job_id)
+        job = await job_of(work, self.store)
         kind = self.kinds.get(work.kind)
         if job is None or job.state != "queued" or kind is None:
             # Terminal, deleted, or running under another worker (whose death the sweeper
@@ -373,6 +372,20 @@ class Worker:
                 if runner is not None:
                     runner.cancel()
                 return
+
+
+async def job_of(work: JobMessage, store: JobStore) -> JobRow | None:
+    """The job of a work message, to claim: as the message carries it (queued, at the
+    version the message was made for), handed to the store as the row the claim is judged
+    on, so the claim is one compare-and-set with no read before it; else read. A carried row
+    the job has left since (cancelled, deleted, claimed elsewhere) makes that compare-and-set
+    miss, and the store reads the job and judges again: the claim is refused, the message
+    acked, as when the read said so first."""
+    job = workmessage.carried_row(work)
+    if job is None:
+        return await store.get(work.job_id)
+    store.remember(job)
+    return job
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:

@@ -155,6 +155,12 @@ class JobStore(Protocol):
         """Move ``heartbeat_at``/``updated_at`` of a running job of this attempt (not an event).
         None: the job is no longer this worker's."""
 
+    def remember(self, row: JobRow) -> None:
+        """``row`` is the job as committed at its version, learnt without a read (a work
+        message carries its job as queued, ``herald.workmessage``). A store that judges a
+        transition on the row it saw last (PostgreSQL) may judge the job's next one on it,
+        which its compare-and-set checks; another ignores it."""
+
     # ----- reads -----------------------------------------------------------------------
 
     async def get(self, job_id: str) -> JobRow | None: ...

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 from prometheus_client import REGISTRY
 
+from herald import workmessage
 from herald.jobs import (
     Accepted,
     IdempotencyMismatch,
@@ -28,7 +29,7 @@ from herald.jobs import (
 from herald.storage.ports import JobStore, OutboxRow, StartBudget
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change
-from schemas import JobEvent, JobMessage, Problem
+from schemas import JobEvent, Problem
 from tests.store_contract.conftest import Stores
 from tests.store_contract.support import CLAIM, claim_key, new_job, outcomes, relay_pass, running_job
 
@@ -79,7 +80,12 @@ async def test_accept_writes_job_event_and_outbox_rows(stores: Stores) -> None:
     assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}", f"ev.{job.id}.1"), ("jobs.report.t1", job.id)]
     numbered = msgspec.structs.replace(event, seq=1)
     assert rows[0].payload == ENCODER.encode(numbered)  # the exact bytes, seq included
-    assert msgspec.msgpack.decode(rows[1].payload, type=JobMessage) == JobMessage(job_id=job.id, kind="report", attempt=0)
+    work = workmessage.decode(rows[1].payload)
+    assert (work.job_id, work.kind, work.attempt) == (job.id, "report", 0)
+    # The job's row as queued, where the store's worker claims on it (PostgreSQL): all of it
+    # but the callback_url, which no worker needs and a message should not spread.
+    carried = workmessage.carried_row(work)
+    assert carried is None or carried == dataclasses.replace(job, callback_url=None)
     assert await store.tenant_events("t1", 0, 10) == await store.job_events(job.id, 0) == [numbered]
 
     stats = await store.stats()
@@ -179,7 +185,9 @@ async def test_fencing_by_attempt(stores: Stores) -> None:
     assert requeued.event is not None and requeued.event.type == "job.queued"
     work = [r for r in await store.outbox_batch(100) if r.subject == "jobs.report.t1"]
     assert [r.msg_id for r in work] == [job.id, f"{job.id}.a2"]
-    assert msgspec.msgpack.decode(work[-1].payload, type=JobMessage).attempt == 2
+    requeue_message = workmessage.decode(work[-1].payload)
+    assert requeue_message.attempt == 2
+    assert workmessage.carried_row(requeue_message) in (None, dataclasses.replace(after, callback_url=None))
 
     reclaimed = (await store.transition(job.id, CLAIM)).after
     assert reclaimed.attempt == 2

@@ -13,8 +13,9 @@ database cannot compute is the event's payload: it is the status object encoded 
 server's clock. So a write first reads that clock (for a transition, in the same round
 trip as the row it judges), encodes, then sends the one statement; unless this process read
 both recently (``recent.py``): the server's clock as read at most a second ago plus the time
-elapsed here since, and the job's row as this process last read or wrote it (a worker's
-claim follows its read of the job, its success its claim). A transition judged on such a row
+elapsed here since, and the job's row as this process last read or wrote it, or as the work
+message carried it (``remember``: a worker's claim is judged on the queued row its message
+carries, ``herald.workmessage``; its success on its claim). A transition judged on such a row
 still compares-and-sets on it, so a row that moved since makes the write miss and the row is
 read and judged again; a refusal is only ever said of a row just read.
 
@@ -95,9 +96,10 @@ from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.storage.postgres.recent import RecentRows, ServerClock
+from herald import workmessage
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
-from schemas import JobEvent, JobMessage
+from schemas import JobEvent
 
 _event_encoder = msgspec.json.Encoder()
 
@@ -244,8 +246,9 @@ def _work_message(job: JobRow) -> tuple[str, str, bytes]:
     # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
-    message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
-    return job_subject(job.kind, job.tenant), msg_id, msgspec.msgpack.encode(message)
+    # The job's row rides along (``herald.workmessage``): its worker claims on it without
+    # reading the job first.
+    return job_subject(job.kind, job.tenant), msg_id, workmessage.encode(job, carry_row=True)
 
 
 def _event_from_record(record: asyncpg.Record) -> JobEvent:
@@ -400,8 +403,8 @@ class PgJobStore(CommitListeners):
 
     async def _compare_and_set(self, job_id: str, change: Change) -> Transition:
         # One round trip when this process saw the job last (a worker's success after its
-        # claim, its claim after reading the message's job): judged on the remembered row at
-        # the remembered clock (``recent.py``), which the compare-and-set checks.
+        # claim, its claim on the row its work message carried): judged on the remembered row
+        # at the remembered clock (``recent.py``), which the compare-and-set checks.
         before = self._rows.get(job_id)
         now = self._clock.now()
         async with self._unavailable_on_errors():
@@ -458,6 +461,11 @@ class PgJobStore(CommitListeners):
         row = JobRow.from_mapping(record)
         self._rows.saw(row)
         return row
+
+    def remember(self, row: JobRow) -> None:
+        """A row learnt without a read (the work message's job as queued): the claim that
+        follows is judged on it, one round trip, unless this process saw the job since."""
+        self._rows.offered(row)
 
     # ----- reads -------------------------------------------------------------------------
 

@@ -64,6 +64,12 @@ class RecentRows:
         if len(self._rows) > self._size:
             del self._rows[next(iter(self._rows))]
 
+    def offered(self, row: JobRow) -> None:
+        """``row`` learnt from elsewhere (a work message): kept unless a later one of the job is."""
+        known = self._rows.get(row.id)
+        if known is None or (known.version, known.updated_at) < (row.version, row.updated_at):
+            self.saw(row)
+
     def forget(self, job_id: str) -> None:
         self._rows.pop(job_id, None)
 

@@ -33,6 +33,7 @@ from herald.jobs import (
     Transition,
     TransitionRejected,
 )
+from herald import workmessage
 from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
@@ -41,7 +42,7 @@ from herald.storage.sqlite import resealing
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now, rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
-from schemas import JobEvent, JobMessage
+from schemas import JobEvent
 
 # The tables: sql/0001_jobs.sql and 0005 beside this package's schema.py. State names in the SQL below
 # are the values of ``schemas.jobs.JobState`` (the one list), written out because a query must
@@ -116,8 +117,9 @@ def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
     # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
-    message = JobMessage(job_id=job.id, kind=job.kind, attempt=job.attempt)
-    _enqueue(conn, job_subject(job.kind, job.tenant), msg_id, msgspec.msgpack.encode(message), job, origin)
+    # Without the job's row: a worker's read here is a lookup in its own file, and the claim
+    # reads the row in its own transaction anyway (``herald.workmessage``).
+    _enqueue(conn, job_subject(job.kind, job.tenant), msg_id, workmessage.encode(job, carry_row=False), job, origin)
 
 
 class SqliteJobStore(CommitListeners):
@@ -261,6 +263,9 @@ class SqliteJobStore(CommitListeners):
         return await self._db.write(tx)
 
     # ----- reads (on the loop: point lookups and bounded index scans) -------------------
+
+    def remember(self, row: JobRow) -> None:
+        """Nothing to remember: a transition reads its row in its own transaction."""
 
     async def get(self, job_id: str) -> JobRow | None:
         rows = self._db.read("SELECT * FROM jobs WHERE id = ?", (job_id,))
