@@ -57,7 +57,23 @@ def worker_consumer_name(kind: str, token: str | None = None) -> str:
     return f"{WORKERS_CONSUMER}-{kind}" if token is None else f"{WORKERS_CONSUMER}-{kind}-{token}"
 
 
-def event_subject(tenant: str, job_id: str) -> str:
+# A job event's subject ends in its audience: ``notify`` when some webhook target wanted it
+# as it was committed (a matching enabled endpoint of the tenant, or the job's callback URL),
+# ``quiet`` when none did. The notifier's consumer takes only ``notify`` (and an older
+# Herald's ``events.<tenant>.<job>``), so it never receives, parses and acks the events no
+# target wants: most of a busy deployment's, whose endpoints ask for outcomes. Every other
+# reader (the gateways' hubs, the stream) takes both.
+NOTIFY = "notify"
+QUIET = "quiet"
+
+
+def event_subject(tenant: str, job_id: str, notify: bool) -> str:
+    return f"{event_subject_head(tenant, job_id)}.{NOTIFY if notify else QUIET}"
+
+
+def event_subject_head(tenant: str, job_id: str) -> str:
+    """A job event's subject without its audience, which PostgreSQL's ``herald_append_event``
+    appends as it commits the event (an older Herald's whole subject)."""
     return f"events.{tenant_token(tenant)}.{job_id}"
 
 
@@ -73,6 +89,9 @@ def output_live_subject(tenant: str, job_id: str) -> str:
 
 JOB_SUBJECTS = "jobs.>"
 EVENT_SUBJECTS = "events.>"
+# What the notifier's consumer takes: events some target wanted, and an older Herald's events
+# (three tokens, no audience), which it judged on receipt.
+NOTIFIER_EVENT_SUBJECTS = ["events.*.*." + NOTIFY, "events.*.*"]
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 

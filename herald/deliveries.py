@@ -125,6 +125,13 @@ class EndpointRow:
         )
 
 
+def some_target_wants(event_type: str, kind: str, endpoints: Collection[EndpointRow], callback_url: str | None) -> bool:
+    """Whether the event has a receiver: a matching enabled endpoint, or the job's callback URL,
+    which gets every type but progress (SPEC §7). The committing transaction asks it to choose
+    the event's subject (``herald.constants.event_subject``), the fan-out to choose its targets."""
+    return bool(callback_url and event_type != "job.progress") or any(e.wants(event_type, kind) for e in endpoints)
+
+
 @dataclass(frozen=True, slots=True)
 class AttemptRow:
     n: int

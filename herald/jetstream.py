@@ -25,6 +25,7 @@ from nats.js.errors import BadRequestError, NotFoundError
 
 from herald.constants import (
     EVENT_SUBJECTS,
+    NOTIFIER_EVENT_SUBJECTS,
     EVENTS_STREAM,
     JOB_SUBJECTS,
     MAX_CHUNK_BYTES,
@@ -191,7 +192,7 @@ def notifier_consumer(settings: Settings) -> ConsumerConfig:
         ack_wait=30.0,
         max_deliver=-1,
         max_ack_pending=10_000,
-        filter_subject=EVENT_SUBJECTS,
+        filter_subjects=NOTIFIER_EVENT_SUBJECTS,  # only events some target wanted (constants.event_subject)
         deliver_policy=DeliverPolicy.NEW,
         num_replicas=settings.nats_replicas,
     )
@@ -254,4 +255,5 @@ async def _drop_shared_worker_consumer(js: JetStreamContext) -> None:
 
 def _consumer_settings(config: ConsumerConfig) -> tuple[object, ...]:
     """What ensure_topology may change on an existing durable consumer."""
-    return (config.ack_wait, config.max_deliver, config.num_replicas or 0, config.max_ack_pending)
+    filters = tuple(config.filter_subjects or ([config.filter_subject] if config.filter_subject else []))
+    return (config.ack_wait, config.max_deliver, config.num_replicas or 0, config.max_ack_pending, filters)

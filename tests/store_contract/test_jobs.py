@@ -77,7 +77,9 @@ async def test_accept_writes_job_event_and_outbox_rows(stores: Stores) -> None:
     assert [(e.seq, e.job_id, e.version) for e in await store.tenant_events("t1", 0, 10)] == [(1, job.id, 1)]
 
     rows = await store.outbox_batch(10)
-    assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}", f"ev.{job.id}.1"), ("jobs.report.t1", job.id)]
+    # ".notify": the job's callback URL wants its queued event (the next test: an event's audience).
+    assert [(r.subject, r.msg_id) for r in rows] == [(f"events.t1.{job.id}.notify", f"ev.{job.id}.1"),
+                                                     ("jobs.report.t1", job.id)]
     numbered = msgspec.structs.replace(event, seq=1)
     assert rows[0].payload == ENCODER.encode(numbered)  # the exact bytes, seq included
     work = workmessage.decode(rows[1].payload)
@@ -92,6 +94,46 @@ async def test_accept_writes_job_event_and_outbox_rows(stores: Stores) -> None:
     assert stats.outbox_pending == 2 and stats.oldest_queued_age_s >= 0 and stats.outbox_oldest_age_s >= 0
     assert await store.last_event_seq("t1") == 1 and await store.last_event_seq("nobody") == 0
 
+
+
+async def test_an_events_subject_says_whether_some_webhook_target_wanted_it_as_it_committed(stores: Stores) -> None:
+    # The notifier's consumer takes only "notify" events: a "quiet" one no endpoint or callback
+    # wanted must be exactly that, or a delivery would be lost.
+    store = stores.jobs
+
+    async def audiences(job_id: str) -> list[tuple[str, str]]:
+        rows = [r for r in await relay_pass(store) if r.subject.startswith("events.")]
+        assert {r.subject.split(".")[2] for r in rows} == {job_id}
+        return [(r.msg_id.rsplit(".", 1)[1], r.subject.rsplit(".", 1)[1]) for r in rows]
+
+    plain = await running_job(store)
+    await store.transition(plain.id, Change(expect={"running"}, attempt=1, progress=50))
+    await store.transition(plain.id, Change(expect={"running"}, attempt=1, to="succeeded"))
+    assert await audiences(plain.id) == [("1", "quiet"), ("2", "quiet"), ("3", "quiet"), ("4", "quiet")]
+
+    # An endpoint of the tenant for the outcome of reports: only that event notifies. Another
+    # tenant's endpoint, a disabled one and one for another kind change nothing.
+    await stores.webhooks.create_endpoint("t2", url="https://a.example/hook", event_types=["job.queued"],
+                                          kinds=None, signature="hmac-sha256")
+    await stores.webhooks.create_endpoint("t1", url="https://b.example/hook", event_types=["job.running"],
+                                          kinds=["export"], signature="hmac-sha256")
+    off, _ = await stores.webhooks.create_endpoint("t1", url="https://c.example/hook", event_types=["job.queued"],
+                                                   kinds=None, signature="hmac-sha256")
+    await stores.webhooks.update_endpoint("t1", off.id, {"status": "disabled"})
+    await stores.webhooks.create_endpoint("t1", url="https://d.example/hook", event_types=["job.succeeded"],
+                                          kinds=["report"], signature="hmac-sha256")
+    watched = await running_job(store)
+    await store.transition(watched.id, Change(expect={"running"}, attempt=1, progress=50))
+    await store.transition(watched.id, Change(expect={"running"}, attempt=1, to="succeeded"))
+    assert await audiences(watched.id) == [("1", "quiet"), ("2", "quiet"), ("3", "quiet"), ("4", "notify")]
+
+    # A callback URL wants every event of its job but progress.
+    called = await store.accept(new_job(callback_url="https://e.example/cb"))
+    await store.transition(called.job.id, CLAIM)
+    await store.transition(called.job.id, Change(expect={"running"}, attempt=1, progress=50))
+    await store.transition(called.job.id, Change(expect={"running"}, attempt=1, to="failed",
+                                                 error=Problem(type="about:blank", title="no", status=500)))
+    assert await audiences(called.job.id) == [("1", "notify"), ("2", "notify"), ("3", "quiet"), ("4", "notify")]
 
 async def test_an_accepted_job_is_the_row_another_process_reads(stores: Stores) -> None:
     accepted = await stores.jobs.accept(new_job(callback_url="https://example.com/hook"))

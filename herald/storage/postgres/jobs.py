@@ -77,7 +77,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
-from herald.constants import event_subject, job_subject
+from herald.constants import event_subject_head, job_subject
 from herald.jobs import (
     Accepted,
     IdempotencyClaim,
@@ -375,7 +375,7 @@ class PgJobStore(CommitListeners):
                 float(idempotency.ttl_s) if idempotency else None,
                 float(budget.rate) if budget else None,
                 float(budget.burst) if budget else None,
-                event_subject(new.tenant, new.id), bytes(event.data), event_tail,
+                event_subject_head(new.tenant, new.id), bytes(event.data), event_tail,
                 work_subject, work_msg_id, work_payload,
                 new.traceparent, new.tracestate,
                 order=new.tenant,
@@ -436,7 +436,7 @@ class PgJobStore(CommitListeners):
                     after.state, after.progress, after.attempt, after.cancel_requested,
                     after.heartbeat_at, after.error, after.result_path, after.media_type, after.result_body,
                     after.finished_at, after.expires_at, after.updated_at,
-                    kind_of_change, event_subject(after.tenant, after.id), bytes(event.data), event_tail,
+                    kind_of_change, event_subject_head(after.tenant, after.id), bytes(event.data), event_tail,
                     work_subject, work_msg_id, work_payload,
                     order=before.tenant,
                 )

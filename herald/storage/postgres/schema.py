@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from herald.constants import NOTIFY, QUIET
 from herald.deliveries import CALLBACK_PREFIX
 from herald.storage.migrations import Migration, Schema, Session, load, load_functions
 from herald.storage.postgres.db import NOW_SQL
@@ -19,7 +20,8 @@ from herald.storage.postgres.webhooks import KEY_LOCK_CLASS, ORDER_LOCK_CLASS
 
 # The constants the SQL files name in braces.
 SQL_PARAMS = {"now": NOW_SQL, "key_lock": KEY_LOCK_CLASS, "order_lock": ORDER_LOCK_CLASS,
-              "callback_prefix": CALLBACK_PREFIX, "number_lock": NUMBER_LOCK_SEED}
+              "callback_prefix": CALLBACK_PREFIX, "number_lock": NUMBER_LOCK_SEED,
+              "notify": NOTIFY, "quiet": QUIET}
 
 # herald_migrations' names -> the version that carries that migration's SQL now.
 LEGACY_NAMES = {

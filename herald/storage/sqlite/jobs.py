@@ -23,6 +23,7 @@ from typing import Any
 import msgspec
 
 from herald.constants import event_subject, job_subject
+from herald.deliveries import EndpointRow, some_target_wants
 from herald.jobs import (
     Accepted,
     IdempotencyClaim,
@@ -98,9 +99,16 @@ def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str, origin
         "INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data) VALUES (?,?,?,?,?,?,?,?)",
         (job.tenant, seq, job.id, job.kind, job.version, event_type, job.updated_at, data),
     )
-    _enqueue(conn, event_subject(job.tenant, job.id), f"ev.{job.id}.{job.version}", _event_encoder.encode(event), job,
-             origin)
+    subject = event_subject(job.tenant, job.id, _some_target_wants(conn, job, event_type))
+    _enqueue(conn, subject, f"ev.{job.id}.{job.version}", _event_encoder.encode(event), job, origin)
     return event
+
+
+def _some_target_wants(conn: sqlite3.Connection, job: JobRow, event_type: str) -> bool:
+    """Judged in the transaction that commits the event, so an endpoint enabled before it
+    commits is counted (the store has one writer at a time)."""
+    rows = conn.execute("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'", (job.tenant,))
+    return some_target_wants(event_type, job.kind, [EndpointRow.from_mapping(r) for r in rows], job.callback_url)
 
 
 def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes, job: JobRow, origin: str) -> None:

@@ -40,6 +40,7 @@ from herald.deliveries import (
     Plan,
     callback_owner,
     event_id,
+    some_target_wants,
 )
 from herald.delivery_rules import RESPONSE_KEEP_BYTES
 from herald.sealing import Sealer
@@ -244,7 +245,7 @@ class SqliteDeliveryQueue:
                                     (event.tenant,))
                 endpoints[event.tenant] = [EndpointRow.from_mapping(r) for r in rows]
             callback_url = _callback_url(self.db, event)
-            if callback_url or any(e.wants(event.type, event.kind) for e in endpoints[event.tenant]):
+            if some_target_wants(event.type, event.kind, endpoints[event.tenant], callback_url):
                 targeted.append((event, callback_url))
         return targeted
 

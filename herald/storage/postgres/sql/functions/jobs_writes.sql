@@ -5,21 +5,32 @@
 
 CREATE OR REPLACE FUNCTION herald_append_event(
     p_tenant TEXT, p_job_id TEXT, p_kind TEXT, p_version INTEGER, p_type TEXT, p_at DOUBLE PRECISION,
-    p_data BYTEA, p_event_subject TEXT, p_event_tail BYTEA,
+    p_data BYTEA, p_event_subject TEXT, p_event_tail BYTEA,  -- subject: its head, no audience
     p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
     p_traceparent TEXT, p_tracestate TEXT
 ) RETURNS BIGINT LANGUAGE plpgsql AS $fn$
 DECLARE
     v_id BIGINT;
+    v_notify BOOLEAN;
 BEGIN
     -- No tenant-wide lock: the event is numbered after commit (herald_number_events).
     INSERT INTO events (tenant, job_id, kind, version, type, at, data)
     VALUES (p_tenant, p_job_id, p_kind, p_version, p_type, p_at, p_data)
     RETURNING id INTO v_id;
+    -- The subject's audience (herald.constants.event_subject): 'notify' when some webhook
+    -- target wants the event as it commits, by herald.deliveries.some_target_wants' rule (a
+    -- matching enabled endpoint; the job's callback URL, for every type but progress), else
+    -- 'quiet', which the notifier's consumer never receives.
+    v_notify := EXISTS (SELECT 1 FROM webhook_endpoints e
+                         WHERE e.tenant = p_tenant AND e.status = 'enabled' AND p_type = ANY(e.event_types)
+                           AND (e.kinds IS NULL OR p_kind = ANY(e.kinds)))
+             OR (p_type <> 'job.progress' AND EXISTS (SELECT 1 FROM jobs j WHERE j.id = p_job_id
+                                                       AND j.callback_url IS NOT NULL AND j.callback_url <> ''));
     -- The JobEvent's JSON without its {"seq":N, head (the client sent the rest); the job's
     -- trace context rides along: the relay sends it as the message's headers.
     INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate, event_id)
-    VALUES (p_event_subject, 'ev.' || p_job_id || '.' || p_version, p_event_tail, {now},
+    VALUES (p_event_subject || CASE WHEN v_notify THEN '.{notify}' ELSE '.{quiet}' END,
+            'ev.' || p_job_id || '.' || p_version, p_event_tail, {now},
             p_traceparent, p_tracestate, v_id);
     IF p_work_subject IS NOT NULL THEN
         INSERT INTO outbox (subject, msg_id, payload, created_at, traceparent, tracestate)
