@@ -34,8 +34,9 @@ from tests.store_contract.support import event, new_job
 
 PORTS = {"jobs": JobStore, "webhooks": WebhookStore, "deliveries": DeliveryQueue, "tenants": TenantStore}
 # Not calls that can be answered 503: open() waits for the database by design (the gateway
-# opens in the background meanwhile), close() lets go, on_commit() registers a callback.
-NOT_REQUESTS = {"open", "close", "on_commit"}
+# opens in the background meanwhile), close() lets go, on_commit() registers a callback,
+# remember() keeps a row in memory (the write that follows asks the database).
+NOT_REQUESTS = {"open", "close", "on_commit", "remember"}
 
 
 def _port_methods() -> set[str]:
