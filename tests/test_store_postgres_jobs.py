@@ -27,6 +27,7 @@ from herald import workmessage
 from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
 from herald.storage.postgres.jobs import PgJobStore
+from herald.storage.postgres.recent import ServerClock
 from herald.storage.migrations import Schema
 from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
@@ -254,6 +255,33 @@ async def test_a_claim_from_a_message_that_carries_its_job_sends_one_statement(
         missed, read_again = log.since_mark()
         assert missed.startswith("SELECT herald_transition(") and read_again.startswith("SELECT c.now, j.* FROM")
         assert await pg.get(cancelled.id) == now_cancelled
+    finally:
+        await worker.close()
+
+
+async def test_claims_on_carried_rows_with_an_old_clock_share_one_clock_read(
+    pg: PgJobStore, fresh_database: str, postgres_server: PostgresServer
+) -> None:
+    """A busy worker's remembered clock grows old (a second) while it has claims in flight on
+    the rows their messages carried: the clock alone is read, once for all of them, and no
+    job's row is read; the claims then go as one statement (group commit)."""
+    worker = new_store(fresh_database, max_size=1)
+    await worker.open()
+    try:
+        jobs = [(await pg.accept(new_job())).job for _ in range(3)]
+        works = [workmessage.decode(r.payload) for r in await pg.outbox_batch(100) if not r.msg_id.startswith("ev.")]
+        await worker._db.pool.execute("SET log_statement = 'all'")
+        log = ServerLog(postgres_server.log_path, await worker._db.pool.fetchval("SELECT pg_backend_pid()"))
+        await worker.transition(jobs[0].id, CLAIM)  # prepares the statements (read, clock, claim) on the connection
+        await worker.clock()
+        worker._clock = ServerClock()  # read more than a second ago: forgotten
+        log.mark()
+        carried = [await job_of(w, worker) for w in works if w.job_id != jobs[0].id]
+        claimed = await asyncio.gather(*(worker.transition(job.id, CLAIM) for job in carried if job is not None))
+        assert [c.after.state for c in claimed] == ["running"] * 2
+        sent = log.since_mark()
+        assert sent[0] == f"SELECT {NOW_SQL}" and not [q for q in sent if q.startswith("SELECT c.now")], sent
+        assert len(sent) == 2 and sent[1].count("herald_transition(") == 2, sent
     finally:
         await worker.close()
 

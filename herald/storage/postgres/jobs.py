@@ -21,7 +21,8 @@ read and judged again; a refusal is only ever said of a row just read.
 
 * ``accept``: 1 round trip (``herald_accept``), 2 when the clock must be read first;
 * ``transition``: 1 round trip (``herald_transition``) on a remembered row, else 2 (row +
-  clock; ``herald_transition``), 2 more per lost race;
+  clock; ``herald_transition``), 2 more per lost race; on a remembered row with a clock read
+  more than a second ago, the clock is read first, one read for every transition in flight;
 * ``heartbeat``, reads, outbox, retention: 1 round trip each (``get`` reads the clock too).
 
 (asyncpg's pool adds its reset query when a connection goes back: that is ``PgDatabase``'s
@@ -68,6 +69,7 @@ gateways at once share the work instead of deadlocking with each other or with a
 
 from __future__ import annotations
 
+import asyncio
 import secrets
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -283,6 +285,7 @@ class PgJobStore(CommitListeners):
         # Outbox rows published, whose delete waits for this process's next group commit:
         # never handed out again, nor counted as pending, meanwhile.
         self._deleting: set[int] = set()
+        self._clock_read: asyncio.Future[float] | None = None  # the clock read in flight, shared
         super().__init__()
 
     async def open(self) -> None:
@@ -306,11 +309,25 @@ class PgJobStore(CommitListeners):
             await self._db.ping()
 
     async def clock(self) -> float:
+        """The server's clock, read now. Callers at once share one read: when a busy worker's
+        remembered clock grows stale, every transition it has in flight needs it at once."""
+        read = self._clock_read
+        if read is None:
+            read = self._clock_read = asyncio.ensure_future(self._read_clock())
+            read.add_done_callback(self._clock_read_done)
         async with self._unavailable_on_errors():
-            sent = time.monotonic()
-            now = await self._db.clock()
+            return await asyncio.shield(read)
+
+    async def _read_clock(self) -> float:
+        sent = time.monotonic()
+        now = await self._db.clock()
         self._clock.read(now, sent)
         return now
+
+    def _clock_read_done(self, read: asyncio.Future[float]) -> None:
+        self._clock_read = None
+        if not read.cancelled():
+            read.exception()  # retrieved, if every caller gave up on it
 
     async def _now(self) -> float:
         """The server's time: guessed from a recent read (``ServerClock``), else read."""
@@ -407,6 +424,11 @@ class PgJobStore(CommitListeners):
         # at the remembered clock (``recent.py``), which the compare-and-set checks.
         before = self._rows.get(job_id)
         now = self._clock.now()
+        if now is None and before is not None and refusal(before, change) is None:
+            # The row is known (a work message's, a claim's), the clock too old: the clock
+            # alone is read, once for all the transitions in flight (``clock``).
+            await self.clock()
+            now = self._clock.now()
         async with self._unavailable_on_errors():
             while True:
                 remembered = before is not None and now is not None and refusal(before, change) is None
