@@ -68,6 +68,8 @@ def work_messages(nats_url: str) -> list[JobMessage]:
         try:
             js = nc.jetstream()
             state = (await js.stream_info(JOBS_STREAM)).state
+            if not state.messages:  # nothing published yet (first_seq is then no message's)
+                return []
             return [workmessage.decode((await js.get_msg(JOBS_STREAM, seq)).data or b"")
                     for seq in range(state.first_seq, state.last_seq + 1)]
         finally:

@@ -79,6 +79,7 @@ from typing import Any
 import asyncpg
 import msgspec
 
+from herald import workmessage
 from herald.constants import event_subject_head, job_subject
 from herald.jobs import (
     Accepted,
@@ -98,7 +99,6 @@ from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.storage.postgres.recent import RecentRows, ServerClock
-from herald import workmessage
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent
