@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -29,10 +30,23 @@ class BenchError(RuntimeError):
     """Something the bench needs did not start or answer; the message says what."""
 
 
+# Below the kernel's range for outgoing connections' local ports (32768 on): a port that
+# bind(0) hands out there can be taken by any connection made before the server binds it.
+# Apart from the test harness's bands (tests/harness.py, just under 32768).
+_PORTS = range(10_000, 20_000)
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A port no server listens on now, picked at random below the ephemeral range."""
+    for _ in range(1000):
+        port = random.choice(_PORTS)
+        with socket.socket() as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port in {_PORTS}")
 
 
 def _die_with_parent() -> None:
