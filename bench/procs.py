@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 
+from launcher.cluster import bindable
+
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
@@ -40,11 +42,7 @@ def free_port() -> int:
     """A port no server listens on now, picked at random below the ephemeral range."""
     for _ in range(1000):
         port = random.choice(_PORTS)
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if bindable(port):
             return port
     raise RuntimeError(f"no free port in {_PORTS}")
 

@@ -52,6 +52,16 @@ class ClusterNode:
         return self.directory / NODE_CONF
 
 
+def bindable(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether no socket holds ``port`` on ``host`` now (a server may still take it next)."""
+    with socket.socket() as sock:
+        try:
+            sock.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
     """``count`` distinct free ports: all sockets stay bound until all are chosen, so no two
     picks can be the same port (separate bind-and-close calls may return one twice)."""

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 import httpx
 
+from launcher.cluster import bindable
 from launcher.supervisor import find_nats_server
 
 T = TypeVar("T")
@@ -68,11 +69,7 @@ def free_port() -> int:
     for _ in range(len(_PORTS)):
         port = _PORTS[_next_port % len(_PORTS)]
         _next_port += 1
-        with socket.socket() as sock:
-            try:
-                sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+        if bindable(port):
             return port
     raise RuntimeError(f"no free port in {_PORTS}")
 

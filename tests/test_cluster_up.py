@@ -7,7 +7,6 @@ import asyncio
 import os
 import random
 import signal
-import socket
 import stat
 import subprocess
 import sys
@@ -24,6 +23,7 @@ import psutil
 import pytest
 from nats.js.api import StreamConfig
 
+from launcher.cluster import bindable
 from tests.harness import free_port, wait_until
 
 HERALD_KINDS = ("gateway", "worker", "notifier")
@@ -35,18 +35,11 @@ def consecutive_free_ports(count: int) -> int:
     harness's bands (``tests.harness.free_port``), so that no port picked elsewhere lands inside it."""
     for _ in range(200):
         base = random.randrange(20_000, 26_000)
-        if all(_bindable(base + i) for i in range(count)):
+        if all(bindable(base + i) for i in range(count)):
             return base
     raise AssertionError("no run of free ports found")
 
 
-def _bindable(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-        return True
 
 
 class Output:
