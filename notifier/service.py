@@ -22,11 +22,11 @@ import logging
 
 import msgspec
 from nats.aio.msg import Msg
-from nats.errors import TimeoutError as NatsTimeout
 
 from herald import jetstream
 from herald.constants import EVENTS_STREAM, NOTIFIER_CONSUMER
 from herald.metrics import metrics as process_metrics
+from herald.pullstream import PullStream
 from herald.settings import Settings
 from herald.directory import running_directory
 from herald.storage import open_storage
@@ -40,6 +40,7 @@ from schemas import JobEvent
 log = logging.getLogger("herald.notifier")
 
 FETCH_BATCH = 128
+PULL_EXPIRES_S = 2.0
 _event_decoder = msgspec.json.Decoder(JobEvent)
 
 
@@ -69,14 +70,13 @@ async def _fan_out(messages: list[Msg], scheduler: Scheduler, notices: Notices |
         await message.ack()
 
 
-async def _consume(subscription: object, scheduler: Scheduler, stop: asyncio.Event,
+async def _consume(events: PullStream, scheduler: Scheduler, stop: asyncio.Event,
                    notices: Notices | None = None) -> None:
-    fetch = subscription.fetch  # type: ignore[attr-defined]
     while not stop.is_set():
         try:
-            messages: list[Msg] = await fetch(batch=FETCH_BATCH, timeout=1.0)
-        except (NatsTimeout, asyncio.TimeoutError):
-            continue
+            messages = await events.next_batch(timeout=1.0)
+            if not messages:
+                continue
         except Exception as exc:  # NATS reconnecting: wait and fetch again
             log.warning("fetching job events failed: %s", exc)
             with contextlib.suppress(TimeoutError):
@@ -123,10 +123,9 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         directory = await owner.enter_async_context(running_directory(settings, storage.tenants, nc))
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
-        subscription = await js.pull_subscribe_bind(NOTIFIER_CONSUMER, EVENTS_STREAM)
+        events = PullStream(nc, EVENTS_STREAM, NOTIFIER_CONSUMER, batch=FETCH_BATCH, expires_s=PULL_EXPIRES_S)
         log.info("notifier ready", extra={"owner": scheduler.owner})
-        owner.spawn(_consume(subscription, scheduler, stop, notices), "event-consumer")
+        owner.spawn(_consume(events, scheduler, stop, notices), "event-consumer")
         await stop.wait()
         log.info("notifier stopping")
-        with contextlib.suppress(Exception):
-            await subscription.unsubscribe()
+        await events.close()
