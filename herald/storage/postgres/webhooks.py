@@ -12,9 +12,10 @@ and retry times are judged by one clock. Inside SQL it is read once per statemen
 variable or an uncorrelated sub-select, so that it stays a constant the planner can use
 against the indexes (a bare volatile call per row could not be).
 
-Round trips. The hot paths are one statement each, one round trip: ``fan_out``, ``claim``
-and ``finish`` call plpgsql functions (``sql/functions/webhooks_*.sql``), so their several steps
-run next to the data instead of a BEGIN, n statements and a COMMIT over the network.
+Round trips. The hot paths are one statement each, one round trip: ``fan_out``, ``claim``,
+``fan_out_leasing`` (the two in one transaction) and ``finish`` call plpgsql functions
+(``sql/functions/webhooks_*.sql``), so their several steps run next to the data instead of a
+BEGIN, n statements and a COMMIT over the network.
 A plpgsql function in READ COMMITTED also takes a fresh snapshot per statement, which
 the claim below depends on. The API's rarer writes (update, delete, rotate) are short
 explicit transactions.
@@ -132,6 +133,16 @@ _DEADLOCK_RETRIES = 5
 _RETRIED_ERRORS = (asyncpg.exceptions.DeadlockDetectedError, asyncpg.exceptions.SerializationError)
 
 _payload_encoder = msgspec.json.Encoder()
+
+
+def _fan_out_args(events: Sequence[JobEvent]) -> tuple[Any, ...]:
+    """``herald_webhook_fan_out``'s arguments: the events column by column."""
+    return (
+        [e.tenant for e in events], [e.job_id for e in events], [e.version for e in events],
+        [e.type for e in events], [e.kind for e in events], [event_id(e) for e in events],
+        [_payload_encoder.encode(WebhookPayload(type=e.type, timestamp=e.at, data=e.data)) for e in events],
+        PROGRESS_INTERVAL_S,
+    )
 
 
 async def _retrying(attempt: Callable[[], Awaitable[T]]) -> T:
@@ -473,12 +484,7 @@ class PgDeliveryQueue:
         """Record the deliveries of ``events`` in one statement (one transaction); returns how many are pending."""
         if not events:
             return 0
-        args = (
-            [e.tenant for e in events], [e.job_id for e in events], [e.version for e in events],
-            [e.type for e in events], [e.kind for e in events], [event_id(e) for e in events],
-            [_payload_encoder.encode(WebhookPayload(type=e.type, timestamp=e.at, data=e.data)) for e in events],
-            PROGRESS_INTERVAL_S,
-        )
+        args = _fan_out_args(events)
 
         async def call() -> int:
             return int(await self.db.pool.fetchval(
@@ -487,9 +493,28 @@ class PgDeliveryQueue:
         return await _retrying(call)
 
     async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
-        """``fan_out`` alone: the claim (a function of its own, with its locks) finds what is due.
-        Folding it into the fan-out's function is not done here yet (bench/RESULTS.md, issue 24)."""
-        return FannedOut(await self.fan_out(events))
+        """``fan_out`` and the claim with ``offer``'s caps in one statement (one transaction):
+        what is due at once goes out without a claim of its own. The claim is the whole claim
+        (``herald_webhook_fan_out_leasing``), so it may also lease what else is due, as the
+        claim pass right after would."""
+        if not events:
+            return FannedOut(0)
+        if offer.limit <= 0:
+            return FannedOut(await self.fan_out(events))
+        busy = {target: n for target, n in offer.in_flight.items() if n > 0}
+        tenants = {tenant: n for tenant, n in offer.tenant_in_flight.items() if n > 0}
+        args = (*_fan_out_args(events), offer.owner, offer.lease_s, offer.per_target, offer.limit,
+                list(busy), list(busy.values()), offer.per_tenant, list(tenants), list(tenants.values()),
+                list(offer.held))
+
+        async def call() -> list[asyncpg.Record]:
+            return list(await self.db.pool.fetch(
+                "SELECT * FROM herald_webhook_fan_out_leasing($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
+                " $13, $14, $15, $16, $17, $18)", *args))
+
+        rows = await _retrying(call)
+        claimed = [await self._claimed(row) for row in rows if row["delivery"] is not None]
+        return FannedOut(int(rows[0]["pending"]) if rows else 0, claimed)
 
     async def anything_due(self) -> bool:
         """Cheap read: is a claim worth its transaction?"""

@@ -128,3 +128,37 @@ BEGIN
     END LOOP;
     RETURN pending;
 END $$;
+
+-- The fan-out, then in the same transaction the claim (herald_webhook_claim, with the offer's
+-- caps): what is due at once is leased to this notifier without a claim of its own, as
+-- SQLite's fan_out_leasing does. The claim is the whole claim, not only the targets this
+-- batch touched: what else it leases is what the claim pass right after would have leased.
+-- Every row carries the fan-out's pending count; with nothing leased, one row of NULLs does.
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out_leasing(
+    p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION,
+    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_busy_targets TEXT[], p_busy_counts INTEGER[],
+    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
+) RETURNS TABLE (pending INTEGER, delivery webhook_deliveries, send_url TEXT, body BYTEA,
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
+                 job_traceparent TEXT, job_tracestate TEXT)
+LANGUAGE plpgsql AS $$
+DECLARE
+    n INTEGER;
+BEGIN
+    n := herald_webhook_fan_out(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids, p_bodies,
+                                p_progress_interval);
+    IF n > 0 AND p_limit > 0 THEN
+        RETURN QUERY
+        SELECT n, c.delivery, c.send_url, c.body, c.key_algorithms, c.key_secrets, c.key_public_keys,
+               c.job_traceparent, c.job_tracestate
+          FROM herald_webhook_claim(p_owner, p_lease_s, p_per_target, p_limit, p_busy_targets, p_busy_counts,
+                                    p_per_tenant, p_busy_tenants, p_tenant_counts, p_held) c;
+        IF FOUND THEN
+            RETURN;
+        END IF;
+    END IF;
+    RETURN QUERY SELECT n, NULL::webhook_deliveries, NULL::TEXT, NULL::BYTEA, NULL::TEXT[], NULL::BYTEA[],
+                        NULL::BYTEA[], NULL::TEXT, NULL::TEXT;
+END $$;
