@@ -74,8 +74,9 @@ SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_databas
        (SELECT wal_bytes FROM pg_stat_wal) AS wal_bytes
 """
 
-# Calls of Herald's functions: counted only with --pg-set track_functions=pl.
-CALLS_SQL = "SELECT funcname, calls FROM pg_stat_user_functions WHERE funcname LIKE 'herald%'"
+# Calls of Herald's functions and the time spent in them (total_time: nested calls included):
+# counted only with --pg-set track_functions=pl.
+CALLS_SQL = "SELECT funcname, calls, total_time FROM pg_stat_user_functions WHERE funcname LIKE 'herald%'"
 
 
 class PgWaits:
@@ -104,6 +105,7 @@ class PgWaits:
         self.error: str | None = None
         self.counters: dict[str, float] = {}
         self.calls: dict[str, int] = {}
+        self.call_ms: dict[str, float] = {}
 
     def __enter__(self) -> PgWaits:
         if self.url:
@@ -132,7 +134,7 @@ class PgWaits:
         conn = await asyncpg.connect(self.url)
         try:
             first = dict(await conn.fetchrow(COUNTERS_SQL))
-            first_calls = {r["funcname"]: r["calls"] for r in await conn.fetch(CALLS_SQL)}
+            first_calls = {r["funcname"]: (r["calls"], r["total_time"]) for r in await conn.fetch(CALLS_SQL)}
             while not self._stop.is_set():
                 rows = await conn.fetch(WAITS_SQL)
                 self.samples += 1
@@ -144,8 +146,10 @@ class PgWaits:
             await asyncio.sleep(1.1)  # the backends' last reports
             last = dict(await conn.fetchrow(COUNTERS_SQL))
             self.counters = {name: float(last[name] - first[name]) for name in first}
-            self.calls = {r["funcname"]: r["calls"] - first_calls.get(r["funcname"], 0)
-                          for r in await conn.fetch(CALLS_SQL)}
+            for r in await conn.fetch(CALLS_SQL):
+                calls, ms = first_calls.get(r["funcname"], (0, 0.0))
+                self.calls[r["funcname"]] = r["calls"] - calls
+                self.call_ms[r["funcname"]] = r["total_time"] - ms
         finally:
             await conn.close()
 
@@ -171,6 +175,7 @@ class PgWaits:
         per = {name: round(value / jobs, 2) for name, value in self.counters.items() if name != "wal_bytes"}
         per["wal_kb"] = round(self.counters["wal_bytes"] / jobs / 1024, 2)
         per.update({f"calls {name}": round(n / jobs, 2) for name, n in sorted(self.calls.items()) if n})
+        per.update({f"ms in {name}": round(ms / jobs, 3) for name, ms in sorted(self.call_ms.items()) if ms})
         return per
 
     def note(self) -> str:
