@@ -190,6 +190,11 @@ class Claimed:
     trace_context: tuple[str, str | None] | None = None
 
 
+# How many due deliveries ``DeliveryQueue.anything_due`` looks at, at most, for one whose
+# target is not held: past that, it answers yes and the claim finds out.
+DUE_PROBE_ROWS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class LeaseOffer:
     """What a notifier may take of the deliveries a fan-out records (``DeliveryQueue.fan_out_leasing``):

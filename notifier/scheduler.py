@@ -173,7 +173,7 @@ class Scheduler:
             # The cheap "anything due?" read spares an idle notifier a write transaction per pass;
             # while the last claim got all it asked for there is a backlog, and it would only add
             # a round trip before each claim.
-            if not self._backlog and not await self.queue.anything_due():
+            if not self._backlog and not await self.queue.anything_due(self._held()):
                 return
             claimed = await self.queue.claim(
                 self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight),

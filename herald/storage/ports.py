@@ -367,7 +367,12 @@ class DeliveryQueue(Protocol):
         (no backlog), so what it leases here jumps no queue. A store may lease what else is
         due too (PostgreSQL runs the whole claim), as the claim pass right after would."""
 
-    async def anything_due(self) -> bool: ...
+    async def anything_due(self, held: Collection[str] = ()) -> bool:
+        """Whether a claim could lease something now: a due pending delivery nobody holds whose
+        target is not one of ``held`` (the claim leaves those out). It reads at most
+        ``DUE_PROBE_ROWS`` due rows; when that many are due it says yes without looking
+        further, so a held target's large backlog costs a bounded read and never hides
+        another target's due delivery."""
 
     async def next_due_after(self, at: float) -> float | None: ...
 

@@ -16,7 +16,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, Attempted, Claimed, FannedOut, LeaseOffer, Outcome, Plan
+from herald.deliveries import CALLBACK_PREFIX, DUE_PROBE_ROWS, Attempted, Claimed, FannedOut, LeaseOffer, Outcome, Plan
 from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S
 from herald.jobs import NewJob
 from herald.storage.ports import DeliveryQueue, JobStore
@@ -293,6 +293,27 @@ async def test_a_tenant_at_its_cap_leaves_a_shared_target_to_the_others(stores: 
     assert await fair_claim("n1", {"noisy": 1}) == [("quiet", jobs[3])]
     # With a slot each, each tenant gets one, its oldest.
     assert await fair_claim("n2", {"quiet": 1}) == [("noisy", jobs[0])]
+
+
+async def test_anything_due_leaves_out_held_targets_but_never_hides_another_behind_a_large_backlog(
+        stores: Stores) -> None:
+    """A claim leaves the held targets out (their origin is full here, or paced), so the read
+    that decides whether a claim is worth it does too: a pass that could lease nothing is not
+    made. It reads a bounded number of due rows: past ``DUE_PROBE_ROWS`` it says yes."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    busy = await endpoint(webhooks, url="https://busy.example/hook")
+    assert not await queue.anything_due() and not await queue.anything_due([busy])
+    assert await queue.fan_out([event(f"b{n}", 1) for n in range(3)]) == 3
+    assert await queue.anything_due() and not await queue.anything_due([busy])
+    other = await endpoint(webhooks, tenant="t2", url="https://other.example/hook")
+    assert await queue.fan_out([event("o1", 1, tenant="t2")]) == 1
+    assert await queue.anything_due([busy])
+    assert [c.delivery.target for c in await claim(queue, held=[busy])] == [other]
+    assert not await queue.anything_due([busy])
+
+    # A held backlog of DUE_PROBE_ROWS due rows or more: the read stops and says yes.
+    assert await queue.fan_out([event(f"c{n}", 1) for n in range(DUE_PROBE_ROWS)]) == DUE_PROBE_ROWS
+    assert await queue.anything_due([busy])
 
 
 async def test_two_notifiers_claiming_at_once_never_share_a_delivery(stores: Stores) -> None:

@@ -75,6 +75,7 @@ import asyncpg
 import msgspec
 
 from herald.deliveries import (
+    DUE_PROBE_ROWS,
     Attempted,
     TEST_EVENT_TYPE,
     TEST_EVENT_WINDOW_S,
@@ -516,11 +517,13 @@ class PgDeliveryQueue:
         claimed = [await self._claimed(row) for row in rows if row["delivery"] is not None]
         return FannedOut(int(rows[0]["pending"]) if rows else 0, claimed)
 
-    async def anything_due(self) -> bool:
+    async def anything_due(self, held: Collection[str] = ()) -> bool:
         """Cheap read: is a claim worth its transaction?"""
         return bool(await self.db.pool.fetchval(
-            f"SELECT EXISTS (SELECT 1 FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= {NOW}"
-            f" AND (lease_until IS NULL OR lease_until <= {NOW}))"))
+            "SELECT coalesce(count(*) >= $2 OR bool_or(NOT (due.target = ANY($1::TEXT[]))), FALSE)"
+            " FROM (SELECT target FROM webhook_deliveries WHERE status = 'pending'"
+            f" AND next_attempt_at <= {NOW} AND (lease_until IS NULL OR lease_until <= {NOW}) LIMIT $2) due",
+            list(held), DUE_PROBE_ROWS if held else 1))
 
     async def next_due_after(self, at: float) -> float | None:
         value = await self.db.pool.fetchval(

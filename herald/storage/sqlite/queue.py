@@ -29,6 +29,7 @@ import msgspec
 from herald import delivery_rules as rules
 from herald.deliveries import (
     CALLBACK_PREFIX,
+    DUE_PROBE_ROWS,
     Attempted,
     Claimed,
     DeliveryRow,
@@ -249,14 +250,16 @@ class SqliteDeliveryQueue:
                 targeted.append((event, callback_url))
         return targeted
 
-    async def anything_due(self) -> bool:
+    async def anything_due(self, held: Collection[str] = ()) -> bool:
         """Cheap read on the loop: is a claim transaction worth taking the write lock for?"""
         ts = now()
-        return bool(self.db.read(
-            "SELECT 1 FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= ?"
-            " AND (lease_until IS NULL OR lease_until <= ?) LIMIT 1",
-            (ts, ts),
-        ))
+        rows = self.db.read(
+            "SELECT target FROM webhook_deliveries WHERE status = 'pending' AND next_attempt_at <= ?"
+            " AND (lease_until IS NULL OR lease_until <= ?) LIMIT ?",
+            (ts, ts, DUE_PROBE_ROWS if held else 1),
+        )
+        held_targets = set(held)
+        return len(rows) >= DUE_PROBE_ROWS or any(row[0] not in held_targets for row in rows)
 
     async def next_due_after(self, at: float) -> float | None:
         rows = self.db.read(
