@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher.pgserver import PostgresServer
-from tests.harness import Deployment, free_port, new_database
+from tests.harness import Deployment, NatsServer, free_port, new_database
 
 
 STORES = ("sqlite", "postgres")
@@ -54,6 +54,17 @@ def herald(tmp_path_factory: pytest.TempPathFactory, store_server: PostgresServe
         yield deployment
     finally:
         deployment.stop()
+
+
+@pytest.fixture()
+def nats_server(tmp_path: Path) -> Iterator[NatsServer]:
+    """A nats-server of the test's own (JetStream, its store under ``tmp_path``)."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture()

@@ -7,28 +7,15 @@ from __future__ import annotations
 import asyncio
 import signal
 import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import nats
-import pytest
 from nats.js.api import AckPolicy, ConsumerConfig, StreamConfig
 
 from herald.pullstream import PullStream
 from tests.harness import NatsServer
 
 WAIT_S = 30.0  # how long a reader is willing to wait: far more than any message may take
-
-
-@pytest.fixture()
-async def server(tmp_path: Path) -> AsyncIterator[NatsServer]:
-    nats_server = NatsServer(tmp_path / "nats")
-    nats_server.start()
-    try:
-        yield nats_server
-    finally:
-        nats_server.stop()
 
 
 async def consumer_of(nc: Any, name: str = "readers") -> None:
@@ -38,12 +25,12 @@ async def consumer_of(nc: Any, name: str = "readers") -> None:
 
 
 async def test_messages_reach_readers_sharing_a_consumer_as_they_come_not_when_a_batch_fills(
-        server: NatsServer) -> None:
+        nats_server: NatsServer) -> None:
     """Two readers (two notifiers) wait on one consumer while messages come a few ms apart.
     nats-py's ``fetch`` held them until a batch filled or its timeout ran out (the server
     refuses a second reader's ``no_wait`` probe with ``408 Requests Pending``)."""
-    nc = await nats.connect(server.url)
-    publisher = await nats.connect(server.url)
+    nc = await nats.connect(nats_server.url)
+    publisher = await nats.connect(nats_server.url)
     try:
         await consumer_of(nc)
         readers = [PullStream(nc, "EVENTS", "readers", batch=128, expires_s=WAIT_S) for _ in range(2)]
@@ -79,8 +66,8 @@ async def test_messages_reach_readers_sharing_a_consumer_as_they_come_not_when_a
         await nc.close()
 
 
-async def test_readers_sharing_a_consumer_get_every_message_once_in_batches(server: NatsServer) -> None:
-    nc = await nats.connect(server.url)
+async def test_readers_sharing_a_consumer_get_every_message_once_in_batches(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
     try:
         await consumer_of(nc)
         js = nc.jetstream()
@@ -107,16 +94,16 @@ async def test_readers_sharing_a_consumer_get_every_message_once_in_batches(serv
         await nc.close()
 
 
-async def test_a_reader_asks_again_when_its_request_was_lost_with_the_server(server: NatsServer) -> None:
-    nc = await nats.connect(server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
+async def test_a_reader_asks_again_when_its_request_was_lost_with_the_server(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url, max_reconnect_attempts=-1, reconnect_time_wait=0.1)
     try:
         await consumer_of(nc)
         reader = PullStream(nc, "EVENTS", "readers", batch=16, expires_s=1.0)
         assert await reader.next_batch(0.2) == []  # its request is out
         # Killed, the server says nothing: the request dies unanswered. The store stays.
-        await asyncio.to_thread(server.stop, signal.SIGKILL)
-        await asyncio.to_thread(server.start)
-        publisher = await nats.connect(server.url)
+        await asyncio.to_thread(nats_server.stop, signal.SIGKILL)
+        await asyncio.to_thread(nats_server.start)
+        publisher = await nats.connect(nats_server.url)
         try:
             await publisher.jetstream().publish("events.t", b"after")
         finally:
@@ -128,8 +115,8 @@ async def test_a_reader_asks_again_when_its_request_was_lost_with_the_server(ser
         await nc.close()
 
 
-async def test_a_refused_request_is_asked_again_after_a_pause_not_in_a_busy_loop(server: NatsServer) -> None:
-    nc = await nats.connect(server.url)
+async def test_a_refused_request_is_asked_again_after_a_pause_not_in_a_busy_loop(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
     try:
         await consumer_of(nc)
         requests: list[str] = []
