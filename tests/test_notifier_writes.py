@@ -28,7 +28,7 @@ from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore
 from notifier.delivery import Sender
 from notifier.retry import RetryPolicy
-from notifier.scheduler import Scheduler
+from notifier.scheduler import PER_TARGET, Scheduler
 from schemas import JobEvent
 from tests.harness import make_sealer
 
@@ -158,3 +158,55 @@ async def test_while_a_backlog_waits_the_fan_out_leases_nothing_and_the_claim_se
         assert writes.names[-1] == "fan_out"
         await _until(lambda: received == ["evt_job0.3"], "the delivery")
         assert "claim" in writes.names
+
+
+class _Holding(BaseHTTPRequestHandler):
+    """Answers only when released: how many requests it holds at once is the notifier's concurrency."""
+
+    lock = threading.Lock()
+    holding = 0
+    most = 0
+    answered = 0
+    release = threading.Event()
+
+    def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+        self.rfile.read(int(self.headers["content-length"]))
+        cls = type(self)
+        with cls.lock:
+            cls.holding += 1
+            cls.most = max(cls.most, cls.holding)
+        cls.release.wait(30)
+        with cls.lock:
+            cls.holding -= 1
+            cls.answered += 1
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+async def test_one_receiver_gets_per_target_deliveries_at_once_and_never_more(tmp_path: Path) -> None:
+    """A target (scheme, host, port) gets up to PER_TARGET attempts at once from a notifier, so
+    a busy receiver's throughput is PER_TARGET per round trip, and never more, so one dead
+    receiver holds at most that many of its tenant's slots."""
+    handler = type("Holding", (_Holding,), {"lock": threading.Lock(), "release": threading.Event()})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            await webhooks.create_endpoint("acme", url=f"http://127.0.0.1:{server.server_address[1]}/hook",
+                                           event_types=["job.succeeded"], kinds=None, signature="hmac-sha256")
+            count = PER_TARGET + 10
+            events = [_events(await _accepted(jobs, n))[2] for n in range(count)]
+            await scheduler.fan_out(events)
+            await _until(lambda: handler.holding == PER_TARGET, "the target's slots full")
+            await asyncio.sleep(0.3)  # a while for any attempt beyond the cap to show (none may)
+            assert handler.most == PER_TARGET
+            handler.release.set()
+            await _until(lambda: handler.answered == count, "every delivery answered")
+            assert handler.most == PER_TARGET
+    finally:
+        handler.release.set()
+        server.shutdown()
+        server.server_close()
