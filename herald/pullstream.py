@@ -79,11 +79,11 @@ class PullStream:
             await self._keep_request_out(now)
             # Wake up to ask again: after a refusal's pause, or for a request whose end never
             # came (lost with a connection, or with a consumer leader that moved).
-            wake_at = self._sent_at + self._expires_s + LOST_AFTER_S if self._reply else self._not_before
+            wake_at = self._lost_at() if self._reply else self._not_before
             try:
                 arrived = await asyncio.wait_for(self._arrivals.get(), max(0.001, min(deadline, wake_at) - now))
             except TimeoutError:
-                if self._reply and time.monotonic() >= self._sent_at + self._expires_s + LOST_AFTER_S:
+                if self._reply and time.monotonic() >= self._lost_at():
                     self._reply = ""
                 continue
             self._take(arrived, messages)
@@ -100,6 +100,10 @@ class PullStream:
             if not JetStreamContext.is_status_msg(msg) and msg.reply:
                 with contextlib.suppress(Exception):
                     await msg.nak()
+
+    def _lost_at(self) -> float:
+        """When the current request, neither ended nor answered, counts as lost."""
+        return self._sent_at + self._expires_s + LOST_AFTER_S
 
     async def _arrived(self, msg: Msg) -> None:
         self._arrivals.put_nowait(msg)
