@@ -2,8 +2,8 @@
 
 Work is bounded three ways, so that one tenant's slow or dead receivers never become
 another tenant's outage (SPEC §13): at most ``MAX_IN_FLIGHT`` attempts per process, at
-most ``PER_TENANT`` of them for one tenant, and at most ``PER_TARGET`` per target (scheme,
-host and port: ``notifier.breaker.origin_of``). The claim gives free slots to the tenant
+most ``PER_TENANT`` of them for one tenant, and per target (scheme, host and port:
+``notifier.breaker.origin_of``) at most its window, 8 to 32 as it answers (``notifier.window``). The claim gives free slots to the tenant
 with the fewest in flight first, and within a tenant rotates over its targets
 (``DeliveryQueue.claim``). A target that gets no answer again and again is paced by the
 circuit breaker (``notifier.breaker``): one probe in flight, the rest rescheduled without
@@ -39,6 +39,7 @@ from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
 from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
+from notifier.window import CEILING, Windows
 from herald.webhook_signing import signature_header
 from schemas import JobEvent
 
@@ -50,7 +51,7 @@ log = logging.getLogger("herald.notifier")
 # slots. The claim's water-filling hands those out to the least-served tenant first.
 MAX_IN_FLIGHT = 256
 PER_TENANT = 64
-PER_TARGET = 8
+PER_TARGET = CEILING  # what the claim may lease per delivery target; each origin's window cuts it
 LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
 PRUNE_EVERY_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
@@ -90,6 +91,7 @@ class Scheduler:
         # can leave out an origin that is full or paced, and pacing can reschedule all of it.
         self._targets_of: dict[str, set[str]] = {}
         self.breaker = Breaker(pause_s)
+        self.windows = Windows()
         self._backlog = False  # the last claim filled every free slot
         self._claiming = asyncio.Lock()  # a claim and a fan-out that leases take turns
 
@@ -162,7 +164,7 @@ class Scheduler:
         if self._stopping or self._backlog or free <= 0:
             return None
         return LeaseOffer(owner=self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free,
-                          in_flight=dict(self._in_flight), per_tenant=PER_TENANT,
+                          in_flight=self._claim_in_flight(), per_tenant=PER_TENANT,
                           tenant_in_flight=dict(self._tenant_in_flight), held=self._held())
 
     async def _claim_and_start(self) -> None:
@@ -176,7 +178,7 @@ class Scheduler:
             if not self._backlog and not await self.queue.anything_due(self._held()):
                 return
             claimed = await self.queue.claim(
-                self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=dict(self._in_flight),
+                self.owner, lease_s=LEASE_S, per_target=PER_TARGET, limit=free, in_flight=self._claim_in_flight(),
                 per_tenant=PER_TENANT, tenant_in_flight=dict(self._tenant_in_flight), held=self._held(),
             )
             self._backlog = len(claimed) >= free
@@ -193,7 +195,7 @@ class Scheduler:
         for item in claimed:
             origin = origin_of(item.url)
             self._targets_of.setdefault(origin, set()).add(item.delivery.target)
-            if self._origin_in_flight[origin] >= PER_TARGET:
+            if self._origin_in_flight[origin] >= self.windows.size(origin):
                 released.append(item.delivery.id)  # full (a target first met in this claim): held from now on
                 continue
             admission = self.breaker.admit(origin)
@@ -215,11 +217,23 @@ class Scheduler:
             await self.queue.defer(ids, self.owner, [], delay)
             self.metrics.webhook_deliveries.labels(outcome="paced").inc(len(ids))
 
+    def _claim_in_flight(self) -> dict[str, int]:
+        """What this notifier has in flight per delivery target, as the claim counts it against
+        ``PER_TARGET``: each known target of an origin whose window is smaller is counted the
+        difference more, so the claim leases no more than the window has room for."""
+        counts = dict(self._in_flight)
+        for origin, targets in self._targets_of.items():
+            short = PER_TARGET - self.windows.size(origin)
+            if short > 0:
+                for target in targets:
+                    counts[target] = counts.get(target, 0) + short
+        return counts
+
     def _held(self) -> list[str]:
         """Delivery targets the claim should leave out: their origin is full here, or paced."""
         held: list[str] = []
         for origin, targets in self._targets_of.items():
-            if self._origin_in_flight[origin] >= PER_TARGET or self.breaker.holding(origin):
+            if self._origin_in_flight[origin] >= self.windows.size(origin) or self.breaker.holding(origin):
                 held.extend(targets)
         return held
 
@@ -233,6 +247,7 @@ class Scheduler:
                 del counter[key]
         if origin not in self._origin_in_flight and not self.breaker.paced(origin):
             self._targets_of.pop(origin, None)  # learnt again when next claimed
+            self.windows.forget(origin)
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook attempt crashed", exc_info=task.exception(),
                       extra={"job_id": item.delivery.job_id, "endpoint_id": item.delivery.endpoint_id})
@@ -282,6 +297,7 @@ class Scheduler:
             tracing.inject(headers)
         started_at = now()
         outcome = await self.sender.send(item.url, item.body, headers)
+        self.windows.ended(origin, outcome, was_full=self._origin_in_flight[origin] >= self.windows.size(origin))
         await self._pace(origin, outcome, probe)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
         finished = await self.recorder.record(Attempted(claimed=item, started_at=started_at, outcome=outcome, plan=plan))

@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from herald.deliveries import Outcome
 from herald.jobs import NewJob
 from herald.metrics import metrics
 from herald.storage.sqlite.db import Database
@@ -28,7 +29,8 @@ from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore
 from notifier.delivery import Sender
 from notifier.retry import RetryPolicy
-from notifier.scheduler import PER_TARGET, Scheduler
+from notifier.scheduler import Scheduler
+from notifier.window import CEILING, FLOOR, Windows
 from schemas import JobEvent
 from tests.harness import make_sealer
 
@@ -161,12 +163,14 @@ async def test_while_a_backlog_waits_the_fan_out_leases_nothing_and_the_claim_se
 
 
 class _Holding(BaseHTTPRequestHandler):
-    """Answers only when released: how many requests it holds at once is the notifier's concurrency."""
+    """Answers after ``delay_s``, or only once released: how many requests it holds at once is
+    the notifier's concurrency towards it."""
 
     lock = threading.Lock()
     holding = 0
     most = 0
     answered = 0
+    delay_s: float | None = None  # None: until released
     release = threading.Event()
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's name)
@@ -175,7 +179,7 @@ class _Holding(BaseHTTPRequestHandler):
         with cls.lock:
             cls.holding += 1
             cls.most = max(cls.most, cls.holding)
-        cls.release.wait(30)
+        cls.release.wait(30 if cls.delay_s is None else cls.delay_s)
         with cls.lock:
             cls.holding -= 1
             cls.answered += 1
@@ -186,27 +190,66 @@ class _Holding(BaseHTTPRequestHandler):
         pass
 
 
-async def test_one_receiver_gets_per_target_deliveries_at_once_and_never_more(tmp_path: Path) -> None:
-    """A target (scheme, host, port) gets up to PER_TARGET attempts at once from a notifier, so
-    a busy receiver's throughput is PER_TARGET per round trip, and never more, so one dead
-    receiver holds at most that many of its tenant's slots."""
-    handler = type("Holding", (_Holding,), {"lock": threading.Lock(), "release": threading.Event()})
+@contextlib.contextmanager
+def _holding(delay_s: float | None) -> Iterator[tuple[str, type[_Holding]]]:
+    handler = type("Holding", (_Holding,), {"lock": threading.Lock(), "release": threading.Event(),
+                                            "delay_s": delay_s})
     server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
-            await webhooks.create_endpoint("acme", url=f"http://127.0.0.1:{server.server_address[1]}/hook",
-                                           event_types=["job.succeeded"], kinds=None, signature="hmac-sha256")
-            count = PER_TARGET + 10
-            events = [_events(await _accepted(jobs, n))[2] for n in range(count)]
-            await scheduler.fan_out(events)
-            await _until(lambda: handler.holding == PER_TARGET, "the target's slots full")
-            await asyncio.sleep(0.3)  # a while for any attempt beyond the cap to show (none may)
-            assert handler.most == PER_TARGET
-            handler.release.set()
-            await _until(lambda: handler.answered == count, "every delivery answered")
-            assert handler.most == PER_TARGET
+        yield f"http://127.0.0.1:{server.server_address[1]}/hook", handler
     finally:
         handler.release.set()
         server.shutdown()
         server.server_close()
+
+
+async def test_a_receiver_that_does_not_answer_gets_the_floor_of_attempts_at_once_and_never_more(
+        tmp_path: Path) -> None:
+    """A target (scheme, host, port) that has not answered gets ``FLOOR`` attempts at once from
+    a notifier, never more: one dead receiver holds at most that many of its tenant's slots."""
+    with _holding(None) as (url, handler):
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
+                                           signature="hmac-sha256")
+            count = FLOOR + 10
+            await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
+            await _until(lambda: handler.holding == FLOOR, "the target's window full")
+            await asyncio.sleep(0.3)  # a while for any attempt beyond the window to show (none may)
+            assert handler.most == FLOOR
+            handler.release.set()
+            await _until(lambda: handler.answered == count, "every delivery answered")
+            assert handler.most == FLOOR
+
+
+async def test_a_receiver_that_answers_a_backlog_gets_a_wider_window_up_to_the_ceiling(tmp_path: Path) -> None:
+    """A busy receiver that answers promptly is sent more at once as it keeps up: its
+    throughput is its window per round trip. Never more than ``CEILING``."""
+    with _holding(0.02) as (url, handler):
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
+                                           signature="hmac-sha256")
+            count = 400
+            await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
+            await _until(lambda: handler.answered == count, "every delivery answered", timeout=60)
+            assert FLOOR < handler.most <= CEILING, handler.most
+
+
+def test_a_window_grows_while_full_and_answered_and_halves_when_its_target_struggles() -> None:
+    windows, origin = Windows(), "https://hooks.example:443"
+    answered, refused = Outcome(status_code=204, latency_s=0.01), Outcome(status_code=None, latency_s=15, timed_out=True)
+    for _ in range(12):
+        windows.ended(origin, answered, was_full=True)
+    assert windows.size(origin) == FLOOR + 12
+    windows.ended(origin, answered, was_full=False)  # room to spare: no reason to grow
+    windows.ended(origin, Outcome(status_code=404, latency_s=0.01), was_full=True)  # the receiver's say, not its load
+    assert windows.size(origin) == FLOOR + 12
+    windows.ended(origin, Outcome(status_code=503, latency_s=0.01), was_full=True)
+    assert windows.size(origin) == (FLOOR + 12) // 2
+    windows.ended(origin, refused, was_full=True)
+    windows.ended(origin, refused, was_full=True)
+    assert windows.size(origin) == FLOOR  # never below
+    for _ in range(100):
+        windows.ended(origin, answered, was_full=True)
+    assert windows.size(origin) == CEILING
