@@ -39,7 +39,7 @@ from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
 from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
-from notifier.window import CEILING, Windows
+from notifier.window import FLOOR, Windows
 from herald.webhook_signing import signature_header
 from schemas import JobEvent
 
@@ -51,7 +51,7 @@ log = logging.getLogger("herald.notifier")
 # slots. The claim's water-filling hands those out to the least-served tenant first.
 MAX_IN_FLIGHT = 256
 PER_TENANT = 64
-PER_TARGET = CEILING  # what the claim may lease per delivery target; each origin's window cuts it
+PER_TARGET = FLOOR  # what the claim may lease per delivery target; a wider window adds room
 LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
 PRUNE_EVERY_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
@@ -219,14 +219,15 @@ class Scheduler:
 
     def _claim_in_flight(self) -> dict[str, int]:
         """What this notifier has in flight per delivery target, as the claim counts it against
-        ``PER_TARGET``: each known target of an origin whose window is smaller is counted the
-        difference more, so the claim leases no more than the window has room for."""
+        ``PER_TARGET`` (the floor of every window): a known target of an origin whose window is
+        wider is counted that much less, so the claim gives it the room its window has. A
+        target first met in a claim gets the floor's."""
         counts = dict(self._in_flight)
         for origin, targets in self._targets_of.items():
-            short = PER_TARGET - self.windows.size(origin)
-            if short > 0:
+            wider = self.windows.size(origin) - PER_TARGET
+            if wider > 0:
                 for target in targets:
-                    counts[target] = counts.get(target, 0) + short
+                    counts[target] = counts.get(target, 0) - wider
         return counts
 
     def _held(self) -> list[str]:

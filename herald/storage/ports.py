@@ -381,7 +381,8 @@ class DeliveryQueue(Protocol):
         per_tenant: int = 0, tenant_in_flight: Mapping[str, int] | None = None, held: Collection[str] = (),
     ) -> list[Claimed]:
         """Lease up to ``limit`` due deliveries nobody holds, at most ``per_target`` in flight per
-        target (``in_flight``: what this notifier has) and ``per_tenant`` per tenant
+        target (``in_flight``: what this notifier has; a target counted below zero gets that much
+        more room, as the notifier's window for it is wider: ``notifier.window``) and ``per_tenant`` per tenant
         (``tenant_in_flight``; 0: no cap), none of the ``held`` targets, never one whose older
         version of the same job is still pending; each with its job's trace context
         (``Claimed.trace_context``), read in the same query.

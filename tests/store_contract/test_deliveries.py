@@ -272,6 +272,19 @@ async def test_per_target_cap_counts_what_this_notifier_has_in_flight(stores: St
     assert len(await claim(queue, "n4", per_target=2, limit=1)) == 1
 
 
+async def test_a_target_counted_below_zero_gets_that_much_more_room(stores: Stores) -> None:
+    """The notifier's window for a target that keeps up is wider than ``per_target``: it
+    counts the target below zero by the difference, and the claim and the leasing fan-out
+    give it that much more room."""
+    queue = stores.deliveries
+    wide = await endpoint(stores.webhooks, url="https://wide.example/hook")
+    await queue.fan_out([event(f"j{n}", 1) for n in range(9)])
+    assert len(await claim(queue, per_target=2, in_flight={wide: -3})) == 5
+    offer = LeaseOffer(owner="n2", lease_s=30.0, per_target=2, limit=100, in_flight={wide: -1})
+    result = await queue.fan_out_leasing([event(f"k{n}", 1) for n in range(4)], offer)
+    assert result.pending == 4 and len(result.claimed) == 3
+
+
 async def test_a_tenant_at_its_cap_leaves_a_shared_target_to_the_others(stores: Stores) -> None:
     """SPEC §13: slots go to the tenant with the fewest in flight, at most ``per_tenant`` each.
     A tenant at its cap is passed over: its due deliveries (older ones, to a callback URL

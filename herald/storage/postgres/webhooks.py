@@ -502,7 +502,7 @@ class PgDeliveryQueue:
             return FannedOut(0)
         if offer.limit <= 0:
             return FannedOut(await self.fan_out(events))
-        busy = {target: n for target, n in offer.in_flight.items() if n > 0}
+        busy = {target: n for target, n in offer.in_flight.items() if n}
         tenants = {tenant: n for tenant, n in offer.tenant_in_flight.items() if n > 0}
         args = (*_fan_out_args(events), offer.owner, offer.lease_s, offer.per_target, offer.limit,
                 list(busy), list(busy.values()), offer.per_tenant, list(tenants), list(tenants.values()),
@@ -538,7 +538,7 @@ class PgDeliveryQueue:
         """Lease up to ``limit`` due deliveries nobody holds, fairly among tenants (see ``DeliveryQueue.claim``)."""
         if limit <= 0:
             return []
-        busy = {target: n for target, n in in_flight.items() if n > 0}
+        busy = {target: n for target, n in in_flight.items() if n}
         tenants = {tenant: n for tenant, n in (tenant_in_flight or {}).items() if n > 0}
         rows = await self.db.pool.fetch(
             "SELECT * FROM herald_webhook_claim($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)",
