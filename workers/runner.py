@@ -267,7 +267,10 @@ class Worker:
                                                       kind.suffix(params)),
                              kind=job.kind, writer=writer)
         log_event(log, logging.INFO, "job started", {"job_id": job.id, "kind": job.kind, "attempt": job.attempt})
-        heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task()))
+        # Set just before this run writes the job's end: a beat that finds the job no longer
+        # running after that is the run's own doing, not a takeover.
+        ending = asyncio.Event()
+        heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task(), ending))
         json_scratch: Path | None = None  # a JSON result too large for the row, on its way to the result store
         try:
             with tracing.span(f"handler {job.kind}", attributes={"herald.job.attempt": job.attempt}):
@@ -304,6 +307,7 @@ class Worker:
                     key = await self.results.commit(job.id, job.attempt, output)
                 success = Change(expect={"running"}, to="succeeded", attempt=job.attempt, result_path=key,
                                  media_type=media_type)
+            ending.set()
             try:
                 await self.store.transition(job.id, success)
             except TransitionRejected as exc:
@@ -315,13 +319,13 @@ class Worker:
         except JobCancelled:
             _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
-            await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt))
+            await self._finish(job, Change(expect={"running"}, to="cancelled", attempt=job.attempt), ending)
             log_event(log, logging.INFO, "job cancelled", {"job_id": job.id})
         except JobFailed as exc:
             _remove_scratch(context.output_made, json_scratch)
             await _flush(writer)
             problem = writer.too_large.problem if writer is not None and writer.too_large is not None else exc.problem
-            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
+            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem), ending)
             log_event(log, logging.INFO, "job failed", {"job_id": job.id, "problem_type": problem.type})
         except JobLost as exc:
             _remove_scratch(context.output_made, json_scratch)
@@ -330,7 +334,8 @@ class Worker:
             # Shutdown or lost lease: hand the job back so another worker starts it afresh.
             _remove_scratch(context.output_made, json_scratch)
             if self._stopping.is_set():
-                await self._finish(job, Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True))
+                await self._finish(job, Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True),
+                                   ending)
                 log.info("job handed back on shutdown", extra={"job_id": job.id})
             raise  # cleaned up; the cancellation still ends this task (whoever cancelled awaits it)
         except Exception:
@@ -342,7 +347,7 @@ class Worker:
             )
             if writer is not None and writer.too_large is not None:
                 problem = writer.too_large.problem
-            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem))
+            await self._finish(job, Change(expect={"running"}, to="failed", attempt=job.attempt, error=problem), ending)
         finally:
             if writer is not None:
                 await writer.close()
@@ -350,14 +355,17 @@ class Worker:
             with contextlib.suppress(Exception):
                 await message.ack()
 
-    async def _finish(self, job: JobRow, change: Change) -> None:
+    async def _finish(self, job: JobRow, change: Change, ending: asyncio.Event) -> None:
+        ending.set()
         try:
             await asyncio.shield(self.store.transition(job.id, change))
         except TransitionRejected as exc:
             log.warning("transition rejected", extra={"job_id": job.id, "reason": exc.reason, "to": change.to})
 
-    async def _heartbeat(self, job: JobRow, message: Msg, runner: asyncio.Task[None] | None) -> None:
-        """Extend the lease and write heartbeats; stop the run if the job was taken away."""
+    async def _heartbeat(self, job: JobRow, message: Msg, runner: asyncio.Task[None] | None,
+                         ending: asyncio.Event) -> None:
+        """Extend the lease and write heartbeats; stop the run if the job was taken away (not
+        when the run itself is writing its end: ``ending``)."""
         while True:
             await asyncio.sleep(self.settings.heartbeat_interval_s)
             with contextlib.suppress(Exception):
@@ -368,6 +376,8 @@ class Worker:
                 log.warning("heartbeat failed", extra={"job_id": job.id, "error": str(exc)})
                 continue
             if alive is None:
+                if ending.is_set():
+                    return  # the run ended it; the run acks its message
                 log.info("job taken away, stopping", extra={"job_id": job.id})
                 if runner is not None:
                     runner.cancel()
