@@ -40,6 +40,9 @@ _decoder = msgspec.json.Decoder(JobEvent)
 REORDER_HOLD_S = 0.1
 # How many such events wait at most (then the gap is the streams' to read).
 REORDER_MAX_HELD = 1024
+# Events handed to streams in a row before the hub lets them run: well below a stream's
+# queue (256), so a reader that keeps up is never dropped during a burst.
+BURST = 32
 
 T = TypeVar("T")
 
@@ -239,6 +242,7 @@ class Hub:
         self._subscription: NatsSubscription | None = None
         self._output_subscription: NatsSubscription | None = None
         self._ticker: asyncio.TimerHandle | None = None
+        self._burst = 0  # events handed to streams since the hub last let them run
 
     async def attach(self, nc: NATS) -> None:
         self._subscription = await nc.subscribe(EVENT_SUBJECTS, cb=self._on_message, pending_msgs_limit=1_000_000)
@@ -267,9 +271,14 @@ class Hub:
             return
         self.publish(event)
         # nats-py hands a burst of messages to this callback back to back, without yielding
-        # to the loop in between; yield once per message, so that streams drain their queues
-        # while the burst lasts instead of overflowing (and being dropped as slow readers).
-        await asyncio.sleep(0)
+        # to the loop in between; yield every BURST messages, so that streams drain their
+        # queues while a long burst lasts instead of overflowing (and being dropped as slow
+        # readers). Not after each one: a tenant's stream sends what queued since it last
+        # woke as one write, and a yield per message made that a write per event.
+        self._burst += 1
+        if self._burst >= BURST:
+            self._burst = 0
+            await asyncio.sleep(0)
 
     async def _on_output(self, message: Msg) -> None:
         streams = self._output_subs.get(message.subject.rpartition(".")[2])

@@ -196,26 +196,38 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
         while True:
             while not subscriber.items:
                 await subscriber.wait()
-            item = subscriber.items.pop(0)
-            if isinstance(item, bytes):
-                yield item  # the hub's keep-alive
-                continue
-            if subscriber.overflowed:
-                return
-            if item is RESYNC or item.event.seq > last + 1:
+            # Everything queued since the stream last woke goes out as one send: a busy
+            # tenant's events arrive in bursts, and a send per event was a write per event.
+            taken, subscriber.items = subscriber.items, []
+            frames: list[bytes] = []
+            gap = dropped = False
+            for n, item in enumerate(taken):
+                if isinstance(item, bytes):
+                    frames.append(item)  # the hub's keep-alive
+                elif subscriber.overflowed:
+                    dropped = True
+                    break
+                elif item is RESYNC or item.event.seq > last + 1:
+                    gap = True
+                    subscriber.items[:0] = taken[n + 1:]  # after the read: copies then, or further on
+                    break
+                elif item.event.seq == last + 1:
+                    if kind is None or item.event.kind == kind:
+                        frames.append(item.frame)  # built once by the hub for every stream of this tenant
+                    last = item.event.seq
+            del taken
+            if gap:
                 svc.metrics.sse_gap_reads.labels(stream="tenant").inc()
                 batch = await svc.store.tenant_events(tenant, last, 10_000)
-            elif item.event.seq == last + 1:
-                if kind is None or item.event.kind == kind:
-                    yield item.frame  # built once by the hub for every stream of this tenant
-                last = item.event.seq
-                continue
-            else:
-                continue
-            for event in batch:
-                if kind is None or event.kind == kind:
-                    yield tenant_frame(event)
-                last = event.seq
+                frames.extend(tenant_frame(event) for event in batch if kind is None or event.kind == kind)
+                if batch:
+                    last = batch[-1].seq
+                del batch
+            if frames:
+                yield b"".join(frames)
+            del frames
+            if dropped:
+                return
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
