@@ -88,10 +88,15 @@ class Scheduler:
         self._origin_in_flight: Counter[str] = Counter()  # per target as SPEC §13 means it: scheme, host, port
         self._tenant_in_flight: Counter[str] = Counter()
         # Which delivery targets each origin has (learnt from what was claimed), so that the claim
-        # can leave out an origin that is full or paced, and pacing can reschedule all of it.
+        # can leave out an origin that is full or paced, give its targets their part of its
+        # window, and pacing can reschedule all of it. Kept while the origin is idle, so that
+        # its targets are not first met again by the next claim, each with a window of its own
+        # (``_forget_idle_origins``).
         self._targets_of: dict[str, set[str]] = {}
+        self._idle_origins: set[str] = set()  # idle at the last prune: forgotten at the next one
         self.breaker = Breaker(pause_s)
         self.windows = Windows()
+        self._turn = 0  # which of an origin's busy targets the odd free slots of its window go to next
         self._backlog = False  # the last claim filled every free slot
         self._claiming = asyncio.Lock()  # a claim and a fan-out that leases take turns
 
@@ -113,6 +118,7 @@ class Scheduler:
                     await self._claim_and_start()
                     if time.monotonic() >= next_prune:
                         next_prune = time.monotonic() + PRUNE_EVERY_S
+                        self._forget_idle_origins()
                         await self.queue.prune(now() - self.retention_s)
                     if self._wake.is_set():
                         continue  # attempts ended or deliveries came while claiming: claim again now
@@ -218,17 +224,42 @@ class Scheduler:
             self.metrics.webhook_deliveries.labels(outcome="paced").inc(len(ids))
 
     def _claim_in_flight(self) -> dict[str, int]:
-        """What this notifier has in flight per delivery target, as the claim counts it against
-        ``PER_TARGET`` (the floor of every window): a known target of an origin whose window is
-        wider is counted that much less, so the claim gives it the room its window has. A
-        target first met in a claim gets the floor's."""
+        """What the claim should count in flight per delivery target, against ``PER_TARGET``.
+
+        The window is per origin (scheme, host, port); the claim counts room per delivery
+        target, and one origin can be the target of many (every tenant's endpoint on one
+        receiver). So each known target is given its part of its origin's free window: the
+        targets with attempts in flight share it evenly (the odd slots go round them in turn),
+        a known target with none gets one; with none in flight at all, every known target
+        shares it. A target counted below zero gets more room than ``PER_TARGET``
+        (a wide window). Counting each target's room against the whole window, a claim
+        leased up to a window per target and handed all but one back. A target first met in
+        a claim gets ``PER_TARGET``, the floor of every window."""
         counts = dict(self._in_flight)
         for origin, targets in self._targets_of.items():
-            wider = self.windows.size(origin) - PER_TARGET
-            if wider > 0:
-                for target in targets:
-                    counts[target] = counts.get(target, 0) - wider
+            free = self.windows.size(origin) - self._origin_in_flight[origin]
+            if free <= 0:
+                continue  # held: the claim leaves its targets out
+            busy = sorted(target for target in targets if self._in_flight[target] > 0)
+            for target in targets:
+                counts[target] = PER_TARGET - 1
+            if not busy:  # the origin is idle here: its known targets share its window
+                busy = sorted(targets)
+            share, rest = divmod(free, len(busy))
+            first = self._turn % len(busy)  # fewer free slots than busy targets: they take turns
+            self._turn += rest
+            for n, target in enumerate(busy[first:] + busy[:first]):
+                counts[target] = PER_TARGET - share - (n < rest)
         return counts
+
+    def _forget_idle_origins(self) -> None:
+        """Origins with nothing in flight and no pause since the last prune (one to two
+        ``PRUNE_EVERY_S`` ago) are forgotten: learnt again when next claimed."""
+        idle = {origin for origin in self._targets_of
+                if origin not in self._origin_in_flight and not self.breaker.paced(origin)}
+        for origin in idle & self._idle_origins:
+            del self._targets_of[origin]
+        self._idle_origins = idle - self._idle_origins
 
     def _held(self) -> list[str]:
         """Delivery targets the claim should leave out: their origin is full here, or paced."""
@@ -247,7 +278,6 @@ class Scheduler:
             if counter[key] <= 0:
                 del counter[key]
         if origin not in self._origin_in_flight and not self.breaker.paced(origin):
-            self._targets_of.pop(origin, None)  # learnt again when next claimed
             self.windows.forget(origin)
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook attempt crashed", exc_info=task.exception(),

@@ -253,3 +253,36 @@ def test_a_window_grows_while_full_and_answered_and_halves_when_its_target_strug
     for _ in range(100):
         windows.ended(origin, answered, was_full=True)
     assert windows.size(origin) == CEILING
+
+
+async def test_targets_sharing_one_receiver_share_its_window_and_are_not_leased_past_it(tmp_path: Path) -> None:
+    """Six tenants' endpoints on one receiver: six delivery targets, one origin (scheme, host,
+    port) and one window. The claim counts room per target; the notifier gives each busy
+    target its part of the origin's free window, so a claim leases about what can be sent
+    now. Counting each target's room against the whole window leased up to six windows a
+    claim and handed back all but one, a write each time."""
+    tenants = [f"t{n}" for n in range(6)]
+    per_tenant = 60
+    with _holding(0.01) as (url, handler):
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            handed_back: list[int] = []
+            release = scheduler.queue.release
+
+            async def counted(ids: Any, owner: str) -> None:
+                handed_back.append(len(ids))
+                await release(ids, owner)
+
+            scheduler.queue.release = counted  # type: ignore[method-assign]
+            events = []
+            for tenant in tenants:
+                await webhooks.create_endpoint(tenant, url=f"{url}/{tenant}", event_types=["job.succeeded"],
+                                               kinds=None, signature="hmac-sha256")
+                for n in range(per_tenant):
+                    accepted = await jobs.accept(NewJob(id=f"{tenant}-{n}", tenant=tenant, kind="echo",
+                                                        collection="/echoes", params=b"{}", deadline_s=60))
+                    assert accepted.event is not None
+                    events.append(_events(accepted.event)[2])
+            await scheduler.fan_out(events)
+            await _until(lambda: handler.answered == len(events), "every delivery answered", timeout=60)
+            assert handler.most <= CEILING
+            assert sum(handed_back) <= len(events) // 4, (sum(handed_back), handed_back[:20])
