@@ -230,8 +230,9 @@ class Scheduler:
         target, and one origin can be the target of many (every tenant's endpoint on one
         receiver). So each known target is given its part of its origin's free window: the
         targets with attempts in flight share it evenly (the odd slots go round them in turn),
-        a known target with none gets one; with none in flight at all, every known target
-        shares it. A target counted below zero gets more room than ``PER_TARGET``
+        a known target with none gets one; with none in flight at all, each known target may
+        take the whole window (sharing it then could leave the one target with work no room
+        at all). A target counted below zero gets more room than ``PER_TARGET``
         (a wide window). Counting each target's room against the whole window, a claim
         leased up to a window per target and handed all but one back. A target first met in
         a claim gets ``PER_TARGET``, the floor of every window."""
@@ -241,10 +242,12 @@ class Scheduler:
             if free <= 0:
                 continue  # held: the claim leaves its targets out
             busy = sorted(target for target in targets if self._in_flight[target] > 0)
+            if not busy:  # nothing in flight there: any of its targets may be the one with work
+                for target in targets:
+                    counts[target] = PER_TARGET - free
+                continue
             for target in targets:
                 counts[target] = PER_TARGET - 1
-            if not busy:  # the origin is idle here: its known targets share its window
-                busy = sorted(targets)
             share, rest = divmod(free, len(busy))
             first = self._turn % len(busy)  # fewer free slots than busy targets: they take turns
             self._turn += rest

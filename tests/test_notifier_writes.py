@@ -286,3 +286,34 @@ async def test_targets_sharing_one_receiver_share_its_window_and_are_not_leased_
             await _until(lambda: handler.answered == len(events), "every delivery answered", timeout=60)
             assert handler.most <= CEILING
             assert sum(handed_back) <= len(events) // 4, (sum(handed_back), handed_back[:20])
+
+
+async def test_one_target_with_work_gets_the_whole_window_while_its_receivers_other_targets_idle(
+        tmp_path: Path) -> None:
+    """Ten tenants' endpoints on one receiver, known to the notifier and idle; then one tenant
+    has a backlog. Nothing is in flight there, so that one target may take the whole window at
+    once: shared over the ten known targets, it got one slot or none a claim, and its backlog
+    trickled out at a claim per idle poll."""
+    tenants = [f"t{n}" for n in range(10)]
+    with _holding(0.01) as (url, handler):
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            for tenant in tenants:
+                await webhooks.create_endpoint(tenant, url=f"{url}/{tenant}", event_types=["job.succeeded"],
+                                               kinds=None, signature="hmac-sha256")
+
+            async def succeeded(tenant: str, n: int) -> JobEvent:
+                accepted = await jobs.accept(NewJob(id=f"{tenant}-{n}", tenant=tenant, kind="echo",
+                                                    collection="/echoes", params=b"{}", deadline_s=60))
+                assert accepted.event is not None
+                return _events(accepted.event)[2]
+
+            await scheduler.fan_out([await succeeded(tenant, 0) for tenant in tenants])
+            await _until(lambda: handler.answered == len(tenants), "one delivery to each target")
+            await _until(lambda: not scheduler._tasks, "nothing in flight")
+            backlog = [await succeeded("t3", n) for n in range(1, 101)]
+            scheduler._backlog = True  # as after a claim that filled every free slot: the claim serves them
+            await scheduler.fan_out(backlog)
+            # at 8 or more at once, 10 ms each, 100 take a fraction of a second; a claim per
+            # idle poll (0.2 s) of a slot or two would take 10 s and more
+            await _until(lambda: handler.answered == len(tenants) + len(backlog), "the backlog delivered", timeout=5)
+            assert handler.most >= FLOOR
