@@ -18,7 +18,9 @@ from dataclasses import dataclass, field
 from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
+import bcrypt
 import httpx
 import pytest
 
@@ -402,11 +404,11 @@ def test_the_event_stream_link_carries_the_tenant_as_a_query_value(target: Targe
 # ----- internal services need credentials; files are the owner's (issue 23 §5) ------------------
 
 
-async def _nats_refuses(url: str) -> bool:
+async def _nats_refuses(url: str, **auth: str) -> bool:
     import nats
 
     try:
-        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, **auth)
     except Exception as exc:  # noqa: BLE001  (nats-py raises the server's -ERR as several types)
         return "authorization" in repr(exc).lower()
     await nc.close()
@@ -430,6 +432,24 @@ def _mode(path: Path) -> int:
     return path.stat().st_mode & 0o777
 
 
+def _child_environ(pid: int, command: str) -> dict[str, str]:
+    """The environment of the live child of ``pid`` that runs ``herald <command>``."""
+    import psutil
+
+    for child in psutil.Process(pid).children():
+        try:
+            if child.cmdline()[-2:] == ["launcher.cli", command]:
+                return dict(child.environ())
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no `herald {command}` child of {pid}")
+
+
+def _config_passwords(conf: Path) -> list[str]:
+    """The ``password:`` values of a nats-server config that Herald generated."""
+    return [line.split('"')[1] for line in conf.read_text().splitlines() if line.strip().startswith("password:")]
+
+
 def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_path: Path) -> None:
     from tests.harness import free_port, wait_until
 
@@ -449,14 +469,24 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
                 return False
 
         wait_until(healthy, timeout=60, interval=0.2, what="herald up ready")
-        # A client without credentials, or with wrong ones, is turned away ...
-        assert asyncio.run(_nats_refuses(f"nats://127.0.0.1:{nats_port}"))
-        assert asyncio.run(_nats_refuses(f"nats://herald:guess@127.0.0.1:{nats_port}"))
-        # ... while the generated ones (kept in the 0600 config only) open it, as the children do.
+        # The children are handed the generated credentials in HERALD_NATS_URL (their environment) ...
+        url = urlsplit(_child_environ(up.pid, "gateway")["HERALD_NATS_URL"])
+        password = url.password or ""
+        assert url.username == "herald" and len(password) >= 32 and url.port == nats_port
+        assert password not in (tmp_path / "up.log").read_text(errors="replace")
+        # ... while the 0600 config keeps only a bcrypt hash of the password: no plaintext at rest,
+        # and no "Plaintext passwords detected" from nats-server.
         conf = data / "nats-server.conf"
         assert _mode(conf) == 0o600
-        password = next(line.split('"')[1] for line in conf.read_text().splitlines() if "password" in line)
-        assert len(password) >= 32 and password not in (tmp_path / "up.log").read_text(errors="replace")
+        assert password not in conf.read_text()
+        [stored] = _config_passwords(conf)
+        assert stored.startswith("$2a$") and bcrypt.checkpw(password.encode(), stored.encode())
+        assert "Plaintext passwords" not in (tmp_path / "up.log").read_text(errors="replace")
+        # A client without credentials, with wrong ones, or with the hash for a password is turned
+        # away; the generated ones open it, as the children do.
+        assert asyncio.run(_nats_refuses(f"nats://127.0.0.1:{nats_port}"))
+        assert asyncio.run(_nats_refuses(f"nats://herald:guess@127.0.0.1:{nats_port}"))
+        assert asyncio.run(_nats_refuses(f"nats://127.0.0.1:{nats_port}", user="herald", password=stored))
         assert asyncio.run(_nats_accepts({"HERALD_NATS_URL": f"nats://herald:{password}@127.0.0.1:{nats_port}"}))
 
         with httpx.Client(base_url=base, headers={"Authorization": "Bearer up-key"}, timeout=20) as http:
