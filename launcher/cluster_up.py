@@ -25,7 +25,15 @@ from herald.keyfiles import load_or_create, private_dir
 from herald.metrics import MULTIPROC_ENV
 from herald.sealing import KEY_FILE, load_or_create_key_file
 from herald.settings import Settings, redact_url
-from launcher.cluster import ClusterNode, cluster_urls, free_ports, node_argv, plan_nodes, write_node_config
+from launcher.cluster import (
+    ClusterNode,
+    cluster_urls,
+    free_ports,
+    node_argv,
+    plan_nodes,
+    route_environment,
+    write_node_config,
+)
 from launcher.pgserver import PostgresError, PostgresServer
 from launcher.supervisor import (
     STOP_TIMEOUT_S,
@@ -135,10 +143,14 @@ class ClusterSupervisor(Supervisor):
         self._taken_ports.update(cluster_ports)
         self.nodes = plan_nodes(self.root, client_ports, cluster_ports)
         credentials = nats_credentials()  # clients and routes alike: no local user joins or reads
+        # The configs hold a bcrypt hash; the routes' URLs, which must carry the password, reach
+        # the nats-servers in their environment (readable by this user only, like the children's).
+        nats_env = {**self.env, **route_environment(self.nodes, credentials)}
         for node in self.nodes:
             write_node_config(node, self.nodes, credentials=credentials)
             child = Child(f"nats-{node.name}", node_argv(binary, node))
             self.child_logs[child.name] = node.directory / "server.log"
+            self.child_envs[child.name] = nats_env
             self.nats_children.append(child)
             self.spawn(child)
         for node, child in zip(self.nodes, self.nats_children, strict=True):

@@ -4,9 +4,12 @@ PostgreSQL server, two gateways, two workers and two notifiers; Ctrl-C stops all
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
 import random
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -17,6 +20,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 import asyncpg
+import bcrypt
 import httpx
 import nats
 import psutil
@@ -113,14 +117,33 @@ async def nats_cluster_peers(servers: list[str]) -> set[str]:
         await nc.close()
 
 
-async def nats_refuses(url: str) -> bool:
+async def nats_refuses(url: str, **auth: str) -> bool:
     """True when the server turns the client away (authorization violation)."""
     try:
-        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0)
+        nc = await nats.connect(url, connect_timeout=2, allow_reconnect=False, max_reconnect_attempts=0, **auth)
     except Exception as exc:  # noqa: BLE001  (nats-py raises the server's -ERR as several types)
         return "authorization" in str(exc).lower() or "authorization" in repr(exc).lower()
     await nc.close()
     return False
+
+
+def route_refuses(port: int, user: str, password: str) -> bool:
+    """True when a node's route port turns away a server that offers these credentials."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        assert sock.recv(65536).startswith(b"INFO ")
+        connect = json.dumps({"user": user, "pass": password, "cluster": "herald", "name": "probe",
+                              "verbose": False, "pedantic": False})
+        sock.sendall(f"CONNECT {connect}\r\nPING\r\n".encode())
+        reply = b""
+        with contextlib.suppress(OSError):  # the server closes the connection after the -ERR
+            while chunk := sock.recv(4096):
+                reply += chunk
+    return b"Authorization Violation" in reply
+
+
+def config_passwords(conf: Path) -> list[str]:
+    """The ``password:`` values of a nats-server config that Herald generated."""
+    return [line.split('"')[1] for line in conf.read_text().splitlines() if line.strip().startswith("password:")]
 
 
 async def postgres_answers(url: str) -> int:
@@ -208,6 +231,7 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         assert env["HERALD_NATS_REPLICAS"] == "3"
         assert env["HERALD_DATABASE_URL"] == database_url
         assert env["HERALD_RESULT_STORE"] == "nats"
+        assert not [key for key in env if key.startswith("HERALD_NATS_ROUTE_")]  # the nats-servers' alone
     key_file = root / "var" / "cluster" / "signing.key"
     assert {env["HERALD_SIGNING_KEY"] for env in seen.values()} == {key_file.read_text().strip()}
     assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
@@ -240,6 +264,34 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         assert stat.S_IMODE(directory.stat().st_mode) & 0o044 == 0, directory
     for conf in (root / "var" / "cluster").glob("nats-*/nats.conf"):
         assert stat.S_IMODE(conf.stat().st_mode) == 0o600, conf
+
+    # No NATS password at rest: each node's config keeps a bcrypt hash for its clients and its
+    # routes, and names its routes by variables; the route URLs, which carry the password, are
+    # in each nats-server's environment, not in its argv (ps) nor in any file.
+    nats_password = urlsplit(nats_urls[0]).password or ""
+    confs = sorted((root / "var" / "cluster").glob("nats-*/nats.conf"))
+    assert len(confs) == 3
+    for conf in confs:
+        text = conf.read_text()
+        hashes = config_passwords(conf)
+        assert nats_password not in text and len(hashes) == 2, conf
+        assert all(h.startswith("$2a$") and bcrypt.checkpw(nats_password.encode(), h.encode()) for h in hashes)
+        assert "$HERALD_NATS_ROUTE_N" in text and "nats-route://" not in text, conf
+        assert "Plaintext passwords" not in (conf.parent / "server.log").read_text(errors="replace")
+    nats_servers = [p for p in supervisor.children() if alive(p) and "nats-server" in " ".join(p.cmdline())]
+    assert len(nats_servers) == 3
+    for server in nats_servers:
+        assert nats_password not in " ".join(server.cmdline())
+        routes = {k: v for k, v in server.environ().items() if k.startswith("HERALD_NATS_ROUTE_")}
+        assert sorted(routes) == ["HERALD_NATS_ROUTE_N1", "HERALD_NATS_ROUTE_N2", "HERALD_NATS_ROUTE_N3"]
+        assert all(urlsplit(u).password == nats_password and urlsplit(u).scheme == "nats-route" for u in routes.values())
+    # The hash itself opens nothing: not as a client's password, nor as a route's; nor does a wrong one.
+    stored = config_passwords(confs[0])[0]
+    route_ports = [urlsplit(u).port for u in nats_servers[0].environ().values() if u.startswith("nats-route://")]
+    assert asyncio.run(nats_refuses(f"nats://127.0.0.1:{ports['nats']}", user="herald", password=stored))
+    for route_port in route_ports:
+        assert route_port and route_refuses(route_port, "herald", stored), route_port
+        assert route_refuses(route_port, "herald", "wrong-password"), route_port
 
     # One URL printed (the first gateway's), and both gateways ready.
     base = f"http://127.0.0.1:{ports['http']}"
