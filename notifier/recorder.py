@@ -1,9 +1,10 @@
 """Recording attempts in batches: one transaction for all attempts that finished together.
 
-Each attempt's outcome must be committed before the attempt counts as done: its slot is
-freed, its lease released (in the same transaction), and it is logged only after the
-commit, so a crash between the HTTP answer and the commit leaves the delivery leased and
-unrecorded, and it is sent again once the lease runs out (at-least-once, as before).
+Each attempt's outcome must be committed before the attempt counts as done: its lease is
+released in the same transaction, and it is logged only after the commit, so a crash
+between the HTTP answer and the commit leaves the delivery leased and unrecorded, and it
+is sent again once the lease runs out (at-least-once, as before). Its slot towards the
+target was freed when the target answered: the commit does not load the receiver.
 
 Why batches: one transaction per attempt cost more than the HTTP POST itself (the writer
 thread hop, ``BEGIN IMMEDIATE``, the commit; on PostgreSQL a round trip and a commit

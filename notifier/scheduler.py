@@ -78,7 +78,8 @@ class Scheduler:
         self.idle_poll_s = idle_poll_s
         self.retention_s = retention_s
         self.owner = f"{socket.gethostname()}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
-        # Outcomes are committed in batches; an attempt is done (slot freed) only after its commit.
+        # Outcomes are committed in batches; an attempt's slot is freed when its target answers
+        # (``_answered``), the attempt is done (its task ends) only after its commit.
         self.recorder = Recorder(queue, self.owner)
         self._rng = random.Random()
         self._wake = asyncio.Event()
@@ -87,6 +88,7 @@ class Scheduler:
         self._in_flight: Counter[str] = Counter()  # per delivery target (endpoint id or callback URL)
         self._origin_in_flight: Counter[str] = Counter()  # per target as SPEC §13 means it: scheme, host, port
         self._tenant_in_flight: Counter[str] = Counter()
+        self._answered_ids: set[str] = set()  # attempts answered, their outcome not yet recorded
         # Which delivery targets each origin has (learnt from what was claimed), so that the claim
         # can leave out an origin that is full or paced, give its targets their part of its
         # window, and pacing can reschedule all of it. Kept while the origin is idle, so that
@@ -262,6 +264,7 @@ class Scheduler:
                 if origin not in self._origin_in_flight and not self.breaker.paced(origin)}
         for origin in idle & self._idle_origins:
             del self._targets_of[origin]
+            self.windows.forget(origin)
         self._idle_origins = idle - self._idle_origins
 
     def _held(self) -> list[str]:
@@ -272,16 +275,24 @@ class Scheduler:
                 held.extend(targets)
         return held
 
-    def _done(self, task: asyncio.Task[None]) -> None:
-        item = self._tasks.pop(task)
-        origin = origin_of(item.url)
+    def _answered(self, item: Claimed, origin: str) -> None:
+        """The target answered (or never will): its slot is free for the next attempt now, though
+        the outcome is still being recorded. The window bounds what a receiver is asked at once;
+        the commit that follows does not load it, and held the slot a store write longer."""
+        if item.delivery.id in self._answered_ids:
+            return
+        self._answered_ids.add(item.delivery.id)
         for counter, key in ((self._in_flight, item.delivery.target), (self._origin_in_flight, origin),
                              (self._tenant_in_flight, item.delivery.tenant)):
             counter[key] -= 1
             if counter[key] <= 0:
                 del counter[key]
-        if origin not in self._origin_in_flight and not self.breaker.paced(origin):
-            self.windows.forget(origin)
+        self._wake.set()
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        item = self._tasks.pop(task)
+        self._answered(item, origin_of(item.url))  # a crashed or cancelled attempt frees its slot here
+        self._answered_ids.discard(item.delivery.id)
         if not task.cancelled() and task.exception() is not None:
             log.error("webhook attempt crashed", exc_info=task.exception(),
                       extra={"job_id": item.delivery.job_id, "endpoint_id": item.delivery.endpoint_id})
@@ -332,6 +343,7 @@ class Scheduler:
         started_at = now()
         outcome = await self.sender.send(item.url, item.body, headers)
         self.windows.ended(origin, outcome, was_full=self._origin_in_flight[origin] >= self.windows.size(origin))
+        self._answered(item, origin)
         await self._pace(origin, outcome, probe)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
         finished = await self.recorder.record(Attempted(claimed=item, started_at=started_at, outcome=outcome, plan=plan))

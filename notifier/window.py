@@ -10,7 +10,12 @@ So each target has a window, grown and shrunk as TCP's congestion window is. It 
 ``FLOOR``, and a target that never answers keeps that (the breaker paces it besides). An
 attempt that was answered with a 2xx, while the window was full, adds one, up to
 ``CEILING``. An attempt that got no answer, a 429 or a 5xx halves it, never below ``FLOOR``.
-A target with nothing in flight is forgotten: it starts again at ``FLOOR``.
+An attempt holds its slot until the target answers, not until the outcome is committed: the
+window bounds what a receiver is asked at once, and a commit that held the slot a store write
+longer queued the webhooks of 500 jobs/s behind the commits. A window is kept while its target
+idles between claims (nothing in flight for a moment is the normal state under a steady load,
+and starting from ``FLOOR`` each time the window hardly grew); a target idle since the
+scheduler's prune before last is forgotten, window and all.
 """
 
 from __future__ import annotations

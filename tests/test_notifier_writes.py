@@ -27,6 +27,7 @@ from herald.storage.sqlite.jobs import SqliteJobStore
 from herald.storage.sqlite.queue import SqliteDeliveryQueue
 from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore
+from notifier.breaker import origin_of
 from notifier.delivery import Sender
 from notifier.retry import RetryPolicy
 from notifier.scheduler import Scheduler
@@ -234,6 +235,55 @@ async def test_a_receiver_that_answers_a_backlog_gets_a_wider_window_up_to_the_c
             await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
             await _until(lambda: handler.answered == count, "every delivery answered", timeout=60)
             assert FLOOR < handler.most <= CEILING, handler.most
+
+
+async def test_an_answered_attempt_frees_its_slot_while_its_outcome_is_still_being_recorded(tmp_path: Path) -> None:
+    """The window bounds how many requests a receiver is asked at once. An answered attempt
+    no longer loads the receiver, so its slot goes to the next delivery at once, not after
+    its outcome's commit: on a busy store that commit held the slot for a write longer, and
+    the webhooks of 500 jobs/s queued behind the commits (bench/RESULTS.md)."""
+    with _holding(0.0) as (url, handler):
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
+                                           signature="hmac-sha256")
+            commits = asyncio.Event()  # the store records no outcome until set: a busy store
+            finish_many = scheduler.queue.finish_many
+
+            async def held(attempts: Any, owner: str) -> Any:
+                await commits.wait()
+                return await finish_many(attempts, owner)
+
+            scheduler.queue.finish_many = held  # type: ignore[method-assign]
+            count = CEILING + FLOOR  # more than the widest window: slots held until the commit run out
+            try:
+                await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
+                await _until(lambda: handler.answered == count, "every delivery answered, no outcome recorded yet",
+                             timeout=10)
+                assert handler.most <= CEILING
+            finally:
+                commits.set()
+            await _until(lambda: not scheduler._tasks, "every outcome recorded")
+
+
+async def test_a_window_grown_under_load_is_kept_through_a_lull_and_forgotten_when_idle(tmp_path: Path) -> None:
+    """A receiver that kept up with a backlog keeps its wider window while the notifier waits
+    for the next deliveries (between two claims nothing may be in flight): starting again
+    from ``FLOOR`` each time, a window under a steady load hardly grew. Idle since the prune
+    before last, the target is forgotten, window and all."""
+    with _holding(0.02) as (url, handler):
+        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
+            await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
+                                           signature="hmac-sha256")
+            count = 200
+            await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
+            await _until(lambda: handler.answered == count, "every delivery answered", timeout=60)
+            await _until(lambda: not scheduler._tasks, "nothing in flight")
+            origin = origin_of(url)
+            assert scheduler.windows.size(origin) > FLOOR
+            scheduler._forget_idle_origins()  # the prune that finds it idle
+            assert scheduler.windows.size(origin) > FLOOR
+            scheduler._forget_idle_origins()  # the next one: idle since the last
+            assert scheduler.windows.size(origin) == FLOOR
 
 
 def test_a_window_grows_while_full_and_answered_and_halves_when_its_target_struggles() -> None:
