@@ -224,9 +224,12 @@ async def test_a_receiver_that_does_not_answer_gets_the_floor_of_attempts_at_onc
             assert handler.most == FLOOR
 
 
-async def test_a_receiver_that_answers_a_backlog_gets_a_wider_window_up_to_the_ceiling(tmp_path: Path) -> None:
+async def test_a_receiver_that_answers_a_backlog_gets_a_wider_window_kept_through_a_lull(tmp_path: Path) -> None:
     """A busy receiver that answers promptly is sent more at once as it keeps up: its
-    throughput is its window per round trip. Never more than ``CEILING``."""
+    throughput is its window per round trip. Never more than ``CEILING``. The wider window
+    is kept while the notifier waits for the next deliveries (between two claims nothing may
+    be in flight; starting again from ``FLOOR`` each time, a window under a steady load hardly
+    grew); idle since the prune before last, the target is forgotten, window and all."""
     with _holding(0.02) as (url, handler):
         async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
             await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
@@ -235,6 +238,13 @@ async def test_a_receiver_that_answers_a_backlog_gets_a_wider_window_up_to_the_c
             await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
             await _until(lambda: handler.answered == count, "every delivery answered", timeout=60)
             assert FLOOR < handler.most <= CEILING, handler.most
+            await _until(lambda: not scheduler._tasks, "nothing in flight")
+            origin = origin_of(url)
+            assert scheduler.windows.size(origin) > FLOOR
+            scheduler._forget_idle_origins()  # the prune that finds it idle
+            assert scheduler.windows.size(origin) > FLOOR
+            scheduler._forget_idle_origins()  # the next one: idle since the last
+            assert scheduler.windows.size(origin) == FLOOR
 
 
 async def test_an_answered_attempt_frees_its_slot_while_its_outcome_is_still_being_recorded(tmp_path: Path) -> None:
@@ -263,27 +273,6 @@ async def test_an_answered_attempt_frees_its_slot_while_its_outcome_is_still_bei
             finally:
                 commits.set()
             await _until(lambda: not scheduler._tasks, "every outcome recorded")
-
-
-async def test_a_window_grown_under_load_is_kept_through_a_lull_and_forgotten_when_idle(tmp_path: Path) -> None:
-    """A receiver that kept up with a backlog keeps its wider window while the notifier waits
-    for the next deliveries (between two claims nothing may be in flight): starting again
-    from ``FLOOR`` each time, a window under a steady load hardly grew. Idle since the prune
-    before last, the target is forgotten, window and all."""
-    with _holding(0.02) as (url, handler):
-        async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
-            await webhooks.create_endpoint("acme", url=url, event_types=["job.succeeded"], kinds=None,
-                                           signature="hmac-sha256")
-            count = 200
-            await scheduler.fan_out([_events(await _accepted(jobs, n))[2] for n in range(count)])
-            await _until(lambda: handler.answered == count, "every delivery answered", timeout=60)
-            await _until(lambda: not scheduler._tasks, "nothing in flight")
-            origin = origin_of(url)
-            assert scheduler.windows.size(origin) > FLOOR
-            scheduler._forget_idle_origins()  # the prune that finds it idle
-            assert scheduler.windows.size(origin) > FLOOR
-            scheduler._forget_idle_origins()  # the next one: idle since the last
-            assert scheduler.windows.size(origin) == FLOOR
 
 
 def test_a_window_grows_while_full_and_answered_and_halves_when_its_target_struggles() -> None:
