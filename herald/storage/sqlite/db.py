@@ -12,6 +12,9 @@ fraction of a millisecond); only when another process holds the lock does it go 
 writer thread, which waits for the lock there. On these machines a hop to a thread and
 the answer back (a futex wake, a write to the loop's self-pipe, two context switches)
 cost as much CPU as the transaction (bench/RESULTS.md, issue 24).
+The writer thread wakes its callers' loop only after letting the write lock go (their
+answers are queued under it, in commit order): the wake gives the GIL up and waits to get it
+back, which under the lock held every process's writes up (``_queue_answer``).
 Point reads (the status poll, the hot path) run directly on a separate read connection:
 in WAL mode readers never wait for the writer, and a primary-key lookup is microseconds,
 cheaper than any thread hop.
@@ -229,6 +232,7 @@ class Database:
                 with self._queue_lock:
                     batch = self._take_batch()
                 if batch:
+                    _settle_queued(asyncio.get_running_loop())  # answers of earlier commits first
                     self._commit_locked(batch, _settle_now)
             finally:
                 fcntl.flock(self._lock_fd, fcntl.LOCK_UN)
@@ -305,10 +309,12 @@ class Database:
             return
         try:
             with self._write_lock():
-                self._commit_locked(batch, _Pending.answer)
+                self._commit_locked(batch, _queue_answer)
         except BaseException as exc:  # the lock itself failed
             for pending in batch:
                 pending.answer(None, exc)
+            return
+        _wake_for_answers(batch)  # the lock is let go first: the woken loop cannot keep it held
 
     def _commit_locked(self, batch: list[_Pending[Any]],
                        answer: Callable[[_Pending[Any], Any, BaseException | None], None]) -> None:
@@ -332,9 +338,9 @@ class Database:
             for pending in batch:
                 answer(pending, None, exc)
             return
-        # Answered before the lock is let go: so callers on one event loop hear of commits in
-        # the order they were made, even from two Databases on one file (the store contract's
-        # "two processes").
+        # Answered (or, from the writer thread, queued for the loop) before the lock is let go:
+        # so callers on one event loop hear of commits in the order they were made, even from
+        # two Databases on one file (the store contract's "two processes").
         for pending, (result, error) in zip(batch, outcomes):
             answer(pending, result, error)
 
@@ -447,6 +453,40 @@ class _Pending(Generic[T]):
             self.loop.call_soon_threadsafe(_settle, self.future, result, error)
         except RuntimeError:  # the loop is closed: nobody is waiting any more
             pass
+
+
+# The writer threads' answers, per caller's loop, in commit order. A writer thread queues a
+# batch's answers while it holds the write lock (so that, across Databases, they stay in commit
+# order) and wakes the loop only after letting the lock go. Waking it under the lock
+# (``call_soon_threadsafe``) cost 170-300 us of lock time per transaction: the thread gives the
+# GIL up for the write to the loop's self-pipe and waits to get it back from the woken loop
+# (bench/RESULTS.md, issue 24).
+_queued_answers: dict[asyncio.AbstractEventLoop, deque[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
+
+
+def _queue_answer(pending: _Pending[Any], result: Any, error: BaseException | None) -> None:
+    """Writer thread, under the write lock: the answer waits in its loop's queue."""
+    answers = _queued_answers.get(pending.loop)
+    if answers is None:
+        answers = _queued_answers.setdefault(pending.loop, deque())
+    answers.append((pending.future, result, error))
+
+
+def _wake_for_answers(batch: list[_Pending[Any]]) -> None:
+    """Writer thread, the lock let go: each loop with answers settles its queue."""
+    for loop in {pending.loop for pending in batch}:
+        try:
+            loop.call_soon_threadsafe(_settle_queued, loop)
+        except RuntimeError:  # the loop is closed: nobody is waiting any more
+            _queued_answers.pop(loop, None)
+
+
+def _settle_queued(loop: asyncio.AbstractEventLoop) -> None:
+    """On ``loop``: settle its queued answers in the order they were queued."""
+    answers = _queued_answers.get(loop)
+    while answers:
+        future, result, error = answers.popleft()
+        _settle(future, result, error)
 
 
 def _settle_now(pending: _Pending[Any], result: Any, error: BaseException | None) -> None:
