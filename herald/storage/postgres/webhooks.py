@@ -22,9 +22,11 @@ explicit transactions.
 
 Plans. plpgsql caches a generic plan per statement after a few calls, and one made while
 the tables were nearly empty (a new deployment, before autovacuum's first ANALYZE) would
-keep scanning them as they grow. Every statement of fan-out and finish is an index probe
-by design, so those functions run with ``enable_seqscan = off``; the claim, once per batch
-and shaped by how much is due, is planned afresh each call (``force_custom_plan``).
+keep scanning them as they grow. Every statement of fan-out, finish and the claim is an
+index probe by design, so those functions run with ``enable_seqscan = off``. The claim's
+fairness (caps per tenant and per target, from the caller's counts) is applied in plpgsql
+between simple probes rather than inside one large query: a query shaped by those counts
+would have to be planned afresh each call, 1.5-3 ms a call (bench/RESULTS.md).
 
 Concurrency, and why each lock is there:
 
