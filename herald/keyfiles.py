@@ -29,11 +29,14 @@ def load_or_create(path: Path, *, nbytes: int = 32) -> str:
 
 
 def private_dir(path: Path) -> Path:
-    """``path`` as a directory only its owner can enter (0700), made with its parents if
-    missing. An existing one is tightened too: what Herald keeps there (the store, results,
-    keys) is nobody else's to read."""
+    """``path`` as a directory only its owner can list or write (0700), made with its parents
+    if missing. An existing one is tightened too: what Herald keeps there (the store, results,
+    keys) is nobody else's to read. A search-only bit (x without r or w) is left as it is:
+    the launcher grants it on purpose (launcher/pgserver.py) so that PostgreSQL, started as
+    another user when Herald runs as root, can reach its data dir below by name. Removing it
+    while the server runs made its shutdown checkpoint fail (a PANIC, then crash recovery)."""
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
-    if path.stat().st_mode & 0o077:
+    if path.stat().st_mode & 0o066:
         path.chmod(0o700)
     return path
 

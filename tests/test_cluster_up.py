@@ -321,6 +321,12 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         wait_until(lambda: httpx.get(gw1 + "/jobs", headers=bearer, timeout=2).status_code == 401, timeout=2,
                    what="the revoked key refused at the first gateway")
 
+    # As root, PostgreSQL runs as its own user: every directory above its data dir stays
+    # searchable by it while it runs, or its shutdown checkpoint cannot reach pg_control.
+    if os.geteuid() == 0:
+        for parent in pg_dir.parents:
+            assert stat.S_IMODE(parent.stat().st_mode) & 0o001, parent
+
     # Whatever dies is restarted: a Herald process, a NATS node, PostgreSQL (each kill -9).
     restartable = {
         "worker-1": lambda: herald_children(supervisor).get("worker-1"),
@@ -345,6 +351,12 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     wait_until(lambda: not any(alive(p) for p in tree), timeout=5, what="no process left")
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(root) in " ".join(p.info["cmdline"] or [])]
     assert not [p for p in leftovers if alive(p)]
+    # PostgreSQL stopped cleanly: its shutdown checkpoint could still reach its data dir (a
+    # directory above it made owner-only while it ran, as root, once broke that).
+    pg_log = (pg_dir / "server.log").read_text(errors="replace")
+    last_stop = pg_log[pg_log.rindex("received fast shutdown request"):]
+    assert "database system is shut down" in last_stop and "PANIC" not in last_stop \
+        and "abnormal" not in last_stop, last_stop[-2000:]
 
     if not_ready:
         pytest.skip(
