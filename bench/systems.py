@@ -22,6 +22,7 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
+from urllib.parse import quote
 
 from bench.procs import (BenchError, PidGroup, Proc, Procs, children, cmdline, free_port, http_get, http_ok, listening,
                          wait_until)
@@ -29,6 +30,7 @@ from herald.settings import Settings
 
 # Seals the store's secrets in the bench's PostgreSQL deployments (SPEC §12).
 SECRET_KEY = "bench-secret-key-of-at-least-32-characters"
+from launcher.cluster_up import POSTGRES_PASSWORD_FILE, cluster_root
 from launcher.supervisor import find_nats_server, nats_conf
 
 TENANT = "bench"
@@ -244,7 +246,10 @@ class ClusterHerald:
 
     @property
     def database_url(self) -> str:
-        return f"postgresql://postgres@127.0.0.1:{self.postgres_port}/herald"
+        """The cluster's store, with the password `herald up --cluster` generated for it (every
+        connection must give it: scram-sha-256), read from where it keeps it."""
+        password = (cluster_root(Settings(data_dir=self.root / "data")) / POSTGRES_PASSWORD_FILE).read_text().strip()
+        return f"postgresql://postgres:{quote(password, safe='')}@127.0.0.1:{self.postgres_port}/herald"
 
     def base_of(self, index: int) -> str:
         return f"http://127.0.0.1:{self.port + index}"
