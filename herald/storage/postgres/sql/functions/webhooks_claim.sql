@@ -17,9 +17,9 @@ LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     ts DOUBLE PRECISION := {now};
     v_tenant TEXT;
-    v_target TEXT;
-    v_room INTEGER;
     found_ids TEXT[];
+    found_targets TEXT[];
+    found_rooms INTEGER[];
     found_due DOUBLE PRECISION[];
     found_seqs BIGINT[];
     c_ids TEXT[] := '{}';
@@ -30,56 +30,60 @@ DECLARE
     c_seqs BIGINT[] := '{}';
     ids TEXT[];
 BEGIN
-    -- Simple statements, each an index probe whose plan does not depend on the arguments,
-    -- so that plpgsql's cached plans serve every call: one query planned afresh per call
-    -- (as this claim was until 2 December 2026) cost 1.5-3 ms of planning, more than the
-    -- rest of a delivery's writes together. The caps are applied here, between the probes.
+    -- Statements whose plans do not depend on the caller's counts, so that plpgsql's cached
+    -- plans serve every call. The counts enter as array lookups in expressions (a target's
+    -- room, a tenant's cap), never as a relation joined in: one query whose plan the counts
+    -- shaped had to be planned afresh each call, 1.5-3 ms a call (bench/RESULTS.md), more
+    -- than the rest of a delivery's writes together.
     --
-    -- Tenants with anything pending (a loose scan of webhook_deliveries_pending_by_tenant,
-    -- one probe each), less those at their cap; then each one's targets the same way, less
-    -- those held; then each target's candidates, at most its room.
+    -- Tenants with anything pending (a loose scan of webhook_deliveries_pending_by_tenant, one
+    -- probe each), less those at their cap; for each, one statement: its targets (a loose
+    -- scan again), less those held, and each target's candidates, at most its room.
     v_tenant := (SELECT min(w.tenant) FROM webhook_deliveries w WHERE w.status = 'pending');
     WHILE v_tenant IS NOT NULL LOOP
         IF p_per_tenant <= 0
            OR coalesce(p_tenant_counts[array_position(p_busy_tenants, v_tenant)], 0) < p_per_tenant THEN
-            v_target := (SELECT min(w.target) FROM webhook_deliveries w
-                          WHERE w.status = 'pending' AND w.tenant = v_tenant);
-            WHILE v_target IS NOT NULL LOOP
-                v_room := greatest(p_per_target
-                                   - coalesce(p_busy_counts[array_position(p_busy_targets, v_target)], 0), 0);
-                IF v_room > 0 AND NOT (v_target = ANY(p_held)) THEN
-                    SELECT array_agg(c.id ORDER BY c.next_attempt_at, c.seq),
-                           array_agg(c.next_attempt_at ORDER BY c.next_attempt_at, c.seq),
-                           array_agg(c.seq ORDER BY c.next_attempt_at, c.seq)
-                      INTO found_ids, found_due, found_seqs
-                      FROM (
-                        SELECT c.id, c.next_attempt_at, c.seq
-                          FROM webhook_deliveries c
-                          LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
-                         WHERE c.tenant = v_tenant AND c.target = v_target AND c.status = 'pending'
-                           AND c.next_attempt_at <= ts
-                           AND (c.lease_until IS NULL OR c.lease_until <= ts)
-                           AND (c.endpoint_id IS NULL OR e.status = 'enabled')
-                           AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
-                           -- one probe of (target, job_id) per candidate (see migration 3)
-                           AND (SELECT min(older.version) FROM webhook_deliveries older
-                                 WHERE older.target = c.target AND older.job_id = c.job_id
-                                   AND older.status = 'pending') = c.version
-                         ORDER BY c.next_attempt_at, c.seq
-                         LIMIT v_room
-                      ) c;
-                    IF found_ids IS NOT NULL THEN
-                        c_ids := c_ids || found_ids;
-                        c_due := c_due || found_due;
-                        c_seqs := c_seqs || found_seqs;
-                        c_tenants := c_tenants || array_fill(v_tenant, ARRAY[cardinality(found_ids)]);
-                        c_targets := c_targets || array_fill(v_target, ARRAY[cardinality(found_ids)]);
-                        c_rooms := c_rooms || array_fill(v_room, ARRAY[cardinality(found_ids)]);
-                    END IF;
-                END IF;
-                v_target := (SELECT min(w.target) FROM webhook_deliveries w
-                              WHERE w.status = 'pending' AND w.tenant = v_tenant AND w.target > v_target);
-            END LOOP;
+            WITH RECURSIVE targets(target) AS (
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.tenant = v_tenant)
+                UNION ALL
+                SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.tenant = v_tenant AND w.target > t.target)
+                  FROM targets t WHERE t.target IS NOT NULL
+            )
+            SELECT array_agg(cand.id), array_agg(t.target), array_agg(r.room),
+                   array_agg(cand.next_attempt_at), array_agg(cand.seq)
+              INTO found_ids, found_targets, found_rooms, found_due, found_seqs
+              FROM targets t
+             CROSS JOIN LATERAL (
+                SELECT greatest(p_per_target - coalesce(p_busy_counts[array_position(p_busy_targets, t.target)], 0),
+                                0) AS room
+             ) r
+             CROSS JOIN LATERAL (
+                SELECT c.id, c.next_attempt_at, c.seq
+                  FROM webhook_deliveries c
+                  LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+                 WHERE c.tenant = v_tenant AND c.target = t.target AND c.status = 'pending'
+                   AND c.next_attempt_at <= ts
+                   AND (c.lease_until IS NULL OR c.lease_until <= ts)
+                   AND (c.endpoint_id IS NULL OR e.status = 'enabled')
+                   AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
+                   -- one probe of (target, job_id) per candidate (see migration 3)
+                   AND (SELECT min(older.version) FROM webhook_deliveries older
+                         WHERE older.target = c.target AND older.job_id = c.job_id
+                           AND older.status = 'pending') = c.version
+                 ORDER BY c.next_attempt_at, c.seq
+                 LIMIT r.room
+             ) cand
+             WHERE t.target IS NOT NULL AND r.room > 0 AND NOT (t.target = ANY(p_held));
+            IF found_ids IS NOT NULL THEN
+                c_ids := c_ids || found_ids;
+                c_targets := c_targets || found_targets;
+                c_rooms := c_rooms || found_rooms;
+                c_due := c_due || found_due;
+                c_seqs := c_seqs || found_seqs;
+                c_tenants := c_tenants || array_fill(v_tenant, ARRAY[cardinality(found_ids)]);
+            END IF;
         END IF;
         v_tenant := (SELECT min(w.tenant) FROM webhook_deliveries w
                       WHERE w.status = 'pending' AND w.tenant > v_tenant);
@@ -88,30 +92,34 @@ BEGIN
         RETURN;
     END IF;
 
-    -- The fair order over the few rows found, then the row locks. A target several tenants
-    -- send to: its room goes to the oldest over them. Within a tenant: round robin over its
+    -- The fair order over the rows found, on the arrays alone: a target several tenants send
+    -- to gives its room to the oldest over them; within a tenant, round robin over its
     -- targets (target_rank first), no more than its cap with what it has in flight.
+    SELECT coalesce(array_agg(f.id ORDER BY f.share, f.due, f.seq), '{}') INTO ids FROM (
+        WITH ranked AS (
+            SELECT x.id, x.tenant, x.due, x.seq, x.room,
+                   row_number() OVER (PARTITION BY x.target ORDER BY x.due, x.seq) AS target_rank
+              FROM unnest(c_ids, c_tenants, c_targets, c_rooms, c_due, c_seqs)
+                   AS x(id, tenant, target, room, due, seq)
+        ), per_tenant AS (
+            SELECT r.id, r.due, r.seq,
+                   coalesce(p_tenant_counts[array_position(p_busy_tenants, r.tenant)], 0) AS busy,
+                   row_number() OVER (PARTITION BY r.tenant ORDER BY r.target_rank, r.due, r.seq) AS tenant_rank
+              FROM ranked r WHERE r.target_rank <= r.room
+        )
+        SELECT pt.id, pt.due, pt.seq, pt.busy + pt.tenant_rank AS share
+          FROM per_tenant pt
+         WHERE p_per_tenant <= 0 OR pt.busy + pt.tenant_rank <= p_per_tenant
+    ) f;
+
+    -- Then the row locks, in that order, one index probe each: rows another notifier holds
+    -- are skipped, and so are rows leased or sent since they were read.
     SELECT coalesce(array_agg(locked.id), '{}') INTO ids FROM (
         SELECT d.id
-          FROM webhook_deliveries d
-          JOIN (
-            WITH ranked AS (
-                SELECT x.id, x.tenant, x.due, x.seq, x.room,
-                       row_number() OVER (PARTITION BY x.target ORDER BY x.due, x.seq) AS target_rank
-                  FROM unnest(c_ids, c_tenants, c_targets, c_rooms, c_due, c_seqs)
-                       AS x(id, tenant, target, room, due, seq)
-            ), per_tenant AS (
-                SELECT r.id, r.due, r.seq,
-                       coalesce(p_tenant_counts[array_position(p_busy_tenants, r.tenant)], 0) AS busy,
-                       row_number() OVER (PARTITION BY r.tenant ORDER BY r.target_rank, r.due, r.seq) AS tenant_rank
-                  FROM ranked r WHERE r.target_rank <= r.room
-            )
-            SELECT pt.id, pt.due, pt.seq, pt.busy + pt.tenant_rank AS share
-              FROM per_tenant pt
-             WHERE p_per_tenant <= 0 OR pt.busy + pt.tenant_rank <= p_per_tenant
-          ) c ON c.id = d.id
+          FROM unnest(ids) WITH ORDINALITY AS o(id, ord)
+          JOIN webhook_deliveries d ON d.id = o.id
          WHERE d.status = 'pending' AND (d.lease_until IS NULL OR d.lease_until <= ts)
-         ORDER BY c.share, c.due, c.seq
+         ORDER BY o.ord
          LIMIT p_limit
            FOR UPDATE OF d SKIP LOCKED
     ) locked;
