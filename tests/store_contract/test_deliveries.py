@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import random
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import Any
 
 import msgspec
@@ -402,6 +403,81 @@ async def test_a_claim_is_fair_among_tenants_and_keeps_their_caps(stores: Stores
     assert await targets(limit=10, per_tenant=1, tenant_in_flight={"a": 1, "b": 1}) == []
     assert await targets(limit=10, held={a1, b1}) == [a2] * 3
     assert len(await targets(limit=10, per_tenant=0)) == 7  # 0: no cap
+
+
+def _fair_share(pending: Sequence[dict[str, Any]], *, per_target: int, limit: int, in_flight: dict[str, int],
+                per_tenant: int, tenant_in_flight: dict[str, int], held: Collection[str]) -> list[str]:
+    """The ids a claim leases, in order, restated from ``DeliveryQueue.claim`` (ports.py) and
+    SPEC §13 for deliveries that are all due and none of them behind an older version: a
+    tenant at its cap gets nothing, nor does a held target; a target's room (``per_target``
+    less what it has in flight) goes to its oldest deliveries over every tenant sending to
+    it; within a tenant, round robin over its targets (rank in its target first), at most its
+    cap less what it has in flight; across tenants, slot k of a tenant with n in flight sorts
+    at n + k, then oldest first; ``limit`` in all."""
+    def age(row: dict[str, Any]) -> tuple[float, int]:
+        return row["next_attempt_at"], row["seq"]
+
+    def room(target: str) -> int:
+        return max(per_target - in_flight.get(target, 0), 0)
+
+    by_target: dict[str, list[dict[str, Any]]] = {}
+    for tenant_and_target, rows in itertools.groupby(
+            sorted(pending, key=lambda r: (r["tenant"], r["target"], *age(r))), key=lambda r: (r["tenant"], r["target"])):
+        tenant, target = tenant_and_target
+        if target in held or (per_tenant > 0 and tenant_in_flight.get(tenant, 0) >= per_tenant):
+            continue
+        by_target.setdefault(target, []).extend(list(rows)[:room(target)])
+    by_tenant: dict[str, list[tuple[int, dict[str, Any]]]] = {}
+    for target, rows in by_target.items():
+        for rank, row in enumerate(sorted(rows, key=age)[:room(target)], start=1):
+            by_tenant.setdefault(row["tenant"], []).append((rank, row))
+    slots: list[tuple[int, float, int, str]] = []
+    for tenant, ranked in by_tenant.items():
+        held_now = tenant_in_flight.get(tenant, 0)
+        for k, (_rank, row) in enumerate(sorted(ranked, key=lambda c: (c[0], *age(c[1]))), start=1):
+            if per_tenant > 0 and held_now + k > per_tenant:
+                break
+            slots.append((held_now + k, *age(row), row["id"]))
+    return [slot[3] for slot in sorted(slots)[:limit]]
+
+
+async def test_a_claim_leases_what_fair_share_says_for_any_backlog_and_counts(stores: Stores) -> None:
+    """Random backlogs (three tenants, an endpoint per kind each, callback URLs two tenants
+    share) and random offers (room per target, counts in flight below and above it, caps per
+    tenant, held targets, limits): each claim leases exactly the deliveries, in the order,
+    that ``_fair_share`` restates from the port's contract. The claim is then handed back,
+    so every offer sees the same backlog."""
+    rnd = random.Random(13)
+    webhooks, queue = stores.webhooks, stores.deliveries
+    tenants = ("a", "b", "c")
+    for tenant in tenants:
+        for kind in ("echo", "pdf"):
+            await endpoint(webhooks, tenant, url=f"https://{tenant}-{kind}.example/hook",
+                           event_types=["job.succeeded"], kinds=[kind])
+    callbacks = ("https://one.example/cb", "https://two.example/cb", None)
+    events = []
+    for _ in range(48):
+        tenant = rnd.choice(tenants)
+        job = await stores.jobs.accept(new_job(tenant, callback_url=rnd.choice(callbacks)))
+        events.append(event(job.job.id, 1, tenant=tenant, kind=rnd.choice(("echo", "pdf"))))
+    for first in range(0, len(events), 12):  # four fan-outs: four due times
+        await queue.fan_out(events[first:first + 12])
+    pending = await deliveries(stores, status="pending")
+    targets = sorted({row["target"] for row in pending})
+    assert len(pending) > 48 and any(t.startswith(CALLBACK_PREFIX) for t in targets)
+
+    for n in range(40):
+        offer: dict[str, Any] = {
+            "per_target": rnd.choice((1, 2, 3, 10)),
+            "limit": rnd.choice((1, 3, 7, 100)),
+            "in_flight": {t: rnd.randint(-2, 3) for t in rnd.sample(targets, rnd.randint(0, len(targets)))},
+            "per_tenant": rnd.choice((0, 1, 2, 5)),
+            "tenant_in_flight": {t: rnd.randint(0, 3) for t in rnd.sample(tenants, rnd.randint(0, 3))},
+            "held": set(rnd.sample(targets, rnd.randint(0, 2))),
+        }
+        claimed = await claim(queue, f"n{n}", **offer)
+        assert [c.delivery.id for c in claimed] == _fair_share(pending, **offer), offer
+        await queue.release([c.delivery.id for c in claimed], f"n{n}")
 
 
 async def test_a_claim_carries_its_jobs_trace_context(stores: Stores) -> None:
