@@ -430,19 +430,27 @@ class NatsCluster:
         wait_until(listening, timeout=10, what=f"nats-server {node.name} listening")
 
     def wait_jetstream(self, timeout: float = 30.0) -> None:
-        """Until JetStream answers: the cluster has elected a meta leader."""
-        wait_until(self.jetstream_ready, timeout=timeout, interval=0.2, what="a JetStream meta leader")
+        """Until JetStream can place a stream on every node: the cluster has elected a meta
+        leader, and every peer is current in it (a meta leader alone answers, but refuses an
+        R3 stream with "no suitable peers for placement" until the last node has caught up,
+        which a loaded machine made the tests meet)."""
+        wait_until(self.jetstream_ready, timeout=timeout, interval=0.2, what="JetStream placing a stream on every node")
 
     def jetstream_ready(self) -> bool:
         async def probe() -> bool:
             import nats
+            from nats.js.api import StorageType, StreamConfig
 
             nc = await nats.connect(servers=self.url_list, connect_timeout=1, allow_reconnect=False,
                                     max_reconnect_attempts=0)
             try:
-                await nc.jetstream(timeout=2).account_info()
+                js = nc.jetstream(timeout=2)
+                # One name: a probe whose delete failed is the next probe's stream, then deleted.
+                await js.add_stream(StreamConfig(name="HARNESS_READY", subjects=["harness.ready"],
+                                                 num_replicas=len(self.nodes), storage=StorageType.MEMORY))
+                await js.delete_stream("HARNESS_READY")
                 return True
-            except Exception:  # noqa: BLE001  (no meta leader yet: JetStream not available)
+            except Exception:  # noqa: BLE001  (no meta leader yet, or a peer not current: not ready)
                 return False
             finally:
                 await nc.close()
