@@ -315,6 +315,37 @@ async def test_a_batch_commits_on_the_loop_when_the_lock_is_free_and_waits_for_i
     assert _count(path) == {1, 2}
 
 
+async def test_writes_queued_while_another_process_writes_commit_together_once_the_lock_is_free(
+        tmp_path: Path) -> None:
+    """While another process holds the write lock, every write this process queues joins one
+    batch, committed once the lock comes free: the batch is taken when the lock is held, not
+    before the wait. Taken before it, the first write committed alone and the rest waited for
+    the lock again behind the same processes (a ``BEGIN``/``COMMIT`` and the WAL frames of the
+    same pages once more for every wait: bench/RESULTS.md, issue 24)."""
+    path = tmp_path / "herald.db"
+    db = Database(path, SCHEMA)
+    await db.open()
+    begins: list[str] = []
+    assert db._writer is not None
+    db._writer.set_trace_callback(lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None)
+    other = os.open(path.with_name(path.name + ".lock"), os.O_RDWR)  # its own open file: another holder
+    try:
+        fcntl.flock(other, fcntl.LOCK_EX)
+        writes = [asyncio.ensure_future(db.write(_insert(1)))]
+        await asyncio.sleep(0.05)  # the first write's drain is on the writer thread, waiting for the lock
+        for n in (2, 3, 4):
+            writes.append(asyncio.ensure_future(db.write(_insert(n))))
+            await asyncio.sleep(0.01)
+        assert not any(write.done() for write in writes), "a write got in while another holder had the lock"
+        fcntl.flock(other, fcntl.LOCK_UN)
+        assert await asyncio.wait_for(asyncio.gather(*writes), timeout=10) == [1, 2, 3, 4]
+        assert len(begins) == 1, f"four writes queued behind one holder took {len(begins)} transactions"
+    finally:
+        os.close(other)
+        await db.close()
+    assert _count(path) == {1, 2, 3, 4}
+
+
 async def test_the_writer_thread_lets_the_lock_go_before_it_wakes_the_callers_loop(tmp_path: Path) -> None:
     """Waking the caller's loop from the writer thread gives the GIL up (the write to the loop's
     self-pipe), and the thread then waits for the woken loop to give it back: done under the

@@ -86,7 +86,7 @@ class Database:
     (the job store and the webhook store share one Database).
 
     Writes are group-committed: every transaction function queued in the same turn of the
-    loop, or while the writer thread was busy, runs in the next ``BEGIN IMMEDIATE ... COMMIT``
+    loop, or while the writer thread waited for the lock or was busy, runs in the next ``BEGIN IMMEDIATE ... COMMIT``
     (on the loop when the write lock is free, else on the writer thread), each inside its own
     ``SAVEPOINT``. A function that raises rolls back to its savepoint (its writes vanish,
     the others' stay) and its caller gets the exception; every caller is answered only
@@ -297,20 +297,34 @@ class Database:
                     if not self._queue and not self._riders_due:
                         self._draining = False
                         return
-                    batch = self._take_batch()
-                if batch:
-                    self._commit_batch(batch)
+                self._commit_batch()
 
-    def _commit_batch(self, batch: list[_Pending[Any]]) -> None:
-        """Writer thread: one batch under the write lock, each caller answered through its loop."""
+    def _commit_batch(self) -> None:
+        """Writer thread: wait for the write lock, then commit what is queued by then as one
+        batch, each caller answered through its loop.
+
+        The batch is taken once the lock is held, not before the wait: what the loop queued
+        while another process wrote joins it. Taken before, it waited for a lock of its own
+        behind the same processes again, so a busy process paid a ``BEGIN``/``COMMIT`` and the
+        WAL frames of the same hot pages once for every wait (bench/RESULTS.md, issue 24)."""
+        batch: list[_Pending[Any]] = []
         if self._writer is None:
+            with self._queue_lock:
+                batch = self._take_batch()
             for pending in batch:
                 pending.answer(None, sqlite3.ProgrammingError("database is closed"))
             return
         try:
             with self._write_lock():
+                with self._queue_lock:
+                    batch = self._take_batch()
+                if not batch:
+                    return
                 self._commit_locked(batch, _queue_answer)
         except BaseException as exc:  # the lock itself failed
+            if not batch:
+                with self._queue_lock:
+                    batch = self._take_batch()
             for pending in batch:
                 pending.answer(None, exc)
             return
