@@ -86,9 +86,9 @@ class Database:
     (the job store and the webhook store share one Database).
 
     Writes are group-committed: every transaction function queued in the same turn of the
-    loop, or while the writer thread waited for the lock or was busy, runs in the next ``BEGIN IMMEDIATE ... COMMIT``
-    (on the loop when the write lock is free, else on the writer thread), each inside its own
-    ``SAVEPOINT``. A function that raises rolls back to its savepoint (its writes vanish,
+    loop, or while the writer thread waited for the lock or was busy, runs in the next
+    ``BEGIN IMMEDIATE ... COMMIT`` (on the loop when the write lock is free, else on the
+    writer thread), each inside its own ``SAVEPOINT``. A function that raises rolls back to its savepoint (its writes vanish,
     the others' stay) and its caller gets the exception; every caller is answered only
     after the batch has committed, so nothing is reported that is not durable. Each
     process takes the database-wide write lock once per batch instead of once per
