@@ -138,6 +138,13 @@ class Database:
             try:
                 self._migrate(writer)
                 writer.execute("PRAGMA wal_autocheckpoint=0")
+                # Each transaction function runs in a SAVEPOINT, whose journal SQLite writes to
+                # a temporary file once it passes 64 KiB: a notifier's fan-out of a few jobs
+                # (eight B-trees per delivery) did nearly every time, and an insert of a delivery
+                # cost 46 us instead of 14 (bench/RESULTS.md, issue 24). In memory, a savepoint
+                # journal is a few pages of one batch. Set after migrating: a migration's
+                # CREATE INDEX sorts a whole table, which belongs in a file.
+                writer.execute("PRAGMA temp_store=MEMORY")
             except BaseException:
                 writer.close()
                 raise
