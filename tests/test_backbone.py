@@ -7,6 +7,7 @@ import io
 import json
 import signal
 import time
+import uuid
 
 import httpx
 import pypdf
@@ -28,6 +29,8 @@ def test_report_accept_poll_303_download_pdf(herald: Deployment) -> None:
         assert accepted.headers["cache-control"] == "no-store"
         assert job["state"] == "queued" and job["version"] == 1 and job["attempt"] == 0
         assert job["links"]["self"] == f"/jobs/{job['id']}"
+        # SPEC §2: a random UUID, v7 with 74 random bits (herald/ids.py, tests/test_ids.py).
+        assert str(uuid.UUID(job["id"])) == job["id"] and uuid.UUID(job["id"]).version == 7
 
         wait_for_state(http, job["id"], {"succeeded"})
         done = http.get(f"/jobs/{job['id']}", follow_redirects=False)

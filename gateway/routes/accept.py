@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import uuid
 from typing import Any
 
 import msgspec
@@ -19,6 +18,7 @@ from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, Inv
 from gateway.render import public_status, retry_after
 from gateway.services import services
 from herald import tracing
+from herald.ids import new_id
 from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob, RateLimited
 from schemas import JobStatus
 from herald.kinds import KindDeclaration as JobKind
@@ -73,7 +73,7 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
     new = NewJob(
-        id=str(uuid.uuid4()),
+        id=new_id(),
         tenant=tenant,
         kind=kind.name,
         collection=kind.collection,

@@ -17,7 +17,17 @@ from typing import Any
 import msgspec
 import pytest
 
-from herald.deliveries import CALLBACK_PREFIX, DUE_PROBE_ROWS, Attempted, Claimed, FannedOut, LeaseOffer, Outcome, Plan
+from herald.deliveries import (
+    CALLBACK_PREFIX,
+    DUE_PROBE_ROWS,
+    TEST_JOB_PREFIX,
+    Attempted,
+    Claimed,
+    FannedOut,
+    LeaseOffer,
+    Outcome,
+    Plan,
+)
 from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S
 from herald.jobs import NewJob
 from herald.storage.ports import DeliveryQueue, JobStore
@@ -135,6 +145,26 @@ async def test_callback_deliveries_skip_progress_and_sign_with_the_tenant_secret
     payload = msgspec.json.decode(item.body)
     assert payload == {"type": "job.running", "timestamp": "2026-01-01T00:00:00Z",
                        "data": {"id": "j1", "version": 2}}
+
+
+async def test_delivery_ids_are_uuid7_made_in_time_order(stores: Stores) -> None:
+    """Ids made close in time sort close together (herald/ids.py: each index keyed by them
+    takes its new entries at one edge), with 74 random bits each, on both stores: the
+    fan-out's and a test event's."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    started_ms = time.time_ns() // 1_000_000 - 5_000  # the store's clock may be a little behind
+    await queue.fan_out([event("j1", 1, "job.running")])
+    await queue.fan_out([event("j2", 1, "job.running")])
+    made = [row["id"] for row in await deliveries(stores)]
+    tested = await webhooks.add_test_delivery("t1", endpoint_id, "evt_test_1", TEST_JOB_PREFIX + "1", b"{}")
+    assert tested is not None and len(made) == 2
+    ids = [uuid.UUID(text) for text in (*made, tested.id)]
+    assert [str(i) for i in ids] == [*made, tested.id], "canonical text, as stored and shown"
+    assert all(i.version == 7 and i.variant == uuid.RFC_4122 for i in ids)
+    ended_ms = time.time_ns() // 1_000_000 + 5_000
+    assert all(started_ms <= i.int >> 80 <= ended_ms for i in ids), "the time in its first 48 bits"
+    assert len({i.int & ((1 << 62) - 1) for i in ids}) == 3, "random bits"
 
 
 # ----- order per job and target --------------------------------------------------------------

@@ -435,7 +435,7 @@ class PgWebhookStore:
                     SELECT $3, $5, clock.ts FROM endpoint, clock)
                 INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
                                                 status, scheduled_at, next_attempt_at, created_at, updated_at)
-                SELECT gen_random_uuid()::TEXT, $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
+                SELECT herald_uuid7(), $2, endpoint.id, endpoint.id, NULL, $3, $4, 0, $6,
                        'pending', clock.ts, clock.ts, clock.ts, clock.ts
                   FROM endpoint, clock
                 RETURNING *

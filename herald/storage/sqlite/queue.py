@@ -19,7 +19,6 @@ callback URL.
 from __future__ import annotations
 
 import sqlite3
-import uuid
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import replace
@@ -44,6 +43,7 @@ from herald.deliveries import (
     some_target_wants,
 )
 from herald.delivery_rules import RESPONSE_KEEP_BYTES
+from herald.ids import new_id
 from herald.sealing import Sealer
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, live_keys
@@ -151,7 +151,7 @@ def _add_delivery(
     conn.execute(
         "INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,"
         " status, scheduled_at, next_attempt_at, created_at, updated_at) VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
-        (str(uuid.uuid4()), event.tenant, target, endpoint_id, url, eid, event.job_id, event.version, event.type,
+        (new_id(), event.tenant, target, endpoint_id, url, eid, event.job_id, event.version, event.type,
          placement.status, placement.due, placement.next_attempt_at, ts, ts),
     )
     return placement.status == "pending"

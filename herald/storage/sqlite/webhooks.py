@@ -30,6 +30,7 @@ from herald.deliveries import (
     callback_owner,
 )
 from herald import delivery_rules as rules
+from herald.ids import new_id
 from herald.sealing import Sealer, key_aad
 from herald.storage.sqlite.db import Database
 from herald.timefmt import now
@@ -289,7 +290,7 @@ class SqliteWebhookStore:
                 raise TestEventsLimited(recent[-TEST_EVENTS_PER_WINDOW] + TEST_EVENT_WINDOW_S - ts)
             conn.execute("INSERT INTO webhook_messages (event_id, body, created_at) VALUES (?,?,?)",
                          (event_id, body, ts))
-            delivery_id = str(uuid.uuid4())
+            delivery_id = new_id()
             conn.execute(
                 "INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,"
                 " status, scheduled_at, next_attempt_at, created_at, updated_at)"

@@ -119,7 +119,7 @@ BEGIN
         END IF;
         INSERT INTO webhook_deliveries (id, tenant, target, endpoint_id, url, event_id, job_id, version, type,
                                         status, scheduled_at, next_attempt_at, created_at, updated_at)
-        VALUES (gen_random_uuid()::TEXT, p_tenants[o], tgt, t_endpoints[i], t_urls[i], eid, job, ver, typ,
+        VALUES (herald_uuid7(), p_tenants[o], tgt, t_endpoints[i], t_urls[i], eid, job, ver, typ,
                 new_status, due, CASE WHEN new_status = 'pending' THEN due END, ts, ts)
         ON CONFLICT (event_id, target) DO NOTHING;
         IF FOUND AND new_status = 'pending' THEN
