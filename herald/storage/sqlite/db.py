@@ -88,9 +88,10 @@ class Database:
     Writes are group-committed: every transaction function queued in the same turn of the
     loop, or while the writer thread waited for the lock or was busy, runs in the next
     ``BEGIN IMMEDIATE ... COMMIT`` (on the loop when the write lock is free, else on the
-    writer thread), each inside its own ``SAVEPOINT``. A function that raises rolls back to its savepoint (its writes vanish,
-    the others' stay) and its caller gets the exception; every caller is answered only
-    after the batch has committed, so nothing is reported that is not durable. Each
+    writer thread), each inside its own ``SAVEPOINT`` (but a batch's only function, ``_alone``).
+    A function that raises rolls back to its savepoint (its writes vanish, the others' stay)
+    and its caller gets the exception; every caller is answered only after the batch has
+    committed, so nothing is reported that is not durable. Each
     process takes the database-wide write lock once per batch instead of once per
     transaction: under load that lock, shared by every process, is Herald's ceiling.
 
@@ -138,13 +139,6 @@ class Database:
             try:
                 self._migrate(writer)
                 writer.execute("PRAGMA wal_autocheckpoint=0")
-                # Each transaction function runs in a SAVEPOINT, whose journal SQLite writes to
-                # a temporary file once it passes 64 KiB: a notifier's fan-out of a few jobs
-                # (eight B-trees per delivery) did nearly every time, and an insert of a delivery
-                # cost 46 us instead of 14 (bench/RESULTS.md, issue 24). In memory, a savepoint
-                # journal is a few pages of one batch. Set after migrating: a migration's
-                # CREATE INDEX sorts a whole table, which belongs in a file.
-                writer.execute("PRAGMA temp_store=MEMORY")
             except BaseException:
                 writer.close()
                 raise
@@ -346,12 +340,15 @@ class Database:
         try:
             conn.execute("BEGIN IMMEDIATE")
             try:
-                for pending in batch:
-                    outcomes.append(_in_savepoint(conn, pending.fn))
+                if len(batch) == 1:
+                    outcomes.append(_alone(conn, batch[0].fn))
+                else:
+                    for pending in batch:
+                        outcomes.append(_in_savepoint(conn, pending.fn))
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-            conn.execute("COMMIT")
+            conn.execute("ROLLBACK" if len(batch) == 1 and outcomes[0][1] is not None else "COMMIT")
         except BaseException as exc:  # BEGIN, COMMIT or a savepoint step failed: nothing of the batch stands
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
@@ -443,6 +440,23 @@ def statements(script: str) -> Iterator[str]:
             pending = ""
     if (pending + tail).strip():
         yield pending + tail  # no closing ";": SQLite takes it as it takes a last statement
+
+
+def _alone(conn: sqlite3.Connection,
+           fn: Callable[[sqlite3.Connection], T]) -> tuple[T | None, BaseException | None]:
+    """Run the only transaction function of a batch; if it raises, its caller rolls the whole
+    transaction back, so it needs no savepoint.
+
+    A savepoint's journal (the pages it changed, as they were) moves to a temporary file past
+    64 KiB: a notifier's fan-out of a few jobs, eight B-trees per delivery, nearly always
+    passed it, and each of its inserts cost three times as much (bench/RESULTS.md, issue 24).
+    The notifier's transactions nearly always commit alone. Kept in memory instead
+    (``temp_store=MEMORY``) the journal would have no bound: a dead endpoint's backlog failed
+    in one statement would need all its pages in RAM."""
+    try:
+        return fn(conn), None
+    except Exception as exc:
+        return None, exc
 
 
 def _in_savepoint(conn: sqlite3.Connection, fn: Callable[[sqlite3.Connection], T]) -> tuple[T | None, BaseException | None]:
