@@ -348,7 +348,11 @@ class Database:
             except BaseException:
                 conn.execute("ROLLBACK")
                 raise
-            conn.execute("ROLLBACK" if len(batch) == 1 and outcomes[0][1] is not None else "COMMIT")
+            if len(batch) == 1 and outcomes[0][1] is not None:  # alone and raised: nothing of it stands
+                if conn.in_transaction:  # (an error SQLite itself rolled back leaves none open)
+                    conn.execute("ROLLBACK")
+            else:
+                conn.execute("COMMIT")
         except BaseException as exc:  # BEGIN, COMMIT or a savepoint step failed: nothing of the batch stands
             if conn.in_transaction:
                 with contextlib.suppress(sqlite3.Error):
