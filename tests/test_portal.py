@@ -9,6 +9,7 @@ import json
 import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -497,3 +498,71 @@ def test_the_portal_in_chromium(browser: Any, portal: Deployment, receiver: Rece
     other.close()
     acme.close()
     assert not page_errors, page_errors
+
+
+def _pump_until(page: Any, predicate: Any, what: str, timeout_s: float = 20.0) -> None:
+    """Let the page's events (and so Playwright's route handlers) run until ``predicate()``;
+    a sync Playwright dispatches them only while one of its calls is waiting."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        page.wait_for_timeout(20)
+
+
+def test_an_endpoint_list_read_before_an_edit_does_not_undo_the_edit(browser: Any, portal: Deployment,
+                                                                     receiver: Receiver) -> None:
+    """A list of endpoints asked for before an edit was answered, but answered after it (a
+    delivery notice's read racing the Save), is read again: shown as it came, it put the old
+    endpoint back on the page, and nothing corrected it until the next delivery."""
+    expect = sync_api.expect
+    expect.set_options(timeout=20_000)
+    base = portal.url()
+    with client(base) as acme:
+        created = acme.post("/webhooks", json={"url": receiver.url, "event_types": ["job.succeeded"]})
+        assert created.status_code == 201, created.text
+    endpoint_id = created.json()["id"]
+
+    lists: list[str] = []  # every read of the endpoint list, in order
+    held: list[tuple[Any, Any]] = []  # (route, the answer the server gave before the edit)
+    holding = threading.Event()
+
+    def on_list(route: Any) -> None:
+        lists.append(route.request.url)
+        if holding.is_set() and not held:
+            held.append((route, route.fetch()))  # read now, handed to the page later
+        else:
+            route.continue_()
+
+    page = browser.new_page()
+    page.route(lambda url: urlsplit(url).path == "/webhooks" and "limit=" in url, on_list)
+    page.goto(base + "/portal")
+    page.get_by_label("API key").fill(KEYS["acme"])
+    page.get_by_label("API key").press("Enter")
+    expect(page.locator("#connection")).to_have_text("Live")
+    card = page.locator(f'#endpoints > li[data-endpoint-id="{endpoint_id}"]')
+    expect(card).to_contain_text("Kindsevery kind")
+    # Signing in reads the list, and so does the stream's first notice ("read everything");
+    # with no delivery here, nothing reads it after those two.
+    _pump_until(page, lambda: len(lists) >= 2, "the page's first two reads of the list")
+
+    holding.set()
+    page.evaluate("() => { refreshEndpoints(); }")  # what a delivery notice starts, a second later
+    _pump_until(page, lambda: bool(held), "the held read")
+    route, stale = held[0]
+    assert stale.json()["items"][0]["kinds"] is None  # the server answered before the edit
+    holding.clear()
+
+    card.get_by_role("button", name="Edit").click()
+    dialog = page.get_by_role("dialog", name="Edit endpoint")
+    dialog.get_by_label("Job kinds").fill("export")
+    dialog.get_by_role("button", name="Save").click()
+    expect(card).to_contain_text("Saved.")
+    expect(card).to_contain_text("Kindsexport")
+    reads_before = len(lists)
+
+    route.fulfill(response=stale)  # the old list arrives after the edit
+    _pump_until(page, lambda: len(lists) > reads_before, "the list read again")
+    expect(card).to_contain_text("Kindsexport")
+    page.wait_for_load_state("networkidle")
+    expect(card).to_contain_text("Kindsexport")
+    page.close()

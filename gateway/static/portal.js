@@ -37,6 +37,7 @@ const state = {
   reopenDelay: REOPEN_FIRST_MS,
   reopenTimer: 0,
   editing: null,          // endpoint id being edited, null while adding
+  endpointWrites: 0,      // endpoint changes this page has applied (see refreshEndpoints)
   returnFocus: null,      // what gets focus back when a dialog closes
 };
 
@@ -284,7 +285,14 @@ const refreshEndpoints = serialized(async () => {
   const box = $("endpoints-error");
   let list;
   try {
-    list = await api("GET", "/webhooks?limit=100");
+    // A list asked for before one of this page's own changes was answered may have been read
+    // before that change was committed: shown, it would undo the change on the page until the
+    // next read. Such a list is read again.
+    let writes;
+    do {
+      writes = state.endpointWrites;
+      list = await api("GET", "/webhooks?limit=100");
+    } while (writes !== state.endpointWrites);
   } catch (err) {
     if (!state.auth) return;
     box.querySelector("p").textContent = `The endpoints could not be loaded: ${problemText(err)}`;
@@ -426,6 +434,7 @@ async function togglePause(id) {
   const status = entry.endpoint.status === "enabled" ? "disabled" : "enabled";
   try {
     entry.endpoint = await api("PATCH", `/webhooks/${id}`, { status });
+    state.endpointWrites += 1;
     renderEndpoint(entry);
     endpointNote(id, status === "enabled" ? "Resumed: new events are delivered again."
       : "Paused: new events are dropped and waiting deliveries end failed until you resume.");
@@ -460,6 +469,7 @@ async function onConfirmDelete() {
   closeDialog(dialog, false);
   try {
     await api("DELETE", `/webhooks/${id}`);
+    state.endpointWrites += 1;
     const entry = state.endpoints.get(id);
     if (entry) entry.item.remove();
     state.endpoints.delete(id);
@@ -530,6 +540,7 @@ async function onEndpointSubmit(event) {
   try {
     if (state.editing) {
       const endpoint = await api("PATCH", `/webhooks/${state.editing}`, body);
+      state.endpointWrites += 1;
       const entry = state.endpoints.get(endpoint.id);
       if (entry) {
         entry.endpoint = endpoint;
