@@ -9,13 +9,16 @@ committed events, the freed slot wakes the dispatch loop, which sends the next p
 request. Written as they came, that was about five ``sendto`` per job, a third of a worker's
 event-loop time (bench/RESULTS.md, issue 24). Here the flusher lets the loop run up to
 ``COALESCE_TURNS`` more turns while it has other callbacks due (CPython's loop keeps them in
-its ``_ready`` queue; a loop without one gets no wait), so such a chain leaves in one or two
-writes, and an idle loop is not made to spin (a first version that always waited three turns
-cost more in turns than it saved in writes: bench/RESULTS.md, issue 24).
+its ``_ready`` queue), so such a chain leaves in one or two writes, and an idle loop is not
+made to spin (a first version that always waited three turns cost asyncio's loop more in turns
+than it saved in writes: bench/RESULTS.md, issue 24). uvloop, which workers and notifiers run
+on as the gateway does, keeps that queue out of Python's reach: there the flusher always
+waits the turns, which cost uvloop a few microseconds each.
 
 Nothing is promised on a write: a message is acked after its job's state is committed and
 an event is published from a committed outbox row, whenever the bytes leave. An idle process's
-writes leave at once; a busy one's wait only for work that was already due to run.
+writes leave at once (on uvloop, three quick turns later); a busy one's wait only for work
+that was already due to run.
 
 It overrides nats-py's ``Client._flusher`` (a private method, the same body plus the wait):
 with a nats-py that no longer has it, the override is simply never called and writes go out
@@ -30,6 +33,7 @@ from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NATS
 
 COALESCE_TURNS = 3  # at most this many turns of the loop between the first queued command and the write
+_UNKNOWN = (True,)  # a loop that does not show its queue of due callbacks (uvloop): taken as busy
 
 
 class Client(NATS):
@@ -52,8 +56,9 @@ class Client(NATS):
             future: asyncio.Future[object] = await self._flush_queue.get()
             try:
                 # The rest of the chain that queued this command, while it is still running:
-                # only while the loop has other callbacks due (an idle loop would only spin).
-                ready = getattr(asyncio.get_running_loop(), "_ready", None)
+                # on asyncio's loop only while it has other callbacks due (an idle loop would
+                # only spin); uvloop does not say, and its turns cost little, so it always waits.
+                ready = getattr(asyncio.get_running_loop(), "_ready", _UNKNOWN)
                 for _ in range(COALESCE_TURNS):
                     if not ready:
                         break
