@@ -51,6 +51,11 @@ def read_output(http: httpx.Client, path: str, headers: dict[str, str] | None = 
             if index == 0:
                 assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
                 continue
+            if not sse.data:
+                # A keep-alive comment (the hub's one ticker, whenever it falls in a quiet
+                # moment of this stream): httpx-sse yields it as an empty event once an id
+                # was seen; a browser's EventSource dispatches nothing.
+                continue
             if sse.event != "output":
                 return chunks, (sse.event, json.loads(sse.data))
             chunks.append((int(sse.id), json.loads(sse.data)))

@@ -31,6 +31,11 @@ def read_job_stream(http: httpx.Client, path: str, headers: dict[str, str] | Non
             if index == 0:
                 assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
                 continue
+            if not sse.data:
+                # A keep-alive comment (the hub's one ticker, whenever it falls in a quiet
+                # moment of this stream): httpx-sse yields it as an empty event once an id
+                # was seen; a browser's EventSource dispatches nothing.
+                continue
             events.append({"id": sse.id, "event": sse.event, "data": json.loads(sse.data)})
             if stop_after is not None and len(events) >= stop_after:
                 break
