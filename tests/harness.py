@@ -11,7 +11,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -329,6 +329,18 @@ class Deployment:
 
 def client(base: str, tenant: str = "acme", **kwargs: Any) -> httpx.Client:
     return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=10, **kwargs)
+
+
+def dispatched_events(source: Any) -> Iterator[Any]:
+    """The events of an httpx-sse ``EventSource`` that a browser's EventSource dispatches,
+    after checking that the stream opens with its ``retry:`` line. A keep-alive comment (the
+    hub's one ticker, whenever it falls in a quiet moment of the stream) is skipped: httpx-sse
+    yields it as an event with no data once an id was seen, and a browser dispatches nothing."""
+    for index, sse in enumerate(source.iter_sse()):
+        if index == 0:
+            assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
+        elif sse.data:
+            yield sse
 
 
 def wait_for_state(http: httpx.Client, job_id: str, states: set[str], timeout: float = 30) -> dict[str, Any]:

@@ -41,7 +41,11 @@ async def test_commands_of_consecutive_turns_leave_in_one_write(tmp_path: Path) 
 def test_commands_of_consecutive_turns_leave_in_one_write_on_uvloop(tmp_path: Path) -> None:
     """On uvloop, which workers and notifiers run on (``launcher.cli.run_component``) as the
     gateway does: it keeps its queue of due callbacks out of reach, so the flusher always waits."""
-    assert not hasattr(uvloop.new_event_loop(), "_ready")  # else this would test the other path
+    loop = uvloop.new_event_loop()
+    try:
+        assert not hasattr(loop, "_ready")  # else this would test the other path
+    finally:
+        loop.close()
     uvloop.run(_one_write_per_chain(tmp_path))
 
 

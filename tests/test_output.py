@@ -18,7 +18,7 @@ from nats.js.errors import NotFoundError
 
 from herald.constants import OUTPUT_STREAM, output_subject
 from launcher.pgserver import PostgresServer
-from tests.harness import KEYS, Deployment, client, new_database, wait_for_state, wait_until
+from tests.harness import KEYS, Deployment, client, dispatched_events, new_database, wait_for_state, wait_until
 
 EMIT_KIND = "tests.kinds_fixture:EMIT"
 MAX_BYTES = 200_000  # HERALD_OUTPUT_MAX_BYTES of the module's deployment
@@ -47,15 +47,7 @@ def read_output(http: httpx.Client, path: str, headers: dict[str, str] | None = 
     with connect_sse(http, "GET", path, headers={**SSE, **(headers or {})}, timeout=60) as source:
         assert source.response.status_code == 200, source.response.read()
         assert source.response.headers["content-type"].startswith("text/event-stream")
-        for index, sse in enumerate(source.iter_sse()):
-            if index == 0:
-                assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
-                continue
-            if not sse.data:
-                # A keep-alive comment (the hub's one ticker, whenever it falls in a quiet
-                # moment of this stream): httpx-sse yields it as an empty event once an id
-                # was seen; a browser's EventSource dispatches nothing.
-                continue
+        for sse in dispatched_events(source):
             if sse.event != "output":
                 return chunks, (sse.event, json.loads(sse.data))
             chunks.append((int(sse.id), json.loads(sse.data)))

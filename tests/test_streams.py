@@ -15,7 +15,7 @@ import httpx
 import pytest
 from httpx_sse import connect_sse
 
-from tests.harness import KEYS, Deployment, client, wait_for_state, wait_until
+from tests.harness import KEYS, Deployment, client, dispatched_events, wait_for_state, wait_until
 
 TERMINAL = {"job.succeeded", "job.failed", "job.cancelled"}
 
@@ -27,15 +27,7 @@ def read_job_stream(http: httpx.Client, path: str, headers: dict[str, str] | Non
         assert source.response.status_code == 200
         assert source.response.headers["content-type"].startswith("text/event-stream")
         assert source.response.headers["cache-control"] == "no-store"
-        for index, sse in enumerate(source.iter_sse()):
-            if index == 0:
-                assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
-                continue
-            if not sse.data:
-                # A keep-alive comment (the hub's one ticker, whenever it falls in a quiet
-                # moment of this stream): httpx-sse yields it as an empty event once an id
-                # was seen; a browser's EventSource dispatches nothing.
-                continue
+        for sse in dispatched_events(source):
             events.append({"id": sse.id, "event": sse.event, "data": json.loads(sse.data)})
             if stop_after is not None and len(events) >= stop_after:
                 break
