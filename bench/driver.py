@@ -62,7 +62,7 @@ class Driver:
         self._nc = await jetstream.connect(self.settings, name="herald-bench-driver")
         js = self._nc.jetstream()
         await jetstream.ensure_topology(js, self.settings)
-        self._relay = Relay(self.store, js, sweep_interval_s=1.0)
+        self._relay = Relay(self.store, self._nc, sweep_interval_s=1.0)
         self._relay_task = asyncio.create_task(self._relay.run(), name="bench-relay")
         return self
 

@@ -85,7 +85,7 @@ async def _connect_nats(svc: Services, owner: TaskOwner) -> None:
     await svc.directory.attach(nc)
     await svc.hub.attach(nc)
     await svc.watch.attach(nc)
-    relay = Relay(svc.store, js, sweep_interval_s=svc.settings.sweep_interval_s)
+    relay = Relay(svc.store, nc, sweep_interval_s=svc.settings.sweep_interval_s)
     relay.kick()
     owner.spawn(relay.run(), "relay")
     log.info("NATS connected, streams ready")

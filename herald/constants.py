@@ -59,10 +59,11 @@ def worker_consumer_name(kind: str, token: str | None = None) -> str:
 
 # A job event's subject ends in its audience: ``notify`` when some webhook target wanted it
 # as it was committed (a matching enabled endpoint of the tenant, or the job's callback URL),
-# ``quiet`` when none did. The notifier's consumer takes only ``notify`` (and an older
-# Herald's ``events.<tenant>.<job>``), so it never receives, parses and acks the events no
-# target wants: most of a busy deployment's, whose endpoints ask for outcomes. Every other
-# reader (the gateways' hubs, the stream) takes both.
+# ``quiet`` when none did. Only ``notify`` events (and an older Herald's
+# ``events.<tenant>.<job>``) are kept in the events stream, for the notifier's consumer: a
+# ``quiet`` one has no durable reader, so the relay publishes it on core NATS to the gateways'
+# hubs alone (most of a busy deployment's events, whose endpoints ask for outcomes), and it
+# costs JetStream no write, replication or PubAck.
 NOTIFY = "notify"
 QUIET = "quiet"
 
@@ -87,11 +88,16 @@ def output_live_subject(tenant: str, job_id: str) -> str:
     return f"{OUTPUT_LIVE_PREFIX}.{tenant_token(tenant)}.{job_id}"
 
 
+def is_live_only(subject: str) -> bool:
+    """Whether an outbox row is a ``quiet`` event: published on core NATS, not kept in a stream."""
+    return subject.endswith("." + QUIET) and subject.startswith("events.")
+
+
 JOB_SUBJECTS = "jobs.>"
-EVENT_SUBJECTS = "events.>"
-# What the notifier's consumer takes: events some target wanted, and an older Herald's events
-# (three tokens, no audience), which it judged on receipt.
-NOTIFIER_EVENT_SUBJECTS = ["events.*.*." + NOTIFY, "events.*.*"]
+EVENT_SUBJECTS = "events.>"  # what the gateways' hubs subscribe to: every event, kept or live only
+# What the events stream keeps and the notifier's consumer takes: events some target wanted,
+# and an older Herald's events (three tokens, no audience), which the notifier judges on receipt.
+KEPT_EVENT_SUBJECTS = ["events.*.*." + NOTIFY, "events.*.*"]
 
 MSG_ID_HEADER = "Nats-Msg-Id"
 

@@ -24,12 +24,11 @@ from nats.js.api import (
 from nats.js.errors import BadRequestError, NotFoundError
 
 from herald.constants import (
-    EVENT_SUBJECTS,
-    NOTIFIER_EVENT_SUBJECTS,
     EVENTS_STREAM,
     JOB_SUBJECTS,
     MAX_CHUNK_BYTES,
     JOBS_STREAM,
+    KEPT_EVENT_SUBJECTS,
     NOTIFIER_CONSUMER,
     OUTPUT_LIVE_SUBJECTS,
     OUTPUT_STREAM,
@@ -115,7 +114,7 @@ def stream_configs(settings: Settings) -> list[StreamConfig]:
         ),
         StreamConfig(
             name=EVENTS_STREAM,
-            subjects=[EVENT_SUBJECTS],
+            subjects=KEPT_EVENT_SUBJECTS,  # quiet events are live only (constants.is_live_only)
             retention=RetentionPolicy.LIMITS,
             storage=StorageType.FILE,
             duplicate_window=120.0,
@@ -192,7 +191,7 @@ def notifier_consumer(settings: Settings) -> ConsumerConfig:
         ack_wait=30.0,
         max_deliver=-1,
         max_ack_pending=10_000,
-        filter_subjects=NOTIFIER_EVENT_SUBJECTS,  # only events some target wanted (constants.event_subject)
+        filter_subjects=KEPT_EVENT_SUBJECTS,  # the whole stream, named: an older stream kept every event
         deliver_policy=DeliverPolicy.NEW,
         num_replicas=settings.nats_replicas,
     )

@@ -31,6 +31,7 @@ import asyncio
 
 from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NATS
+from nats.errors import ConnectionClosedError, ConnectionReconnectingError
 
 COALESCE_TURNS = 3  # at most this many turns of the loop between the first queued command and the write
 _UNKNOWN = (True,)  # a loop that does not show its queue of due callbacks (uvloop): taken as busy
@@ -40,8 +41,14 @@ class Client(NATS):
     async def flush(self, timeout: int = DEFAULT_FLUSH_TIMEOUT) -> None:
         """What is queued is written first, then the PING: nats-py writes the PING straight to
         the socket, ahead of the queue, which the flusher's wait would otherwise make longer;
-        the PONG means the server has read everything published before."""
-        if self._pending_data_size > 0 and self.is_connected and self._transport is not None:
+        the PONG means the server has read everything published before.
+
+        Disconnected, it raises: nats-py's own flush returns at once then (its read loop is
+        gone, so it "flushes" into the reconnect buffer), which would tell the relay that the
+        server has messages it may never get."""
+        if not self.is_connected:
+            raise ConnectionReconnectingError if self.is_reconnecting else ConnectionClosedError
+        if self._pending_data_size > 0 and self._transport is not None:
             self._transport.writelines(self._pending[:])
             self._pending = []
             self._pending_data_size = 0

@@ -9,6 +9,12 @@ periodic pass publishes those, whoever committed them. Publishing the same row t
 harmless: the message id makes JetStream drop the repeat, and every consumer is
 idempotent by job id and version.
 
+A ``quiet`` event (one no webhook target wanted as it committed, ``herald.constants``) has no
+durable reader: it goes out on core NATS to the gateways' hubs, not into a stream, and its
+row is deleted once a flush's PONG says the server has read it, the same point a PubAck
+marks for the hubs (a hub is a core subscriber either way, and fills what it missed from the
+store).
+
 Each message carries its job's W3C trace context as ``traceparent``/``tracestate``
 headers (``herald.tracing``): with tracing on, the context of its publish span.
 """
@@ -20,19 +26,23 @@ import contextlib
 import logging
 import time
 
-from nats.js import JetStreamContext
+from nats.aio.client import Client as NATS
 
 from herald import tracing
-from herald.constants import MSG_ID_HEADER
+from herald.constants import MSG_ID_HEADER, is_live_only
 from herald.storage.ports import JobStore, OutboxRow
 
 log = logging.getLogger("herald.relay")
 
 
+
 class Relay:
-    def __init__(self, store: JobStore, js: JetStreamContext, *, sweep_interval_s: float, batch: int = 256) -> None:
+    def __init__(self, store: JobStore, nc: NATS, *, sweep_interval_s: float, batch: int = 256,
+                 publish_timeout_s: float = 5.0) -> None:
         self._store = store
-        self._js = js
+        self._timeout_s = publish_timeout_s
+        self._nc = nc
+        self._js = nc.jetstream()
         self._sweep_interval_s = sweep_interval_s
         self._batch = batch
         self._wake = asyncio.Event()
@@ -69,7 +79,16 @@ class Relay:
         rows = await self._store.outbox_batch(self._batch, stale_after_s=stale_after_s)
         if not rows:
             return 0
-        results = await asyncio.gather(*(self._publish(row) for row in rows), return_exceptions=True)
+        live_only = [is_live_only(row.subject) for row in rows]
+        # In the batch's order (each publish queues its command as its task starts); the flush
+        # starts last, so its PONG follows every live-only message of the batch.
+        *results, flushed = await asyncio.gather(
+            *(self._publish(row, live) for row, live in zip(rows, live_only)),
+            self._flush() if any(live_only) else _nothing(),
+            return_exceptions=True,
+        )
+        if isinstance(flushed, BaseException):
+            results = [flushed if live else result for result, live in zip(results, live_only)]
         done = [row.seq for row, result in zip(rows, results) if not isinstance(result, BaseException)]
         if done:
             await self._store.outbox_done(done)
@@ -78,8 +97,8 @@ class Relay:
             raise failures[0]
         return len(rows)
 
-    async def _publish(self, row: OutboxRow) -> None:
-        headers = {MSG_ID_HEADER: row.msg_id}
+    async def _publish(self, row: OutboxRow, live_only: bool) -> None:
+        headers = {} if live_only else {MSG_ID_HEADER: row.msg_id}
         if row.traceparent is not None and tracing.enabled():
             # A span of the job's trace; the message carries its context, so the consumer's
             # span (the worker's run) is its child.
@@ -89,10 +108,23 @@ class Relay:
             with tracing.span(f"publish {row.subject.split('.', 1)[0]}", context, kind=tracing.SpanKind.PRODUCER,
                               attributes=attributes):
                 tracing.inject(headers)
-                await self._js.publish(row.subject, row.payload, headers=headers, timeout=5.0)
+                await self._send(row, headers, live_only)
             return
         if row.traceparent is not None:  # tracing off: the job's context as kept
             headers[tracing.TRACEPARENT] = row.traceparent
             if row.tracestate:
                 headers[tracing.TRACESTATE] = row.tracestate
-        await self._js.publish(row.subject, row.payload, headers=headers, timeout=5.0)
+        await self._send(row, headers, live_only)
+
+    async def _flush(self) -> None:
+        await self._nc.flush(self._timeout_s)  # type: ignore[arg-type]  # a float works; nats-py's annotation says int
+
+    async def _send(self, row: OutboxRow, headers: dict[str, str], live_only: bool) -> None:
+        if live_only:
+            await self._nc.publish(row.subject, row.payload, headers=headers or None)
+        else:
+            await self._js.publish(row.subject, row.payload, headers=headers, timeout=self._timeout_s)
+
+
+async def _nothing() -> None:
+    return None

@@ -443,7 +443,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSour
         limits = limits if limits is not None else directory
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
-        relay = Relay(store, js, sweep_interval_s=settings.sweep_interval_s)
+        relay = Relay(store, nc, sweep_interval_s=settings.sweep_interval_s)
         owner.spawn(relay.run(), "relay")
         owner.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
         # Each kind's work is pulled per tenant (workers/dispatch.py): consumers are made as tenants need them.
