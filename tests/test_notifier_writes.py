@@ -302,7 +302,10 @@ async def test_targets_sharing_one_receiver_share_its_window_and_are_not_leased_
     claim and handed back all but one, a write each time."""
     tenants = [f"t{n}" for n in range(6)]
     per_tenant = 60
-    with _holding(0.01) as (url, handler):
+    # Each answer held 50 ms, so the targets stay busy between claims: a claim that finds its
+    # origin with nothing in flight may give any target the whole window (the target with work
+    # may be any of them), and with 10 ms answers a loaded machine saw three such claims.
+    with _holding(0.05) as (url, handler):
         async with _notifier(tmp_path) as (jobs, webhooks, scheduler, _writes):
             handed_back: list[int] = []
             release = scheduler.queue.release
@@ -324,7 +327,13 @@ async def test_targets_sharing_one_receiver_share_its_window_and_are_not_leased_
             await scheduler.fan_out(events)
             await _until(lambda: handler.answered == len(events), "every delivery answered", timeout=60)
             assert handler.most <= CEILING
-            assert sum(handed_back) <= len(events) // 4, (sum(handed_back), handed_back[:20])
+            # The first claims find the origin with nothing in flight, so any target may take the
+            # whole window (any of them may be the one with work): up to one window per target
+            # leased, all but what is sent handed back. Once targets are busy, each claim leases
+            # about what the shared window can send now, and hands back little.
+            warm_up, busy = handed_back[:2], handed_back[2:]
+            assert all(n <= len(tenants) * CEILING for n in warm_up), handed_back[:20]
+            assert sum(busy) <= len(events) // 20, (sum(busy), handed_back[:20])
 
 
 async def test_one_target_with_work_gets_the_whole_window_while_its_receivers_other_targets_idle(
