@@ -3,7 +3,8 @@
 What every backend promises is checked once per backend in ``tests/store_contract/``
 (two processes' stores on one file included); the writer and its group commit in
 ``tests/test_sqlite_writer.py``. Here: a data dir an older Herald wrote is upgraded in
-place, and the outbox rows it left still go out.
+place, and the outbox rows it left still go out; a transition on a row the store remembers
+is judged before the write lock.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SqliteJobStore
 from herald.storage.sqlite.schema import SCHEMA
 from tests.harness import make_sealer
-from tests.store_contract.support import new_job
+from herald.transitions import Change
+from tests.store_contract.support import CLAIM, new_job
 
 
 def _jobs_of(rows: list[OutboxRow]) -> set[str]:
@@ -40,3 +42,32 @@ async def test_a_data_dir_from_before_outbox_origins_is_upgraded(tmp_path: Path)
     finally:
         await store.close()
 
+
+
+async def test_a_transition_on_a_remembered_row_reads_no_job_under_the_write_lock(tmp_path: Path) -> None:
+    """The write lock is every process's one queue (bench/RESULTS.md, issue 24): a worker's
+    claim on the row it read, and its success on its claim, are judged and encoded before
+    it; the transaction only compares-and-sets on that row. A row it does not remember is
+    read in the transaction, as before."""
+    store = SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0, sealer=make_sealer())
+    await store.open()
+    statements: list[str] = []
+    try:
+        writer = store._db._writer  # noqa: SLF001 -- what the transaction runs is not a port's to say
+        assert writer is not None
+        writer.set_trace_callback(statements.append)
+        job = (await store.accept(new_job())).job
+        store.remember(job)  # as a worker does with the row it read for the claim
+        statements.clear()
+        running = (await store.transition(job.id, CLAIM)).after
+        done = (await store.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1))).after
+        assert not [s for s in statements if s.startswith("SELECT * FROM jobs")], statements
+        assert (running.version, done.version, done.state) == (2, 3, "succeeded")
+        assert await store.get(job.id) == done
+
+        unknown = (await store.accept(new_job())).job  # accepted here, never remembered
+        statements.clear()
+        await store.transition(unknown.id, CLAIM)
+        assert [s for s in statements if s.startswith("SELECT * FROM jobs")], statements
+    finally:
+        await store.close()

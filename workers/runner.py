@@ -386,15 +386,17 @@ class Worker:
 
 async def job_of(work: JobMessage, store: JobStore) -> JobRow | None:
     """The job of a work message, to claim: as the message carries it (queued, at the
-    version the message was made for), handed to the store as the row the claim is judged
-    on, so the claim is one compare-and-set with no read before it; else read. A carried row
-    the job has left since (cancelled, deleted, claimed elsewhere) makes that compare-and-set
-    miss, and the store reads the job and judges again: the claim is refused, the message
-    acked, as when the read said so first."""
+    version the message was made for), else read. Either way it is handed to the store as
+    the row the claim is judged on (``JobStore.remember``): on PostgreSQL the claim is one
+    compare-and-set with no read before it, on SQLite it is judged outside the write lock.
+    A row the job has left since (cancelled, deleted, claimed elsewhere) makes that
+    compare-and-set miss, and the store reads the job and judges again: the claim is
+    refused, the message acked, as when the read said so first."""
     job = workmessage.carried_row(work)
     if job is None:
-        return await store.get(work.job_id)
-    store.remember(job)
+        job = await store.get(work.job_id)
+    if job is not None:
+        store.remember(job)
     return job
 
 

@@ -270,6 +270,41 @@ async def test_unknown_job_and_invisible_changes(stores: Stores) -> None:
     assert same.event is None and same.after == job and (await store.get(job.id)) == job
 
 
+async def test_a_remembered_row_that_moved_is_read_and_judged_again(stores: Stores) -> None:
+    """ports.py ``remember``: a process may judge a job's next change on the row it saw last
+    (a worker's claim on the row it was handed, its success on its claim). When another
+    process moved the job since (a claim, a cancel request, a heartbeat, a requeue), the
+    change is judged on the row as it is: never refused on the remembered row, never
+    written over the other's change."""
+    mine, other = stores.jobs, (await stores.another()).jobs
+    queued = (await mine.accept(new_job())).job
+    mine.remember(queued)
+    claimed = await other.transition(queued.id, CLAIM)
+    with pytest.raises(TransitionRejected, match="state is running") as refused:
+        await mine.transition(queued.id, CLAIM)
+    assert refused.value.current == claimed.after
+
+    job = await running_job(mine)  # this process saw it last: running, version 2
+    await other.transition(job.id, Change(expect={"running"}, attempt=1, cancel_requested=True))
+    done = await mine.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1))
+    assert (done.before.version, done.after.version, done.after.cancel_requested) == (3, 4, True)
+    assert [e.version for e in await mine.job_events(job.id, 0)] == [1, 2, 3, 4]
+
+    beating = await running_job(mine)
+    beat = await other.heartbeat(beating.id, 1)  # moves updated_at and heartbeat_at, not the version
+    assert beat is not None and beat.version == beating.version
+    moved = await mine.transition(beating.id, Change(expect={"running"}, attempt=1, progress=10))
+    assert moved.before == beat and moved.after.heartbeat_at == beat.heartbeat_at
+    assert await mine.get(beating.id) == moved.after
+
+    # Refused on the remembered row (attempt 1), allowed on the row as it is (attempt 2).
+    third = await running_job(mine)
+    await other.transition(third.id, Change(expect={"running"}, to="queued", attempt=1, requeue=True))
+    again = (await other.transition(third.id, CLAIM)).after
+    progressed = await mine.transition(third.id, Change(expect={"running"}, attempt=2, progress=10))
+    assert (progressed.before, progressed.after.progress, progressed.after.version) == (again, 10, 5)
+
+
 async def test_heartbeat_moves_only_its_times(stores: Stores) -> None:
     store = stores.jobs
     job = await running_job(store)

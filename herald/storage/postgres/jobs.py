@@ -12,7 +12,7 @@ database cannot compute is the event's payload: it is the status object encoded 
 (``JobRow.status()``), and it contains the change's time, which must come from the
 server's clock. So a write first reads that clock (for a transition, in the same round
 trip as the row it judges), encodes, then sends the one statement; unless this process read
-both recently (``recent.py``): the server's clock as read at most a second ago plus the time
+both recently (``recent.py``, ``herald.storage.recent_rows``): the server's clock as read at most a second ago plus the time
 elapsed here since, and the job's row as this process last read or wrote it, or as the work
 message carried it (``remember``: a worker's claim is judged on the queued row its message
 carries, ``herald.workmessage``; its success on its claim). A transition judged on such a row
@@ -98,12 +98,13 @@ from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.postgres import resealing
 from herald.storage.postgres.db import CONNECTION_ERRORS, NOW_SQL, PgDatabase, unavailable_on_connection_errors
-from herald.storage.postgres.recent import RecentRows, ServerClock
+from herald.storage.postgres.recent import ServerClock
+from herald.storage.recent_rows import RecentRows
+from herald.storage.unnumbered import unnumbered_event
 from herald.timefmt import rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent
 
-_event_encoder = msgspec.json.Encoder()
 
 SIGNING_KEY_NAME = "url-signing"
 
@@ -220,27 +221,6 @@ def _queued_row(new: NewJob, ts: float) -> JobRow:
 def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
     """The row after ``change`` at time ``ts`` (``herald.transitions.changed_row``: one rule for both stores)."""
     return changed_row(before, change, at=ts, retention_s=retention_s)[0]
-
-
-_SEQ_HEAD = b'{"seq":0,'
-
-
-def _unnumbered_event(job: JobRow, kind_of_change: str) -> tuple[JobEvent, bytes]:
-    """The job's event for its current version, without its seq (given after commit), and the
-    outbox payload minus its ``{"seq":N,`` head, which the relay's ``outbox_batch`` adds."""
-    event = JobEvent(
-        seq=0,
-        tenant=job.tenant,
-        job_id=job.id,
-        kind=job.kind,
-        version=job.version,
-        type=kind_of_change,
-        at=rfc3339(job.updated_at) or "",
-        data=msgspec.Raw(_event_encoder.encode(job.status())),
-    )
-    payload = _event_encoder.encode(event)
-    assert payload.startswith(_SEQ_HEAD), "JobEvent must encode seq first"
-    return event, payload[len(_SEQ_HEAD):]
 
 
 def _work_message(job: JobRow) -> tuple[str, str, bytes]:
@@ -380,7 +360,7 @@ class PgJobStore(CommitListeners):
         async with self._unavailable_on_errors():
             ts = await self._now()
             job = _queued_row(new, ts)
-            event, event_tail = _unnumbered_event(job, "job.queued")
+            event, event_tail = unnumbered_event(job, "job.queued")
             work_subject, work_msg_id, work_payload = _work_message(job)
             # Committed with the other accepts and transitions of this process queued meanwhile.
             record = await self._db.fetchrow_grouped(
@@ -447,7 +427,7 @@ class PgJobStore(CommitListeners):
                         before = None
                         continue
                     return Transition(before=before, after=before, event=None)  # nothing visible changed
-                event, event_tail = _unnumbered_event(after, kind_of_change)
+                event, event_tail = unnumbered_event(after, kind_of_change)
                 work_subject, work_msg_id, work_payload = _work_message(after) if change.requeue else (None, None, None)
                 capped = change.claim and change.max_running > 0
                 # Committed with the other transitions of this process queued meanwhile.

@@ -1,26 +1,19 @@
-"""What a PostgreSQL job store remembers between its round trips, so that a transition can
-skip the read that judges it: the server's clock as last read, and the job rows this process
-last read or wrote.
+"""What a PostgreSQL job store remembers of its server between round trips, so that a
+write can skip reading the server's clock first: the clock as last read. (The job rows it
+remembers are ``herald.storage.recent_rows``, which the SQLite store shares.)
 
-Both are guesses that the write itself checks. A transition judged on a remembered row
-compares-and-sets on that row's ``version`` and ``updated_at``, so a row another process
-changed since makes the write miss, and the store reads and judges again (as it does when
-two writers race today). Only a *permission* is taken from a remembered row: if the rules
-refuse the change on it, or it would change nothing visible, the store reads the row before
-it answers, so no caller is ever refused on a stale row.
+A guess: a transition stamped with it compares-and-sets on its row as read or remembered,
+and a job's times never step back (``max`` with the row's ``updated_at``).
 """
 
 from __future__ import annotations
 
 import time
 
-from herald.jobs import JobRow
 
 # A clock read older than this is read again: the server's clock may be stepped (NTP), and
 # this machine's monotonic clock only stands in for the time elapsed since the last read.
 CLOCK_MAX_AGE_S = 1.0
-# Rows remembered: a worker's jobs in flight, a gateway's recent starts; the oldest go first.
-ROWS_MAX = 4096
 
 
 class ServerClock:
@@ -47,31 +40,3 @@ class ServerClock:
         if elapsed > self._max_age_s:
             return None
         return self._server + max(0.0, elapsed)
-
-
-class RecentRows:
-    """The last row this process saw of each live job, the most recent ``ROWS_MAX`` jobs."""
-
-    def __init__(self, size: int = ROWS_MAX) -> None:
-        self._size = size
-        self._rows: dict[str, JobRow] = {}  # insertion order: the least recently seen first
-
-    def saw(self, row: JobRow) -> None:
-        self._rows.pop(row.id, None)
-        if row.terminal:  # no change applies to it any more: nothing to judge on
-            return
-        self._rows[row.id] = row
-        if len(self._rows) > self._size:
-            del self._rows[next(iter(self._rows))]
-
-    def offered(self, row: JobRow) -> None:
-        """``row`` learnt from elsewhere (a work message): kept unless a later one of the job is."""
-        known = self._rows.get(row.id)
-        if known is None or (known.version, known.updated_at) < (row.version, row.updated_at):
-            self.saw(row)
-
-    def forget(self, job_id: str) -> None:
-        self._rows.pop(job_id, None)
-
-    def get(self, job_id: str) -> JobRow | None:
-        return self._rows.get(job_id)

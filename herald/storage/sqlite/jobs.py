@@ -5,6 +5,11 @@ opens the same file. SQLite serialises writers with one database-wide lock
 (``BEGIN IMMEDIATE``), so each transaction below is compare-and-set by construction: the
 row it reads cannot change before it writes. The clock is this machine's.
 
+That lock is every process's one queue, so what need not be under it is done before it:
+events are encoded without their ``seq`` (``herald.storage.unnumbered``), and a transition
+on a row this process remembers (``herald.storage.recent_rows``) is judged on it first; its
+transaction compares-and-sets on that row and reads the job only on a miss.
+
 ``transition()`` is the only code that changes a job after it was accepted. In one
 transaction it checks the expected state and attempt, updates the row, appends the
 committed status snapshot to the job's history with a new tenant-wide sequence number,
@@ -18,6 +23,7 @@ import asyncio
 import secrets
 import sqlite3
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
@@ -40,7 +46,9 @@ from herald.storage.committing import CommitListeners
 from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.sqlite import resealing
+from herald.storage.recent_rows import RecentRows
 from herald.storage.sqlite.db import Database
+from herald.storage.unnumbered import numbered_payload, unnumbered_event
 from herald.timefmt import now, rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
 from schemas import JobEvent
@@ -49,7 +57,6 @@ from schemas import JobEvent
 # are the values of ``schemas.jobs.JobState`` (the one list), written out because a query must
 # repeat a partial index's predicate literally for the planner to use the index.
 
-_event_encoder = msgspec.json.Encoder()
 _SIGNING_KEY_NAME = "url-signing"
 
 # Each kind's oldest queued job: a loose scan of jobs_live_by_tenant (herald/storage/live_scan.py).
@@ -79,29 +86,25 @@ def _spend_start_token(conn: sqlite3.Connection, tenant: str, budget: StartBudge
 
 def _append_event(conn: sqlite3.Connection, job: JobRow, event_type: str, origin: str) -> JobEvent:
     """History row + outbox row for the job's current version (inside the caller's tx)."""
+    event, tail = unnumbered_event(job, event_type)
+    return _append_unnumbered(conn, job, event, tail, origin)
+
+
+def _append_unnumbered(conn: sqlite3.Connection, job: JobRow, event: JobEvent, tail: bytes, origin: str) -> JobEvent:
+    """``_append_event`` with the event encoded before the transaction (``unnumbered_event``):
+    only its number is taken here."""
     (seq,) = conn.execute(
         "INSERT INTO tenant_seq (tenant, last) VALUES (?, 1) "
         "ON CONFLICT (tenant) DO UPDATE SET last = last + 1 RETURNING last",
         (job.tenant,),
     ).fetchone()
-    data = _event_encoder.encode(job.status())
-    event = JobEvent(
-        seq=seq,
-        tenant=job.tenant,
-        job_id=job.id,
-        kind=job.kind,
-        version=job.version,
-        type=event_type,
-        at=rfc3339(job.updated_at) or "",
-        data=msgspec.Raw(data),
-    )
     conn.execute(
         "INSERT INTO events (tenant, seq, job_id, kind, version, type, at, data) VALUES (?,?,?,?,?,?,?,?)",
-        (job.tenant, seq, job.id, job.kind, job.version, event_type, job.updated_at, data),
+        (job.tenant, seq, job.id, job.kind, job.version, event.type, job.updated_at, bytes(event.data)),
     )
-    subject = event_subject(job.tenant, job.id, _some_target_wants(conn, job, event_type))
-    _enqueue(conn, subject, f"ev.{job.id}.{job.version}", _event_encoder.encode(event), job, origin)
-    return event
+    subject = event_subject(job.tenant, job.id, _some_target_wants(conn, job, event.type))
+    _enqueue(conn, subject, f"ev.{job.id}.{job.version}", numbered_payload(seq, tail), job, origin)
+    return msgspec.structs.replace(event, seq=seq)
 
 
 # ``EndpointRow.wants`` in SQL: one probe in C per event, whatever the tenant's number of
@@ -132,13 +135,80 @@ def _enqueue(conn: sqlite3.Connection, subject: str, msg_id: str, payload: bytes
     )
 
 
-def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str) -> None:
+def _enqueue_work(conn: sqlite3.Connection, job: JobRow, origin: str, message: bytes | None = None) -> None:
+    """The job's work message for its current attempt into the outbox (``message``: encoded
+    already, outside the transaction)."""
     # The first message's id is the job id (SPEC §3); a re-queue needs a fresh id, or
     # JetStream's duplicate window would swallow it.
     msg_id = job.id if job.attempt == 0 else f"{job.id}.a{job.attempt}"
-    # Without the job's row: a worker's read here is a lookup in its own file, and the claim
-    # reads the row in its own transaction anyway (``herald.workmessage``).
-    _enqueue(conn, job_subject(job.kind, job.tenant), msg_id, workmessage.encode(job, carry_row=False), job, origin)
+    _enqueue(conn, job_subject(job.kind, job.tenant), msg_id, message or _work_message(job), job, origin)
+
+
+def _work_message(job: JobRow) -> bytes:
+    # Without the job's row: a worker's read here is a lookup in its own file, outside the
+    # write lock, and the claim is judged on what it read (``herald.workmessage``).
+    return workmessage.encode(job, carry_row=False)
+
+
+@dataclass(frozen=True, slots=True)
+class _Judged:
+    """A change judged on a remembered row, ready to compare-and-set on it."""
+
+    before: JobRow
+    after: JobRow
+    values: dict[str, Any]
+    event: JobEvent  # at seq 0
+    tail: bytes  # its payload without the seq head
+
+
+def _judge_remembered(before: JobRow | None, change: Change, retention_s: float) -> _Judged | None:
+    """The change as it would apply to ``before``, if the rules allow it there and it changes
+    something visible; else None (judged under the lock on the row as it is)."""
+    if before is None or refusal(before, change) is not None:
+        return None
+    after, values = changed_row(before, change, at=max(now(), before.updated_at), retention_s=retention_s)
+    kind_of_change = event_type(before, after)
+    if kind_of_change is None:
+        return None
+    event, tail = unnumbered_event(after, kind_of_change)
+    return _Judged(before=before, after=after, values=values, event=event, tail=tail)
+
+
+def _apply_judged(conn: sqlite3.Connection, judged: _Judged, change: Change, origin: str) -> Transition | None:
+    """Inside the transaction: the judged change if the job is still the remembered row (and,
+    for a capped claim, its tenant below the cap); None to judge again on the row as it is."""
+    before, after = judged.before, judged.after
+    if change.claim and change.max_running > 0 and _at_cap(conn, before.tenant, change.max_running):
+        return None  # said only of the row as it is now
+    if not _update_job(conn, after, judged.values, expected=before):
+        return None  # moved since (another transition, a heartbeat)
+    event = _append_unnumbered(conn, after, judged.event, judged.tail, origin)
+    if change.requeue:
+        _enqueue_work(conn, after, origin)
+    return Transition(before=before, after=after, event=event)
+
+
+def _at_cap(conn: sqlite3.Connection, tenant: str, max_running: int) -> bool:
+    # BEGIN IMMEDIATE holds the one write lock: no other claim counts meanwhile.
+    (running,) = conn.execute(
+        "SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state = 'running'", (tenant,)
+    ).fetchone()
+    return bool(running >= max_running)
+
+
+def _update_job(conn: sqlite3.Connection, after: JobRow, values: dict[str, Any], *, expected: JobRow | None = None) -> bool:
+    """Write the changed columns and the new version; with ``expected``, only if the row is
+    still at its version and ``updated_at`` (a heartbeat moves the latter, not the former)."""
+    assignments = ", ".join(f"{column} = ?" for column in values)
+    if expected is None:
+        conn.execute(f"UPDATE jobs SET {assignments}, version = ? WHERE id = ?",
+                     (*values.values(), after.version, after.id))
+        return True
+    cursor = conn.execute(
+        f"UPDATE jobs SET {assignments}, version = ? WHERE id = ? AND version = ? AND updated_at = ?",
+        (*values.values(), after.version, after.id, expected.version, expected.updated_at),
+    )
+    return cursor.rowcount == 1
 
 
 class SqliteJobStore(CommitListeners):
@@ -150,6 +220,7 @@ class SqliteJobStore(CommitListeners):
         self._db = db
         self.retention_s = retention_s
         self._sealer = sealer
+        self._rows = RecentRows()
         # Outbox rows published, whose delete waits to ride with this process's next commit:
         # never handed out again, nor counted as pending, meanwhile.
         self._deleting: set[int] = set()
@@ -181,16 +252,27 @@ class SqliteJobStore(CommitListeners):
     ) -> Accepted:
         """Spend a start token, write the job (queued, version 1), its key and its outbox rows: one transaction."""
 
+        # The job as it will be if accepted, its event and work message: encoded before the
+        # write lock is taken, which only the writes need (``transition`` says why).
+        ts = now()
+        job = JobRow(id=new.id, tenant=new.tenant, kind=new.kind, collection=new.collection, state="queued",
+                     params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
+                     created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
+                     finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
+                     callback_url=new.callback_url, traceparent=new.traceparent, tracestate=new.tracestate)
+        unnumbered, tail = unnumbered_event(job, "job.queued")
+        work = _work_message(job)
+
         def tx(conn: sqlite3.Connection) -> Accepted:
-            ts = now()
+            held_at = now()  # the start budget and the key's expiry go by the time the lock is held
             if budget is not None:
-                _spend_start_token(conn, new.tenant, budget, ts)
+                _spend_start_token(conn, new.tenant, budget, held_at)
             if idempotency is not None:
                 row = conn.execute(
                     "SELECT fingerprint, job_id, expires_at FROM idempotency_keys WHERE tenant = ? AND key = ?",
                     (new.tenant, idempotency.key),
                 ).fetchone()
-                if row is not None and row["expires_at"] <= ts:
+                if row is not None and row["expires_at"] <= held_at:
                     conn.execute(
                         "DELETE FROM idempotency_keys WHERE tenant = ? AND key = ?", (new.tenant, idempotency.key)
                     )
@@ -216,16 +298,11 @@ class SqliteJobStore(CommitListeners):
                 conn.execute(
                     "INSERT INTO idempotency_keys (tenant, key, fingerprint, job_id, created_at, expires_at)"
                     " VALUES (?,?,?,?,?,?)",
-                    (new.tenant, idempotency.key, idempotency.fingerprint, new.id, ts, ts + idempotency.ttl_s),
+                    (new.tenant, idempotency.key, idempotency.fingerprint, new.id, held_at,
+                     held_at + idempotency.ttl_s),
                 )
-            # The row just inserted, as a read would return it (without reading it back).
-            job = JobRow(id=new.id, tenant=new.tenant, kind=new.kind, collection=new.collection, state="queued",
-                         params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
-                         created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
-                         finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
-                         callback_url=new.callback_url, traceparent=new.traceparent, tracestate=new.tracestate)
-            event = _append_event(conn, job, "job.queued", self._db.origin)
-            _enqueue_work(conn, job, self._db.origin)
+            event = _append_unnumbered(conn, job, unnumbered, tail, self._db.origin)
+            _enqueue_work(conn, job, self._db.origin, work)
             return Accepted(job=job, replayed=False, event=event)
 
         accepted = await self._db.write(tx)
@@ -236,37 +313,46 @@ class SqliteJobStore(CommitListeners):
     # ----- the one writer of job state ---------------------------------------------
 
     async def transition(self, job_id: str, change: Change) -> Transition:
-        """Apply ``change`` if the job is where the caller expects it, else raise TransitionRejected."""
+        """Apply ``change`` if the job is where the caller expects it, else raise TransitionRejected.
+
+        On a row this process remembers (``recent_rows``: a worker's claim on the row it read
+        for it, its success on its claim) the change is judged and encoded before the write
+        lock is taken, and the transaction only compares-and-sets on that row and numbers the
+        event: the judging and encoding (about a third of a transition's time) would hold
+        every process's writes up otherwise (bench/RESULTS.md, issue 24). A miss (another
+        writer moved the row since) is judged again on the row read under the lock."""
+        judged = _judge_remembered(self._rows.get(job_id), change, self.retention_s)
 
         def tx(conn: sqlite3.Connection) -> Transition:
+            if judged is not None:
+                applied = _apply_judged(conn, judged, change, self._db.origin)
+                if applied is not None:
+                    return applied
             before = _fetch(conn, job_id)
             reason = refusal(before, change)
             if reason is not None:
                 raise TransitionRejected(job_id, reason, before)
             assert before is not None
-            if change.claim and change.max_running > 0:
-                # BEGIN IMMEDIATE holds the one write lock: no other claim counts meanwhile.
-                (running,) = conn.execute(
-                    "SELECT COUNT(*) FROM jobs WHERE tenant = ? AND state = 'running'", (before.tenant,)
-                ).fetchone()
-                if running >= change.max_running:
-                    raise TransitionRejected(job_id, TENANT_AT_CAP, before)
-            ts = now()
-            after, values = changed_row(before, change, at=ts, retention_s=self.retention_s)
+            if change.claim and change.max_running > 0 and _at_cap(conn, before.tenant, change.max_running):
+                raise TransitionRejected(job_id, TENANT_AT_CAP, before)
+            # A job's times never step back, whatever the clock does (NTP).
+            after, values = changed_row(before, change, at=max(now(), before.updated_at), retention_s=self.retention_s)
             kind_of_change = event_type(before, after)
             if kind_of_change is None:
                 return Transition(before=before, after=before, event=None)  # nothing visible changed
-            assignments = ", ".join(f"{column} = ?" for column in values)
-            conn.execute(
-                f"UPDATE jobs SET {assignments}, version = ? WHERE id = ?",
-                (*values.values(), after.version, job_id),
-            )
+            _update_job(conn, after, values)
             event = _append_event(conn, after, kind_of_change, self._db.origin)
             if change.requeue:
                 _enqueue_work(conn, after, self._db.origin)
             return Transition(before=before, after=after, event=event)
 
-        return await self._observed_transition(job_id, change, lambda: self._db.write(tx))
+        try:
+            result = await self._observed_transition(job_id, change, lambda: self._db.write(tx))
+        except TransitionRejected:
+            self._rows.forget(job_id)
+            raise
+        self._rows.saw(result.after)
+        return result
 
     async def heartbeat(self, job_id: str, attempt: int) -> JobRow | None:
         """Move only ``updated_at``/``heartbeat_at`` (not an event). None: the worker lost the job."""
@@ -279,12 +365,19 @@ class SqliteJobStore(CommitListeners):
             )
             return _fetch(conn, job_id) if cursor.rowcount else None
 
-        return await self._db.write(tx)
+        row = await self._db.write(tx)
+        if row is None:
+            self._rows.forget(job_id)
+        else:
+            self._rows.saw(row)  # a later transition compares-and-sets on its updated_at
+        return row
 
     # ----- reads (on the loop: point lookups and bounded index scans) -------------------
 
     def remember(self, row: JobRow) -> None:
-        """Nothing to remember: a transition reads its row in its own transaction."""
+        """A row read for a transition to follow (a worker's, before its claim): the
+        transition is judged on it before the write lock, unless this process saw the job since."""
+        self._rows.offered(row)
 
     async def get(self, job_id: str) -> JobRow | None:
         rows = self._db.read("SELECT * FROM jobs WHERE id = ?", (job_id,))
