@@ -357,8 +357,9 @@ def run(ctx: Context) -> Outcome:
         if phase["completed"] < phase["jobs"]:
             out.notes.append(f"{phase['jobs'] - phase['completed']} of {phase['jobs']} jobs had no job.succeeded "
                              f"webhook within {ctx.sizes.wait_s:g} s")
-    out.notes.append("the ceiling is one message per job; a Herald job moves 1 work message and 3 events "
-                     "(queued, running, succeeded) through JetStream")
+    out.notes.append("the ceiling is one message per job; a Herald job stores 1 work message and 1 event "
+                     "(succeeded, which the webhook wants) in JetStream, and publishes 2 more on core NATS "
+                     "(queued, running: no target wants them)")
     if ctx.peers:
         _peer_rows(ctx, out, sat)
     return out
