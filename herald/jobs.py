@@ -113,6 +113,16 @@ class NewJob:
     traceparent: str | None = None  # the accept span's context (herald.tracing.job_trace)
     tracestate: str | None = None
 
+    def queued_row(self, ts: float) -> JobRow:
+        """The row an accept at ``ts`` writes (built before the write, to encode its first event)."""
+        return JobRow(
+            id=self.id, tenant=self.tenant, kind=self.kind, collection=self.collection, state="queued",
+            params=self.params, progress=None, version=1, attempt=0, cancel_requested=False,
+            created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + self.deadline_s,
+            finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
+            callback_url=self.callback_url, traceparent=self.traceparent, tracestate=self.tracestate,
+        )
+
 
 @dataclass(frozen=True, slots=True)
 class IdempotencyClaim:

@@ -207,17 +207,6 @@ SELECT COUNT(*) FROM doomed
 # ----- what the statements carry ------------------------------------------------------------
 
 
-def _queued_row(new: NewJob, ts: float) -> JobRow:
-    """The row ``herald_accept`` writes for a new job (to encode its first event beforehand)."""
-    return JobRow(
-        id=new.id, tenant=new.tenant, kind=new.kind, collection=new.collection, state="queued",
-        params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
-        created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
-        finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
-        callback_url=new.callback_url, traceparent=new.traceparent, tracestate=new.tracestate,
-    )
-
-
 def _changed_row(before: JobRow, change: Change, ts: float, retention_s: float) -> JobRow:
     """The row after ``change`` at time ``ts`` (``herald.transitions.changed_row``: one rule for both stores)."""
     return changed_row(before, change, at=ts, retention_s=retention_s)[0]
@@ -359,7 +348,7 @@ class PgJobStore(CommitListeners):
         """Spend a start token, write the job (queued, version 1), its key and its outbox rows: one transaction."""
         async with self._unavailable_on_errors():
             ts = await self._now()
-            job = _queued_row(new, ts)
+            job = new.queued_row(ts)
             event, event_tail = unnumbered_event(job, "job.queued")
             work_subject, work_msg_id, work_payload = _work_message(job)
             # Committed with the other accepts and transitions of this process queued meanwhile.

@@ -45,8 +45,8 @@ from herald.sealing import Sealer, secret_aad
 from herald.storage.committing import CommitListeners
 from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
-from herald.storage.sqlite import resealing
 from herald.storage.recent_rows import RecentRows
+from herald.storage.sqlite import resealing
 from herald.storage.sqlite.db import Database
 from herald.storage.unnumbered import numbered_payload, unnumbered_event
 from herald.timefmt import now, rfc3339
@@ -255,11 +255,7 @@ class SqliteJobStore(CommitListeners):
         # The job as it will be if accepted, its event and work message: encoded before the
         # write lock is taken, which only the writes need (``transition`` says why).
         ts = now()
-        job = JobRow(id=new.id, tenant=new.tenant, kind=new.kind, collection=new.collection, state="queued",
-                     params=new.params, progress=None, version=1, attempt=0, cancel_requested=False,
-                     created_at=ts, updated_at=ts, heartbeat_at=None, deadline_at=ts + new.deadline_s,
-                     finished_at=None, expires_at=None, result_path=None, media_type=None, error=None,
-                     callback_url=new.callback_url, traceparent=new.traceparent, tracestate=new.tracestate)
+        job = new.queued_row(ts)
         unnumbered, tail = unnumbered_event(job, "job.queued")
         work = _work_message(job)
 
