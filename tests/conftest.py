@@ -33,6 +33,19 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("store", chosen, scope="session")
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that no store parametrizes first, the store groups after them, each in its order.
+
+    Grouping by the session-scoped ``store`` (pytest's own reordering, done before this) left
+    the rest at the end of the collection, and xdist hands tests out in collection order.
+    Among them are the suite's longest (the bench's smoke run, `herald up --cluster`, kill -9
+    of a cluster's leader: 20-80 s each), so one worker ran them alone at the end while
+    three sat idle (a 60 s tail of a 10-minute run). First, they overlap the store groups,
+    whose tests are shorter and even the workers out at the end."""
+    items.sort(key=lambda item: "store" in getattr(item, "fixturenames", ()))  # stable: groups intact
+
+
 @pytest.fixture(scope="session")
 def store_server(request: pytest.FixtureRequest, store: str) -> PostgresServer | None:
     """The PostgreSQL server when the test runs against PostgreSQL (started once per session)."""
