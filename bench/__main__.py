@@ -1,5 +1,5 @@
 """``python -m bench [--smoke] [--only accept,poll,...] [--store sqlite|postgres|both] [--shape one|cluster]
-[--out bench/out] [--keep] [--without wrk,nchan] [--tracing] [--peers]``
+[--out bench/out] [--keep] [--without wrk,nchan] [--tracing] [--peers [--rounds N]]``
 
 Starts everything it needs on 127.0.0.1 (own temp dir, free ports), runs each scenario
 against Herald and its baseline in the same run, stops everything, prints a table and
@@ -15,6 +15,9 @@ its ratio to the baseline, and PostgreSQL's value as a ratio to SQLite's from th
 nodes, PostgreSQL, 2 gateways, 2 workers, 2 notifiers), beside the one-machine shape.
 ``--peers`` runs Celery + Redis and arq on the e2e scenario's trivial jobs in the same run
 (``bench/peers.py``), and gives Herald's jobs/s and CPU per job as ratios of theirs.
+``--rounds N`` makes that N interleaved pairs per store, Herald's burst then each peer's: on
+a shared machine one minute can run a third slower than the next, so one pair's ratio says
+more about the minutes than the systems; the median of N pairs' ratios is reported.
 ``--tracing`` exports every Herald process's spans over OTLP/HTTP to a sink process the
 bench starts (``bench/otlpsink.py``): tracing on, as against a collector.
 """
@@ -72,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--peers", action="store_true",
                         help="e2e also runs Celery + Redis and arq on the same trivial jobs (needs redis-server and "
                         "the bench extra) and gives Herald's rate as a ratio of theirs")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="with --peers: N interleaved pairs (Herald's saturation burst, then each peer's, N "
+                        "times, Herald's deployment left up and idle meanwhile); rows give medians and the median "
+                        "of the pairs' ratios, which a slow minute on one side cannot decide")
     parser.add_argument("--workers", type=int, default=2, metavar="N",
                         help="worker processes of the e2e scenario's one-machine shape (default 2, as herald up): "
                         "how the rate grows with a third where cores allow")
@@ -80,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers: at least 1")
+    if args.rounds < 1:
+        parser.error("--rounds: at least 1")
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:
@@ -117,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
         with Procs(root / "logs", profile=roles, profile_dir=args.out / "profiles" if roles else None) as procs:
             ctx = Context(sizes=sizes, root=root, procs=procs, smoke=args.smoke, wrk=have_wrk, nchan_missing=nchan,
                           herald_env=overrides, postgres=postgres, peers=args.peers,
-                          workers=args.workers)
+                          workers=args.workers, rounds=args.rounds)
             for name in names:
                 # Each scenario on each store in turn (interleaved: noise hits the stores alike).
                 variants = [(store, "one") for store in stores]

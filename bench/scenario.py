@@ -40,6 +40,7 @@ class Context:
     postgres: BenchPostgres | None = None  # the run's PostgreSQL server (--store postgres or both)
     peers: bool = False  # --peers: the e2e scenario also runs Celery + Redis and arq (bench/peers.py)
     workers: int = 2  # --workers: worker processes of the e2e scenario's one-machine shape
+    rounds: int = 1  # --rounds: with --peers, interleaved pairs of Herald's burst and the peers'
     shared: dict[str, Any] = field(default_factory=dict)  # what one store's run of a scenario leaves for the next
     started: float = field(default_factory=time.monotonic)
 

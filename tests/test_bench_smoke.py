@@ -30,7 +30,7 @@ def test_smoke_run_reports_every_scenario_against_its_baseline(tmp_path: Path, w
     # The peers (Celery + Redis, arq) beside e2e, where Debian's redis-server is installed.
     with_peers = not without and peers.missing() is None
     run = subprocess.run([sys.executable, "-m", "bench", "--smoke", "--out", str(tmp_path), "--without", without,
-                          "--only", ",".join(scenarios), *(["--peers"] if with_peers else [])],
+                          "--only", ",".join(scenarios), *(["--peers", "--rounds", "2"] if with_peers else [])],
                          cwd=ROOT, capture_output=True, text=True, timeout=310)
     assert run.returncode == 0, f"bench --smoke failed:\n{run.stdout[-3000:]}\n{run.stderr[-5000:]}"
     document = json.loads((tmp_path / "results.json").read_text())
@@ -52,11 +52,15 @@ def test_smoke_run_reports_every_scenario_against_its_baseline(tmp_path: Path, w
     assert "accept" in run.stdout and "baselines:" in run.stdout, "the table is printed"
     # The output scenario read the chunks it measures (how many arrived is a number, not pass/fail).
     assert by_name["output"]["herald"]["delivered"] > 0, by_name["output"]["herald"]
-    if with_peers:
+    if with_peers:  # two pairs, each peer's run after one of Herald's bursts
         found = by_name["e2e"]["herald"]["peers"]
-        assert all(found[peer]["completed"] == found[peer]["jobs"] > 0 for peer in peers.PEERS), found
+        assert len(found["herald"]) == 2 and all(b["completed"] == b["jobs"] > 0 for b in found["herald"]), found
+        for peer in peers.PEERS:
+            assert len(found[peer]) == 2 and all(r["completed"] == r["jobs"] > 0 for r in found[peer]), found
         ratios = [r["ratio"] for r in by_name["e2e"]["rows"] if r["metric"].startswith("jobs/s vs ")]
         assert len(ratios) == len(peers.PEERS) and None not in ratios, by_name["e2e"]["rows"]
+        medians = [r["herald"] for r in by_name["e2e"]["rows"] if "median of 2 pair" in r["metric"]]
+        assert len(medians) == len(peers.PEERS) and all(m > 0 for m in medians), by_name["e2e"]["rows"]
     if "nchan" in without:
         assert not by_name["sse"]["baseline"]["available"] and not by_name["longpoll"]["baseline"]["available"]
         assert not by_name["output"]["baseline"]["available"]
