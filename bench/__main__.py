@@ -89,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--workers: at least 1")
     if args.rounds < 1:
         parser.error("--rounds: at least 1")
+    if args.rounds > 1 and not args.peers:
+        parser.error("--rounds pairs Herald's bursts with the peers': it needs --peers")
     names = list(SCENARIOS) if not args.only else [n.strip() for n in args.only.split(",") if n.strip()]
     unknown = [n for n in names if n not in SCENARIOS]
     if unknown:

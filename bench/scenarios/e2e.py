@@ -444,10 +444,13 @@ def _peer_rows(out: Outcome, rounds: dict[str, Any]) -> None:
                          f"{', '.join(f'{r:g}' for r in rate_ratios)}; CPU per job / theirs "
                          f"{', '.join(f'{r:g}' for r in cpu_ratios)} (Herald {', '.join(f'{r:g}' for r in rates)} "
                          f"jobs/s; {name} {', '.join(f'{r:g}' for r in their_rates)})")
-        missed = sum(result["jobs"] - result["completed"] for result in theirs)
+        missed = sum(result["jobs"] - result["completed"] for result in theirs)  # Herald's: below
         if missed:
             out.notes.append(f"{name}: {missed} jobs over the rounds had no result in time")
         out.target(f"end to end ahead of {name} (median of {pairs} interleaved pair(s))",
                    f"{_median(rate_ratios):.2f} x their jobs/s", _median(rate_ratios) > 1)
+    missed = sum(phase["jobs"] - phase["completed"] for phase in herald[1:])
+    if missed:
+        out.notes.append(f"Herald: {missed} jobs of the later bursts had no job.succeeded webhook in time")
     out.notes.append("Herald's deployment, idle while the peers ran: "
                      f"{', '.join(f'{p:g}' for p in rounds['herald_idle_cpu_pct'])} % of a core")
