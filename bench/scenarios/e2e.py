@@ -54,7 +54,7 @@ from bench.procs import BenchError, CpuMeter, free_port, http_post_json, wait_un
 from bench.receiver import Receiver
 from bench.scenario import Context, Outcome
 from bench.scenarios.webhooks import _register
-from bench.stats import latency_summary
+from bench.stats import latency_summary, median
 from bench.subscribers import Subscribers
 from bench.systems import API_KEY, TENANT, ClusterHerald, Herald
 from herald.settings import Settings
@@ -248,17 +248,7 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
     with Receiver(secrets, processes=1, port=port) as receiver:
         _warm_up(ctx, deployment.base, receiver, [API_KEY, *spread.values()])
         ctx.say(f"e2e: {sizes.e2e_jobs} jobs as fast as they go ({ctx.variant})")
-        with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1) as watcher:
-            watcher.open()
-            result["saturation"] = _burst(ctx, deployment, receiver, target)
-            time.sleep(0.2)
-            watched = watcher.collect()
-        result["saturation"].update({
-            # one tenant stream open during the burst
-            "sse_events_expected": EVENTS_PER_JOB * result["saturation"]["jobs"],
-            "sse_events_received": len(watched.times[0]) if watched.times else 0,
-            "sse_stream_survived": watched.still_open == 1,
-        })
+        result["saturation"] = _watched_burst(ctx, deployment, receiver, target, request)
         if deployment.database_url:
             result["postgres_waits_note"] = "saturation, " + result["saturation"].pop("postgres_waits_note")
         if ctx.peers:
@@ -284,13 +274,17 @@ def _herald(ctx: Context, out: Outcome) -> dict[str, Any]:
 
 def _watched_burst(ctx: Context, deployment: Deployment, receiver: Receiver, target: httpclient.Target,
                    request: bytes) -> dict[str, Any]:
-    """A saturation burst with one tenant stream open, as the first one runs."""
+    """A saturation burst (``_burst``) with one tenant stream open: did it get every event?"""
     with Subscribers(deployment.sse_port, request, 1, mode="sse", ready_frames=1) as watcher:
         watcher.open()
         phase = _burst(ctx, deployment, receiver, target)
         time.sleep(0.2)
         watched = watcher.collect()
-    phase["sse_events_received"] = len(watched.times[0]) if watched.times else 0
+    phase.update({
+        "sse_events_expected": EVENTS_PER_JOB * phase["jobs"],
+        "sse_events_received": len(watched.times[0]) if watched.times else 0,
+        "sse_stream_survived": watched.still_open == 1,
+    })
     return phase
 
 
@@ -406,12 +400,6 @@ def run(ctx: Context) -> Outcome:
     return out
 
 
-def _median(values: list[float]) -> float:
-    ordered = sorted(values)
-    middle = len(ordered) // 2
-    return ordered[middle] if len(ordered) % 2 else (ordered[middle - 1] + ordered[middle]) / 2
-
-
 def _peer_rows(out: Outcome, rounds: dict[str, Any]) -> None:
     """Herald beside its peers: medians of the pairs (``_interleaved``), and the median of
     their ratios, which one slow minute on either side cannot decide."""
@@ -423,9 +411,9 @@ def _peer_rows(out: Outcome, rounds: dict[str, Any]) -> None:
     rates = [phase["jobs_per_s"] for phase in herald]
     cpus = [phase["cpu_ms_per_job"].get("total", 0.0) for phase in herald]
     pairs = len(herald)
-    out.row("peers", f"Herald jobs/s, median of {pairs} burst(s)", round(_median(rates), 1), None, better="higher",
+    out.row("peers", f"Herald jobs/s, median of {pairs} burst(s)", round(median(rates), 1), None, better="higher",
             unit="/s")
-    out.row("peers", "Herald CPU per job (all processes), median", round(_median(cpus), 2), None, better="lower",
+    out.row("peers", "Herald CPU per job (all processes), median", round(median(cpus), 2), None, better="lower",
             unit="ms")
     for peer in peers.PEERS:
         name = peers.NAMES[peer]
@@ -434,11 +422,11 @@ def _peer_rows(out: Outcome, rounds: dict[str, Any]) -> None:
         their_cpus = [result["cpu_ms_per_job"].get("total", 0.0) for result in theirs]
         rate_ratios = [round(h / p, 2) if p else 0.0 for h, p in zip(rates, their_rates)]
         cpu_ratios = [round(h / p, 2) if p else 0.0 for h, p in zip(cpus, their_cpus)]
-        out.row("peers", f"jobs/s vs {name}, medians", round(_median(rates), 1), round(_median(their_rates), 1),
+        out.row("peers", f"jobs/s vs {name}, medians", round(median(rates), 1), round(median(their_rates), 1),
                 better="higher", unit="/s")
-        out.row("peers", f"CPU per job vs {name}, medians", round(_median(cpus), 2), round(_median(their_cpus), 2),
+        out.row("peers", f"CPU per job vs {name}, medians", round(median(cpus), 2), round(median(their_cpus), 2),
                 better="lower", unit="ms")
-        out.row("peers", f"jobs/s / {name}'s, median of {pairs} pair(s)", _median(rate_ratios), None,
+        out.row("peers", f"jobs/s / {name}'s, median of {pairs} pair(s)", median(rate_ratios), None,
                 better="higher", unit="x")
         out.notes.append(f"{name}, {pairs} interleaved pair(s): Herald's jobs/s / theirs "
                          f"{', '.join(f'{r:g}' for r in rate_ratios)}; CPU per job / theirs "
@@ -448,7 +436,7 @@ def _peer_rows(out: Outcome, rounds: dict[str, Any]) -> None:
         if missed:
             out.notes.append(f"{name}: {missed} jobs over the rounds had no result in time")
         out.target(f"end to end ahead of {name} (median of {pairs} interleaved pair(s))",
-                   f"{_median(rate_ratios):.2f} x their jobs/s", _median(rate_ratios) > 1)
+                   f"{median(rate_ratios):.2f} x their jobs/s", median(rate_ratios) > 1)
     missed = sum(phase["jobs"] - phase["completed"] for phase in herald[1:])
     if missed:
         out.notes.append(f"Herald: {missed} jobs of the later bursts had no job.succeeded webhook in time")
