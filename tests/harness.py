@@ -33,6 +33,12 @@ SECRET_KEY = "tests-secret-key-of-at-least-32-characters"
 # four test processes at once on two cores, each starting Python processes of its own.
 READY_S = 60.0
 
+# One TLS context for every HTTP client the tests make (``verify=TLS``). httpx builds one per
+# client otherwise, parsing certifi's CA bundle again (20 ms of CPU, for plain HTTP too), and
+# the harness polls a starting gateway every 20 ms: that alone was 2 300 contexts, 45 s of CPU
+# taken from the processes it waited for, in a run of the suite on one store.
+TLS = httpx.create_ssl_context()
+
 
 def _ephemeral_floor() -> int:
     """The first port of the kernel's range for outgoing connections' local ports."""
@@ -219,7 +225,7 @@ class Deployment:
             self._spawn(name, ["gateway"], self.env(HERALD_HTTP_PORT=str(chosen), **extra))
             base = f"http://127.0.0.1:{chosen}"
             try:
-                self._wait_ready(name, lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200)
+                self._wait_ready(name, lambda: httpx.get(base + "/readyz", timeout=1, verify=TLS).status_code == 200)
             except ProcessExited:
                 # A free port can still be taken by another server before ours binds it.
                 if port is not None or "address already in use" not in self.log_text(name):
@@ -328,7 +334,8 @@ class Deployment:
 
 
 def client(base: str, tenant: str = "acme", **kwargs: Any) -> httpx.Client:
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=10, **kwargs)
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEYS[tenant]}"}, timeout=10, verify=TLS,
+                        **kwargs)
 
 
 def dispatched_events(source: Any) -> Iterator[Any]:

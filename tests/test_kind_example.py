@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.harness import free_port, wait_until
+from tests.harness import TLS, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 EXAMPLE = REPO / "examples" / "wordfreq"
@@ -54,7 +54,7 @@ def up(wordfreq_installed: Path, tmp_path: Path) -> Iterator[str]:
                                cwd=tmp_path)
     base = f"http://127.0.0.1:{port}"
     try:
-        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1, verify=TLS).status_code == 200, timeout=40, what="herald up")
         yield base
     finally:
         process.send_signal(signal.SIGTERM)

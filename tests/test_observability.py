@@ -16,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from herald.logs import REDACTED, redact_secrets
 from herald_client import HeraldClient
-from tests.harness import KEYS, Deployment, free_port, wait_until
+from tests.harness import KEYS, TLS, Deployment, free_port, wait_until
 from tests.test_client import Receiver  # a real webhook receiver on 127.0.0.1
 
 KEY = KEYS["acme"]
@@ -28,7 +28,7 @@ SPEC_METRICS = {
 
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    response = httpx.get(url + "/metrics", timeout=5)
+    response = httpx.get(url + "/metrics", timeout=5, verify=TLS)
     assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
     samples = {}
     for family in text_string_to_metric_families(response.text):
@@ -138,7 +138,7 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
     up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=log, stderr=log)
     try:
-        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1, verify=TLS).status_code == 200, timeout=40, what="herald up")
         fresh_start = scrape(base)
         # Before anything happened every known series is there, at 0: no gaps for dashboards.
         def at_zero(name: str, **labels: str) -> bool:

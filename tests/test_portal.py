@@ -21,7 +21,7 @@ import httpx
 import pytest
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 
-from tests.harness import KEYS, Deployment, client, wait_until
+from tests.harness import KEYS, TLS, Deployment, client, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 ARTIFACTS = ROOT / "artifacts"
@@ -201,7 +201,7 @@ def test_a_portal_link_expires_for_opening_but_a_session_outlives_it(portal: Dep
     token = opened.json()["token"]
 
     def refused() -> httpx.Response | None:
-        answer = httpx.post(short + "/portal/session", json=query)
+        answer = httpx.post(short + "/portal/session", json=query, verify=TLS)
         return answer if answer.status_code != 200 else None
 
     late = wait_until(refused, timeout=10, what="the portal link to expire")

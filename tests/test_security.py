@@ -25,7 +25,7 @@ import httpx
 import pytest
 
 from herald.settings import Settings, SettingsError
-from tests.harness import ADMIN_KEY, KEYS, Deployment, client, wait_for_state
+from tests.harness import ADMIN_KEY, KEYS, TLS, Deployment, client, wait_for_state
 
 # ``²`` passes str.isdigit() but not int(); ``é`` is a letter outside ASCII; the bytes are no UTF-8.
 ODD_TEXT = ("²", "é", "1²", "٣")
@@ -119,7 +119,7 @@ def test_non_ascii_query_parameters_are_client_errors(target: Target, template: 
                                                       extra: dict[str, str]) -> None:
     path = template.format(job=target.job_id, endpoint=target.endpoint_id)
     values = _cursor_values() if name == "cursor" else list(ODD_TEXT)
-    with httpx.Client(base_url=target.base, headers=_headers(who), timeout=20) as http:
+    with httpx.Client(base_url=target.base, headers=_headers(who), timeout=20, verify=TLS) as http:
         for value in values:
             response = http.get(path, params={**extra, name: value})
             if path == "/portal":  # the page itself: the script reads its query
@@ -136,7 +136,7 @@ def test_get_webhooks_with_a_superscript_limit_names_the_field(target: Target) -
 
 
 def _raw_get(base: str, path: str, headers: list[tuple[bytes, bytes]]) -> httpx.Response:
-    with httpx.Client(base_url=base, timeout=20) as http:
+    with httpx.Client(base_url=base, timeout=20, verify=TLS) as http:
         request = http.build_request("GET", path)
         request.headers = _with(request.headers, headers)
         return http.send(request)
@@ -464,7 +464,7 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
     try:
         def healthy() -> bool:
             try:
-                return httpx.get(base + "/readyz", timeout=2).status_code == 200
+                return httpx.get(base + "/readyz", timeout=2, verify=TLS).status_code == 200
             except httpx.HTTPError:
                 return False
 

@@ -29,7 +29,7 @@ from herald.transitions import Change
 from launcher.pgserver import PostgresServer
 from herald.deliveries import Outcome, Plan
 from schemas import JobEvent
-from tests.harness import ADMIN_KEY, SECRET_KEY, Deployment, free_port, wait_until
+from tests.harness import ADMIN_KEY, SECRET_KEY, TLS, Deployment, free_port, wait_until
 from tests.store_contract.support import event, new_job
 
 PORTS = {"jobs": JobStore, "webhooks": WebhookStore, "deliveries": DeliveryQueue, "tenants": TenantStore}
@@ -168,7 +168,7 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, 
         deployment.ports["gateway"] = port
         process = deployment._spawn("gateway", ["gateway"], deployment.env(HERALD_HTTP_PORT=str(port)))
         base = f"http://127.0.0.1:{port}"
-        not_ready = wait_until(lambda: (r := httpx.get(base + "/readyz", timeout=2)).status_code == 503 and r,
+        not_ready = wait_until(lambda: (r := httpx.get(base + "/readyz", timeout=2, verify=TLS)).status_code == 503 and r,
                                what="/readyz 503 while the database is away")
         assert not_ready.headers["content-type"].startswith("application/problem+json")
 
@@ -184,7 +184,7 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, 
 
         server.start()  # the database arrives: the gateway gets ready without a restart
         server.create_database("herald")
-        wait_until(lambda: httpx.get(base + "/readyz", timeout=2).status_code == 200, timeout=30,
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=2, verify=TLS).status_code == 200, timeout=30,
                    what="/readyz 200 once the database is there")
         assert process.poll() is None, "the gateway kept running throughout"
         key = {"Authorization": "Bearer key-acme"}
@@ -210,7 +210,7 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, 
                   ("GET", "/admin/tenants", admin, None, 200), ("GET", "/admin/audit", admin, None, 200))
         server.stop()
         for method, path, headers, body, _ in routes:
-            answer = httpx.request(method, base + path, json=body, headers=headers, timeout=10)
+            answer = httpx.request(method, base + path, json=body, headers=headers, timeout=10, verify=TLS)
             assert answer.status_code == 503, (method, path, answer.status_code, answer.text)
             assert answer.headers["content-type"].startswith("application/problem+json"), (method, path)
             assert answer.headers.get("retry-after"), (method, path)
@@ -218,7 +218,7 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, 
         server.start()
         for method, path, headers, body, healthy in routes:
             wait_until(lambda: httpx.request(method, base + path, json=body, headers=headers,
-                                             timeout=5).status_code == healthy,
+                                             timeout=5, verify=TLS).status_code == healthy,
                        timeout=30, what=f"{method} {path} {healthy} once the database is back")
         assert process.poll() is None, "the gateway kept running throughout"
         # The same ports recover too: their pool replaced the connections the outage broke.

@@ -18,18 +18,18 @@ import pytest
 
 from herald.settings import Settings
 from herald.storage import open_storage
-from tests.harness import ADMIN_KEY, KEYS, Deployment, client, wait_for_state, wait_until
+from tests.harness import ADMIN_KEY, KEYS, TLS, Deployment, client, wait_for_state, wait_until
 
 PROPAGATION_S = 2.0  # SPEC §12: every change holds everywhere within 2 s
 REPORT = {"title": "T", "pages": 1}
 
 
 def admin(base: str, key: str = ADMIN_KEY) -> httpx.Client:
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=10, verify=TLS)
 
 
 def keyed(base: str, key: str) -> httpx.Client:
-    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=10)
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=10, verify=TLS)
 
 
 def new_key(base: str, tenant: str, **body: Any) -> dict[str, Any]:
