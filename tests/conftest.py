@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from launcher.pgserver import PostgresServer
+from tests import forkserver
 from tests.harness import Deployment, NatsServer, free_port, new_database
 
 
@@ -44,6 +45,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     three sat idle (a 60 s tail of a 10-minute run). First, they overlap the store groups,
     whose tests are shorter and even the workers out at the end."""
     items.sort(key=lambda item: "store" in getattr(item, "fixturenames", ()))  # stable: groups intact
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[None]:
+    """Herald's processes are forked from a server that imported Herald once (started on
+    first use: ``tests/forkserver.py``); it stops after every deployment of the session has."""
+    yield
+    forkserver.close()
 
 
 @pytest.fixture(scope="session")

@@ -20,6 +20,9 @@ import httpx
 
 from launcher.cluster import bindable
 from launcher.supervisor import find_nats_server
+from tests import forkserver
+
+Process = subprocess.Popen[bytes] | forkserver.ForkedProcess
 
 T = TypeVar("T")
 
@@ -168,7 +171,7 @@ class Deployment:
     env_overrides: dict[str, str] = field(default_factory=dict)
     database_url: str | None = None  # PostgreSQL (results then go to the NATS object store); None: SQLite
     nats: NatsServer = field(init=False)
-    processes: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    processes: dict[str, Process] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -198,10 +201,10 @@ class Deployment:
         env.update(extra)
         return env
 
-    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> subprocess.Popen[bytes]:
-        log = open(self.logs / f"{name}.log", "ab")  # noqa: SIM115  (owned by the process entry)
-        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", *argv], env=env, stdout=log, stderr=log)
-        log.close()
+    def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Process:
+        """``python -m launcher.cli *argv``, forked from a process that has imported Herald
+        already where ``env`` allows (``tests/forkserver.py``: a third of the suite's CPU)."""
+        process = forkserver.spawn(argv, env, self.logs / f"{name}.log")
         self.processes[name] = process
         return process
 
@@ -234,13 +237,13 @@ class Deployment:
             return base
         raise AssertionError(f"{name}: three free ports were taken before it could bind one")
 
-    def start_worker(self, name: str = "worker", **extra: str) -> subprocess.Popen[bytes]:
+    def start_worker(self, name: str = "worker", **extra: str) -> Process:
         process = self._spawn(name, ["worker"], self.env(**extra))
         # Ready once it logged so: the durable consumer exists and it is fetching.
         self._wait_ready(name, lambda: self.logged(name, "worker ready"))
         return process
 
-    def start_notifier(self, name: str = "notifier", **extra: str) -> subprocess.Popen[bytes]:
+    def start_notifier(self, name: str = "notifier", **extra: str) -> Process:
         process = self._spawn(name, ["notifier"], self.env(**extra))
         self._wait_ready(name, lambda: self.logged(name, "notifier ready"))
         return process
