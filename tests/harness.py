@@ -1,5 +1,6 @@
 """Real parts for tests: a nats-server on a free port with its own store dir, and Herald
-processes (gateway, workers, notifier) started the way an operator starts them."""
+processes (gateway, workers, notifier) running what an operator starts, ``launcher.cli``'s
+``main`` (forked from a server that imported Herald once: ``tests/forkserver.py``)."""
 
 from __future__ import annotations
 
@@ -203,7 +204,7 @@ class Deployment:
 
     def _spawn(self, name: str, argv: list[str], env: dict[str, str]) -> Process:
         """``python -m launcher.cli *argv``, forked from a process that has imported Herald
-        already where ``env`` allows (``tests/forkserver.py``: a third of the suite's CPU)."""
+        already where ``env`` allows (``tests/forkserver.py``: a fifth of the suite's CPU)."""
         process = forkserver.spawn(argv, env, self.logs / f"{name}.log")
         self.processes[name] = process
         return process
