@@ -406,7 +406,10 @@ def test_a_cap_set_over_the_api_holds_on_the_workers(fresh: Deployment) -> None:
         assert http.patch("/admin/tenants/capped", json={"limits": {"max_running": 1}}).status_code == 200
     time.sleep(PROPAGATION_S)  # the SPEC's bound is what is under test: after it, every worker knows the cap
     with keyed(base, key) as http:
-        ids = [http.post("/reports", json={"title": "c", "pages": 4}).json()["id"] for _ in range(3)]
+        # 1 s per job: the gateway reads a capped tenant's running count at most every 0.5 s
+        # (gateway/queueing.py), so a read falls inside the first job's run while the others
+        # wait; with 0.4 s jobs the reads could all fall between two jobs (CI saw it once).
+        ids = [http.post("/reports", json={"title": "c", "pages": 10}).json()["id"] for _ in range(3)]
         most_running = 0
         reasons: set[str | None] = set()
 
