@@ -20,23 +20,18 @@ an event is published from a committed outbox row, whenever the bytes leave. An 
 writes leave at once (on uvloop, three quick turns later); a busy one's wait only for work
 that was already due to run.
 
-A PING (``flush()``, the relay's proof that the server has read a batch of core NATS
-publishes, and the keep-alive) is queued like any command, so it leaves in the same write as
-what came before it.
-
-It overrides private methods of nats-py's ``Client`` (``_flusher``, ``_send_ping``,
-``_process_connect_init``; ``_flusher``'s body is nats-py's plus the wait): with a nats-py
-that no longer has them, the overrides are simply never called and writes go out as nats-py
-makes them.
+It overrides nats-py's ``Client._flusher`` (a private method, the same body plus the wait):
+with a nats-py that no longer has it, the override is simply never called and writes go out
+as nats-py makes them.
 """
 
 from __future__ import annotations
 
 import asyncio
 
-from nats.aio.client import DEFAULT_FLUSH_TIMEOUT, PING_PROTO
+from nats.aio.client import DEFAULT_FLUSH_TIMEOUT
 from nats.aio.client import Client as NATS
-from nats.errors import ConnectionClosedError, ConnectionReconnectingError, FlushTimeoutError
+from nats.errors import ConnectionClosedError, ConnectionReconnectingError
 
 COALESCE_TURNS = 3  # at most this many turns of the loop between the first queued command and the write
 _UNKNOWN = (True,)  # a loop that does not show its queue of due callbacks (uvloop): taken as busy
@@ -44,41 +39,20 @@ _UNKNOWN = (True,)  # a loop that does not show its queue of due callbacks (uvlo
 
 class Client(NATS):
     async def flush(self, timeout: int = DEFAULT_FLUSH_TIMEOUT) -> None:
-        """The PING goes in the queue behind everything queued before it, so it leaves in the
-        flusher's one write with them (nats-py writes it to the socket at once, ahead of the
-        queue, and the relay's flush after each batch cost two more writes); its PONG still means
-        the server has read everything published before.
+        """What is queued is written first, then the PING: nats-py writes the PING straight to
+        the socket, ahead of the queue, which the flusher's wait would otherwise make longer;
+        the PONG means the server has read everything published before.
 
         Disconnected, it raises: nats-py's own flush returns at once then (its read loop is
         gone, so it "flushes" into the reconnect buffer), which would tell the relay that the
         server has messages it may never get."""
         if not self.is_connected:
             raise ConnectionReconnectingError if self.is_reconnecting else ConnectionClosedError
-        future: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
-        await self._send_ping(future)
-        try:
-            await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            future.cancel()
-            raise FlushTimeoutError from None
-
-    async def _send_ping(self, future: asyncio.Future[bool] | None = None) -> None:
-        """Every PING, the keep-alive's too, is queued: PONGs answer PINGs in the order they
-        were written, and each pops the oldest waiting future."""
-        if future is None:
-            future = asyncio.get_running_loop().create_future()
-        self._pongs.append(future)
-        self._pending.append(PING_PROTO)
-        self._pending_data_size += len(PING_PROTO)
-        await self._flush_pending()
-
-    async def _process_connect_init(self) -> None:
-        """A (re)connect forgets the futures of PINGs not yet answered; a PING still queued from
-        before it would answer the first future of the new connection early, so it goes too."""
-        if PING_PROTO in self._pending:
-            self._pending = [command for command in self._pending if command != PING_PROTO]
-            self._pending_data_size = sum(len(command) for command in self._pending)
-        await super()._process_connect_init()
+        if self._pending_data_size > 0 and self._transport is not None:
+            self._transport.writelines(self._pending[:])
+            self._pending = []
+            self._pending_data_size = 0
+        await super().flush(timeout)
 
     async def _flusher(self) -> None:
         assert self._transport, "Client.connect must be called first"
