@@ -9,10 +9,6 @@
 Header names go out lower-cased (uvicorn's httptools protocol writes them so). Names are
 case-insensitive (RFC 9110 §5.1); the gateway ran h11 only to keep their case, at ~15 % of
 its CPU per request (bench/RESULTS.md, issue 14).
-
-A response's head leaves with its first body write (``_HeadWithBody``): uvicorn writes the
-status line and headers the moment the app starts its response, then the body, two sends
-for one small answer where one does.
 """
 
 from __future__ import annotations
@@ -61,55 +57,8 @@ def edge(app: ASGIApp) -> ASGIApp:
     return middleware
 
 
-_CONTINUE = b"HTTP/1.1 100 "
-
-
-class _HeadWithBody:
-    """The transport a response is written to: its head waits for the first body write of
-    the same turn of the loop and leaves with it in one send (the loopback send and the
-    reader's wake-up are most of what a small response's write costs). A head with no body
-    write in its turn (a stream whose first chunk is not ready) leaves at the end of that
-    turn; a ``100 Continue`` interim answer is not held."""
-
-    __slots__ = ("_transport", "_head", "_started")
-
-    def __init__(self, transport: asyncio.Transport) -> None:
-        self._transport = transport
-        self._head: bytes | None = None
-        self._started = False  # the head has been written to this object
-
-    def write(self, data: bytes) -> None:
-        if self._started:
-            head = self._head
-            if head is not None:
-                self._head = None
-                data = head + data
-            self._transport.write(data)
-        elif data.startswith(_CONTINUE):
-            self._transport.write(data)
-        else:
-            self._started = True
-            self._head = data
-            asyncio.get_running_loop().call_soon(self._release)
-
-    def _release(self) -> None:
-        head = self._head
-        if head is not None:
-            self._head = None
-            if not self._transport.is_closing():
-                self._transport.write(head)
-
-    def is_closing(self) -> bool:
-        return self._transport.is_closing()
-
-    def close(self) -> None:
-        self._release()
-        self._transport.close()
-
-
 class HttpProtocol(HttpToolsProtocol):
-    """uvicorn's httptools protocol with a bound on an unfinished request head, and each
-    response's head sent with its body (``_HeadWithBody``)."""
+    """uvicorn's httptools protocol with a bound on an unfinished request head."""
 
     _in_head = False  # a request's first bytes arrived, its headers are not complete yet
     _head_bytes = 0
@@ -122,10 +71,7 @@ class HttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        previous = self.cycle
         super().on_headers_complete()
-        if self.cycle is not previous:  # a new request (not an upgrade): its task has not started
-            self.cycle.transport = _HeadWithBody(self.transport)  # type: ignore[assignment]
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
