@@ -138,6 +138,9 @@ class Supervisor:
         self.nats: Child | None = None
         self.children: list[Child] = []
         self.env = dict(os.environ)  # noqa: the supervisor builds its children's environment
+        # `herald up --port/--host` reach the gateway, which reads its settings from the environment.
+        self.env["HERALD_HTTP_HOST"] = settings.http_host
+        self.env["HERALD_HTTP_PORT"] = str(settings.http_port)
         self.dev_key: str | None = None
         self.admin_key = settings.admin_key
 

@@ -132,11 +132,13 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
     port, nats_port = free_port(), free_port()
     base = f"http://127.0.0.1:{port}"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "PROMETHEUS_"))}
-    env.update(HERALD_HTTP_PORT=str(port), HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"),
+    env.update(HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"),
                HERALD_REPORT_PAGE_MS="20", HERALD_WORKERS="1", HERALD_API_KEYS=f"acme:{KEY}",
                HERALD_WEBHOOK_ALLOW_PRIVATE="1")
     log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
-    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=log, stderr=log)
+    # The port as a flag (README): it must reach the gateway, not only the supervisor.
+    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", str(port)], env=env, stdout=log,
+                          stderr=log)
     try:
         wait_until(lambda: httpx.get(base + "/readyz", timeout=1, verify=TLS).status_code == 200, timeout=40, what="herald up")
         fresh_start = scrape(base)
