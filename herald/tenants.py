@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from herald.settings import Settings
+from herald.timefmt import rfc3339
 from schemas.admin import TENANT_ID_PATTERN as TENANT_ID_PATTERN  # re-exported: the ids SPEC §12 allows
 
 # SPEC §12: what a key may do. A key without the scope a route needs gets 403.
@@ -123,6 +124,11 @@ class KeyRow:
 
     def expired(self, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
+
+    def revoked_detail(self) -> dict[str, object]:
+        """What the audit keeps of a revoked key: its name and its last recorded use, which
+        its listing no longer shows once it is revoked (README, "When a key leaks")."""
+        return {"name": self.name, "last_used_at": rfc3339(self.last_used_at)}
 
 
 @dataclass(frozen=True, slots=True)

@@ -81,6 +81,7 @@ async def test_keys_are_created_listed_and_revoked_each_change_audited(stores: S
     assert await tenants.get_key("k1") == first
     assert [k.id for k in await tenants.list_keys("acme")] == ["k1", "k2"]  # oldest first
 
+    await tenants.touch_keys({"k1": 1_700_000_000.0})
     revoked = await tenants.revoke_key("k1")
     assert revoked is not None and revoked.id == "k1"
     assert await tenants.revoke_key("k1") is None and await tenants.revoke_key("nope") is None
@@ -91,6 +92,8 @@ async def test_keys_are_created_listed_and_revoked_each_change_audited(stores: S
     assert [(r.action, r.tenant, r.key_id) for r in log] == [
         (KEY_REVOKED, "acme", "k1"), (KEY_CREATED, "globex", "k3"), (KEY_CREATED, "acme", "k2"),
         (KEY_CREATED, "acme", "k1")]
+    # The revocation keeps the key's last recorded use: its listing no longer shows it.
+    assert dict(log[0].detail) == {"name": revoked.name, "last_used_at": "2023-11-14T22:13:20.000Z"}
 
     # Last use is not a directory change: no version, no audit row; never moves back.
     await tenants.touch_keys({"k2": 2000.0, "k3": 1000.0})

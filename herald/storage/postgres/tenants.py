@@ -144,7 +144,7 @@ class PgTenantStore:
             if row is None:
                 return None
             key = _key(row)
-            await _changed(conn, KEY_REVOKED, key.tenant, key.id, {"name": key.name})
+            await _changed(conn, KEY_REVOKED, key.tenant, key.id, key.revoked_detail())
             return key
 
     async def touch_keys(self, used_at: Mapping[str, float]) -> None:

@@ -136,7 +136,7 @@ class SqliteTenantStore:
             at = now()
             conn.execute("UPDATE herald_api_keys SET revoked_at = ? WHERE id = ?", (at, key_id))
             key = _key(row)
-            _changed(conn, at, KEY_REVOKED, key.tenant, key.id, {"name": key.name})
+            _changed(conn, at, KEY_REVOKED, key.tenant, key.id, key.revoked_detail())
             return key
 
         return await self._db.write(tx)
