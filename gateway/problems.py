@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from typing import ClassVar
 
 from litestar import Request, Response
-from litestar.exceptions import HTTPException
+from litestar.exceptions import HTTPException, ValidationException
 
 from herald.jobs import StoreUnavailable
 from schemas import FieldError, Problem
@@ -196,9 +196,20 @@ def problem_response(problem: Problem, headers: Mapping[str, str] | None = None)
     )
 
 
+def _field_errors(exc: HTTPException) -> list[FieldError]:
+    """The fields Litestar's own validation of a route's parameters (``?limit=101``, a path id
+    that is no UUID) found wrong, as its ``ValidationException`` lists them."""
+    if not isinstance(exc, ValidationException) or not isinstance(exc.extra, list):
+        return []
+    return [FieldError(field=str(item["key"]), message=str(item.get("message") or "invalid"))
+            for item in exc.extra if isinstance(item, dict) and item.get("key")]
+
+
 def handle_http_exception(request: Request, exc: HTTPException) -> Response[Problem]:
     if isinstance(exc, ProblemError):
         return problem_response(exc.problem, exc.headers)
+    if errors := _field_errors(exc):
+        return problem_response(InvalidRequest(errors).problem, exc.headers)
     status = exc.status_code
     kind = _FRAMEWORK_TYPES.get(status, GENERIC)
     detail = exc.detail if isinstance(exc.detail, str) and exc.detail else kind.title

@@ -135,6 +135,33 @@ def test_get_webhooks_with_a_superscript_limit_names_the_field(target: Target) -
     assert "limit" in response.text
 
 
+RANGE_CASES: list[tuple[str, str, str, str]] = [
+    # (path template, parameter, header set, a value out of its range or of its type)
+    ("/jobs", "limit", "acme", "101"),
+    ("/jobs", "limit", "acme", "0"),
+    ("/jobs", "limit", "acme", "٣"),
+    ("/jobs/{job}", "wait", "acme", "61"),
+    ("/events", "limit", "json", "501"),
+    ("/events", "wait", "json", "61"),
+    ("/webhooks", "limit", "acme", "0"),
+    ("/admin/audit", "limit", "admin", "1000000"),
+]
+
+
+@pytest.mark.parametrize(("template", "name", "who", "value"), RANGE_CASES,
+                         ids=[f"{c[0]}?{c[1]}={c[3]}" for c in RANGE_CASES])
+def test_a_query_parameter_out_of_range_is_named_in_the_problem(target: Target, template: str, name: str, who: str,
+                                                                value: str) -> None:
+    path = template.format(job=target.job_id)
+    with httpx.Client(base_url=target.base, headers=_headers(who), timeout=20, verify=TLS) as http:
+        response = http.get(path, params={name: value})
+    assert response.status_code == 400, response.text
+    problem = response.json()
+    assert problem["type"] == "/problems/invalid-request", problem
+    assert [error["field"] for error in problem["errors"]] == [name], problem
+    assert name in problem["detail"], problem
+
+
 def _raw_get(base: str, path: str, headers: list[tuple[bytes, bytes]]) -> httpx.Response:
     with httpx.Client(base_url=base, timeout=20, verify=TLS) as http:
         request = http.build_request("GET", path)
