@@ -61,7 +61,7 @@ def test_page_and_assets_need_no_key_and_stay_out_of_the_schema(herald: Deployme
         assert '<script src="/static/app.js"' in page.text
         for name, media_type in (("app.js", "text/javascript"), ("app.css", "text/css")):
             asset = anonymous.get(f"/static/{name}")
-            assert asset.status_code == 200 and asset.headers["content-type"].startswith(media_type)
+            assert asset.status_code == 200 and asset.headers["content-type"] == f"{media_type}; charset=utf-8"
         assert anonymous.get("/static/index.html").status_code == 404, "only the page's assets are served"
         assert anonymous.get("/static/..%2Fapp.py").status_code == 404
         paths = anonymous.get("/schema/openapi.json").json()["paths"]

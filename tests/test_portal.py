@@ -277,7 +277,7 @@ def test_page_and_assets_need_no_key_and_stay_out_of_the_schema(portal: Deployme
         assert '<script src="/static/portal.js"' in page.text
         for name, media_type in (("portal.js", "text/javascript"), ("portal.css", "text/css")):
             asset = anonymous.get(f"/static/{name}")
-            assert asset.status_code == 200 and asset.headers["content-type"].startswith(media_type)
+            assert asset.status_code == 200 and asset.headers["content-type"] == f"{media_type}; charset=utf-8"
         assert anonymous.get("/static/portal.html").status_code == 404
         paths = anonymous.get("/schema/openapi.json").json()["paths"]
         assert "/portal" not in paths

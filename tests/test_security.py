@@ -606,6 +606,7 @@ def test_every_html_page_loads_only_herald_s_own_files_under_a_csp(target: Targe
                 asset = anonymous.get(url)
                 assert asset.status_code == 200, f"{path}: {url} -> {asset.status_code}"
                 assert asset.headers["x-content-type-options"] == "nosniff"
+                assert asset.headers["content-type"].count("charset=") <= 1, asset.headers["content-type"]
             if page.status_code == 200:
                 policy = page.headers.get("content-security-policy", "")
                 directives = {d.strip().split(" ")[0]: d.strip() for d in policy.split(";") if d.strip()}

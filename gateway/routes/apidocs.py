@@ -21,7 +21,7 @@ from gateway.routes.page import PAGE_HEADERS, STATIC_DIR
 
 SCHEMA_PATH = "/schema"
 # The vendored files the page uses, and nothing else of the wheel.
-ASSETS = {"swagger-ui-bundle.js": "text/javascript; charset=utf-8", "swagger-ui.css": "text/css; charset=utf-8"}
+ASSETS = {"swagger-ui-bundle.js": "text/javascript", "swagger-ui.css": "text/css"}
 _SWAGGER_STATIC = files("swagger_ui") / "static"
 
 

@@ -16,9 +16,9 @@ from litestar.response import File
 from gateway.problems import NotFound
 
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
-ASSETS = {"app.js": "text/javascript; charset=utf-8", "app.css": "text/css; charset=utf-8",
-          "portal.js": "text/javascript; charset=utf-8", "portal.css": "text/css; charset=utf-8",
-          "api.js": "text/javascript; charset=utf-8"}
+ASSETS = {"app.js": "text/javascript", "app.css": "text/css",
+          "portal.js": "text/javascript", "portal.css": "text/css",
+          "api.js": "text/javascript"}
 REVALIDATE = CacheControlHeader(no_cache=True)  # an upgraded gateway's page is seen at once
 
 # The page keeps an API key in localStorage, so it runs only its own script: no inline
