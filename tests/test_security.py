@@ -140,6 +140,7 @@ RANGE_CASES: list[tuple[str, str, str, str]] = [
     ("/jobs", "limit", "acme", "101"),
     ("/jobs", "limit", "acme", "0"),
     ("/jobs", "limit", "acme", "٣"),
+    ("/jobs", "state", "acme", "bogus"),
     ("/jobs/{job}", "wait", "acme", "61"),
     ("/events", "limit", "json", "501"),
     ("/events", "wait", "json", "61"),

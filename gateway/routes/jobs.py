@@ -20,7 +20,7 @@ from gateway.render import etag, etag_matches, public_status
 from gateway.services import Services, services
 from herald.jobs import JobRow, TransitionRejected
 from herald.transitions import Change
-from schemas import JobList, JobStatus
+from schemas import FieldError, JobList, JobStatus
 from schemas.jobs import JOB_STATES
 
 _STATE_CHOICES = f"{', '.join(JOB_STATES[:-1])} or {JOB_STATES[-1]}"
@@ -104,7 +104,7 @@ async def list_jobs(
     svc = services(request)
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     if job_state is not None and job_state not in JOB_STATES:
-        raise InvalidRequest(detail=f"state must be one of {', '.join(JOB_STATES)}")
+        raise InvalidRequest([FieldError(field="state", message=f"must be one of {', '.join(JOB_STATES)}")])
     before = decode_position(cursor) if cursor else None
     rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]

@@ -18,7 +18,7 @@ from gateway.problems import NotFound
 STATIC_DIR = Path(__file__).resolve().parent.parent / "static"
 ASSETS = {"app.js": "text/javascript", "app.css": "text/css",
           "portal.js": "text/javascript", "portal.css": "text/css",
-          "api.js": "text/javascript"}
+          "api.js": "text/javascript", "favicon.svg": "image/svg+xml"}
 REVALIDATE = CacheControlHeader(no_cache=True)  # an upgraded gateway's page is seen at once
 
 # The page keeps an API key in localStorage, so it runs only its own script: no inline
