@@ -91,6 +91,30 @@ def test_page_says_when_the_key_or_the_request_is_wrong(browser: sync_api.Browse
     page.close()
 
 
+def test_a_job_cancelled_while_queued_shows_a_still_bar(browser: sync_api.Browser, fresh: Deployment) -> None:
+    """A job that ended without progress shows an empty bar, not a busy one: an indeterminate
+    <progress> animates as if work went on."""
+    expect = sync_api.expect
+    base = fresh.start_gateway()  # no worker: the job stays queued until it is cancelled
+    page = browser.new_page()
+    page.goto(base + "/")
+    page.get_by_role("textbox", name="API key").fill(KEYS["acme"])
+    page.get_by_role("button", name="Connect").click()
+    expect(page.get_by_role("status")).to_have_text("Live")
+    page.get_by_label("Title").fill("never run")
+    page.get_by_role("button", name="Start report").click()
+    row = page.locator("#jobs tbody tr").first
+    expect(row).to_have_attribute("data-state", "queued")
+    bar = row.get_by_role("progressbar", name="Progress of never run")
+    assert bar.get_attribute("value") is None  # queued: indeterminate, work is still to come
+    job_id = row.get_attribute("data-job-id")
+    answer = httpx.delete(f"{base}/jobs/{job_id}", headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=10)
+    assert answer.status_code == 200, answer.text
+    expect(row).to_have_attribute("data-state", "cancelled")
+    expect(bar).to_have_attribute("value", "0")
+    page.close()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("first_link_ttl", "screenshot"),

@@ -254,8 +254,12 @@ function renderRow({ status, resultUrl, row }) {
   const bar = row.cells[2].querySelector("progress");
   const pct = row.cells[2].querySelector(".pct");
   const value = status.state === "succeeded" ? 100 : status.progress;
-  if (value === null || value === undefined) {
-    bar.removeAttribute("value");  // indeterminate
+  const ended = status.state === "failed" || status.state === "cancelled";
+  if ((value === null || value === undefined) && ended) {
+    bar.value = 0;  // ended with no progress: still, not busy
+    pct.textContent = "";
+  } else if (value === null || value === undefined) {
+    bar.removeAttribute("value");  // indeterminate: work still to come
     pct.textContent = "";
   } else {
     bar.value = value;
