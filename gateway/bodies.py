@@ -45,10 +45,10 @@ async def url_errors(settings: Settings, field: str, url: str | None) -> list[Fi
     """The SSRF guard (https to a public address, resolved now) as field errors."""
     if url is None:
         return []
-    if any(ord(char) < 0x20 or ord(char) == 0x7F for char in url):
-        # A URL carries control characters only percent-encoded (RFC 3986), and PostgreSQL
-        # text holds no NUL: refused here, named, rather than failing in the store.
-        return [FieldError(field=field, message="must not contain control characters (percent-encode them)")]
+    if any(ord(char) <= 0x20 or ord(char) == 0x7F for char in url):
+        # A URL carries spaces and control characters only percent-encoded (RFC 3986), and
+        # PostgreSQL text holds no NUL: refused here, named, rather than failing later.
+        return [FieldError(field=field, message="must not contain spaces or control characters (percent-encode them)")]
     try:
         await check_url_resolves_public(url, allow_private=settings.webhook_allow_private)
     except UnsafeUrl as exc:

@@ -20,7 +20,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.problems import PROBLEM_MEDIA_TYPE
-from schemas.problems import HEADERS_TOO_LARGE
+from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE
 
 MAX_HEADER_BYTES = 16 * 1024
 # Raw bytes count separators, the request line and line ends that the scope does not, so
@@ -81,6 +81,17 @@ class HttpProtocol(HttpToolsProtocol):
             self._head_bytes += len(data)
             if self._head_bytes > MAX_RAW_HEAD_BYTES:
                 self._refuse()
+
+    def send_400_response(self, msg: str) -> None:
+        """A request httptools cannot parse (raw non-ASCII in its target, a broken head) is
+        answered as problem+json too, not uvicorn's plain text."""
+        body = msgspec.json.encode(BAD_REQUEST.problem(f"the request could not be read: {msg.rstrip('.')}"))
+        head = [b"HTTP/1.1 400 Bad Request\r\n"]
+        head += [name + b": " + value + b"\r\n" for name, value in self.server_state.default_headers]
+        head += [b"content-type: " + PROBLEM_MEDIA_TYPE.encode() + b"\r\n",
+                 b"content-length: " + str(len(body)).encode() + b"\r\n", b"connection: close\r\n\r\n"]
+        self.transport.write(b"".join(head) + body)
+        self.transport.close()
 
     def _refuse(self) -> None:
         # Closing at once with the client's bytes unread would reset the connection, and the

@@ -4,6 +4,11 @@ import time
 from datetime import datetime, timezone
 
 
+# The latest time ``rfc3339`` can write (a year of four digits): a time a client sends to be
+# stored and shown again (a key's expiry) must not be later, or showing it would fail.
+LATEST = datetime(9999, 12, 31, 23, 59, 59, tzinfo=timezone.utc).timestamp()
+
+
 def now() -> float:
     return time.time()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 from functools import cache
 from typing import Any, TypeVar
 
@@ -23,17 +25,61 @@ class InvalidBody(ValueError):
         self.errors = errors
 
 
-def _message(exc: msgspec.ValidationError) -> str:
+def _message(exc: msgspec.MsgspecError) -> str:
+    return _split(exc)[0]
+
+
+def _split(exc: msgspec.MsgspecError) -> tuple[str, str]:
+    """msgspec's message and the path it names inside the value (``.rate_limit``, ``[0]``),
+    without its leading ``$``; no path: ``""``."""
     text = str(exc)
-    cut = text.rfind(" - at `")
-    return text[:cut] if cut >= 0 else text
+    cut = text.rfind(" - at `$")
+    if cut < 0 or not text.endswith("`"):
+        return text, ""
+    return text[:cut], text[cut + len(" - at `$"):-1]
 
 
 def decode_json(body: bytes) -> Any:
     try:
         return msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
+        if str(exc).startswith("Number out of range") and (path := _out_of_range(body)):
+            # JSON, but a number no double holds (1e309): a bad value of a field it can name.
+            raise InvalidBody([_field_error(path, "number out of range")]) from None
         raise MalformedBody(str(exc)) from exc
+    except RecursionError:  # msgspec refuses to nest deeper than the interpreter can follow
+        raise MalformedBody("the JSON is nested too deeply") from None
+
+
+def _out_of_range(body: bytes) -> str:
+    """Where the first number out of range is (msgspec's message says only ``$[...]``): the
+    standard parser reads it as infinity. Only ever on a body msgspec refused for that."""
+    try:
+        value = json.loads(body)
+    except (ValueError, RecursionError):
+        return ""
+    return _first_infinite(value, "")
+
+
+def _field_error(path: str, message: str) -> FieldError:
+    """A fault at ``path`` inside the body: the top-level field it is in names it, the rest of
+    the path leads the message (``limits`` / ``rate_limit: ...``)."""
+    cut = min((i for i in (path.find("."), path.find("[", 1)) if i > 0), default=len(path))
+    field, inner = path[:cut], path[cut:].removeprefix(".")
+    if not field or field.startswith("["):
+        return FieldError(field="$", message=f"{path}: {message}")
+    return FieldError(field=field, message=f"{inner}: {message}" if inner else message)
+
+
+def _first_infinite(value: Any, path: str) -> str:
+    if isinstance(value, float) and math.isinf(value):
+        return path or "$"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _first_infinite(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
+        if found:
+            return found.removeprefix(".")
+    return ""
 
 
 @cache
@@ -50,6 +96,8 @@ def validate_params(params_type: type[P], document: Any) -> P:
         # A valid body (the hot path) is one conversion; only an invalid one pays for the
         # field-by-field walk below, which names every bad field instead of the first.
         params = msgspec.convert(document, type=params_type)
+    except RecursionError:
+        raise InvalidBody([FieldError(field="$", message="nested too deeply")]) from None
     except msgspec.ValidationError as exc:
         # Field by field finds the same faults; "$" only if a rule spans fields.
         raise InvalidBody(_field_errors(params_type, document)
@@ -70,6 +118,9 @@ def _field_errors(params_type: type[JobParams], document: dict[str, Any]) -> lis
             continue
         try:
             msgspec.convert(document[name], type=info.type)
+        except RecursionError:
+            errors.append(FieldError(field=name, message="nested too deeply"))
         except msgspec.ValidationError as exc:
-            errors.append(FieldError(field=name, message=_message(exc)))
+            message, path = _split(exc)  # inside the field (limits.rate_limit, event_types[0]): said so
+            errors.append(_field_error(name + path, message))
     return errors

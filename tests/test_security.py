@@ -8,6 +8,7 @@ import base64
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ from urllib.parse import urlsplit
 
 import bcrypt
 import httpx
+import msgspec
 import pytest
 
 from herald.settings import Settings, SettingsError
@@ -161,6 +163,57 @@ def test_a_query_parameter_out_of_range_is_named_in_the_problem(target: Target, 
     assert problem["type"] == "/problems/invalid-request", problem
     assert [error["field"] for error in problem["errors"]] == [name], problem
     assert name in problem["detail"], problem
+
+
+# (route, who, body, the field the answer must name (a field inside it leads the message);
+# None: malformed JSON, no field to name)
+BAD_BODIES: list[tuple[str, str, bytes, str | None]] = [
+    ("/reports", "acme", b'{"title": "a", "pages": 1e309}', "pages"),
+    ("/reports", "acme", b'{"title": "a", "pages": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+    ("/portal/session", "none", b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
+    ("/admin/tenants", "admin", b'{"id": "odd-limits", "limits": {"rate_limit": -1}}', "limits.rate_limit"),
+    ("/webhooks", "acme", b'{"url": "https://hooks.example.com/a", "event_types": ["job.queued", 7]}',
+     "event_types.[1]"),
+    ("/admin/tenants", "admin", b'{"id": "odd-limits", "limits": {"max_running": 1e400}}', "limits.max_running"),
+    ("/admin/tenants/acme/keys", "admin", b'{"name": "n", "expires_at": "9999-12-31T23:59:59-23:59"}', "expires_at"),
+    ("/webhooks", "acme", b'{"url": "http://exa mple.com/hook"}', "url"),
+]
+
+
+@pytest.mark.parametrize(("path", "who", "body", "name"), BAD_BODIES,
+                         ids=[f"{c[0]}:{c[3]}" for c in BAD_BODIES])
+def test_a_bad_body_is_a_problem_naming_its_field_and_changes_nothing(target: Target, path: str, who: str, body: bytes,
+                                                                      name: str | None) -> None:
+    headers = {**_headers(who), "Content-Type": "application/json"}
+    with httpx.Client(base_url=target.base, headers=headers, timeout=20, verify=TLS) as http:
+        response = http.post(path, content=body)
+        assert response.status_code == 400, response.text[:300]
+        problem = response.json()
+        if name is None:
+            assert problem["type"] == "/problems/malformed-json", problem
+        else:
+            assert problem["type"] == "/problems/invalid-request", problem
+            field, _, inner = name.partition(".")
+            assert [error["field"] for error in problem["errors"]] == [field], problem
+            assert problem["errors"][0]["message"].startswith(f"{inner}: " if inner else ""), problem
+        if path.startswith("/admin/tenants/acme/keys"):  # nothing half-written: the listing still renders
+            listing = http.get(path)
+            assert listing.status_code == 200, listing.text[:300]
+
+
+def test_a_request_line_the_server_cannot_read_is_answered_as_a_problem(target: Target) -> None:
+    """Raw non-ASCII in the request target never reaches the app: the HTTP parser refuses it,
+    still as problem+json."""
+    host, port = urlsplit(target.base).hostname, urlsplit(target.base).port
+    with socket.create_connection((host, port), timeout=10) as conn:
+        conn.sendall(f"GET /jobs/{target.job_id}?exp=".encode() + "²".encode() + b"&sig=x HTTP/1.1\r\nHost: h\r\n\r\n")
+        answer = b""
+        while chunk := conn.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), answer[:300]
+    assert b"content-type: application/problem+json" in head.lower(), head
+    assert msgspec.json.decode(body)["type"] == "/problems/bad-request"
 
 
 def _raw_get(base: str, path: str, headers: list[tuple[bytes, bytes]]) -> httpx.Response:

@@ -23,7 +23,7 @@ from gateway.problems import EnvKey, InvalidRequest, NotFound, TenantExists
 from gateway.services import Services, services
 from herald.directory import Directory
 from herald.tenants import ALL_SCOPES, SOURCE_ENV, KeyRow, TenantRow, issue_key
-from herald.timefmt import now, rfc3339
+from herald.timefmt import LATEST, now, rfc3339
 from schemas import FieldError
 from schemas.admin import (
     ApiKey, ApiKeyList, AuditEntry, AuditList, CreatedApiKey, KeyCreate, LimitsPatch, Tenant, TenantCreate, TenantLimits,
@@ -166,6 +166,8 @@ class AdminController(Controller):
         expires_at = body.expires_at.timestamp() if body.expires_at is not None else None
         if expires_at is not None and expires_at <= now():
             raise InvalidRequest([FieldError(field="expires_at", message="must be in the future")])
+        if expires_at is not None and expires_at > LATEST:
+            raise InvalidRequest([FieldError(field="expires_at", message="must be before the year 10000 (UTC)")])
         scopes = tuple(s for s in ALL_SCOPES if body.scopes is None or s in body.scopes)
         issued = issue_key()
         row = await svc.storage.tenants.create_key(KeyRow(
