@@ -171,9 +171,35 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
 
     for path, item in openapi.paths.items():
         for operation in (item.get, item.post, item.put, item.patch, item.delete):
-            if operation is not None and operation.operation_id not in PUBLIC_OPERATIONS:
+            if operation is None:
+                continue
+            _problems_everywhere(operation)
+            if operation.operation_id not in PUBLIC_OPERATIONS:
+                # Every key-protected route can refuse a missing key and a key without its scope.
+                _problem_response(operation, 401)
+                _problem_response(operation, 403)
                 if path.startswith("/admin"):
                     operation.security = [{"admin": []}]
                     continue
                 security = BEARER_OR_PORTAL if path.startswith("/webhooks") else BEARER
                 operation.security = security  # type: ignore[assignment]
+
+
+def _problem_answer(status: int) -> OpenAPIResponse:
+    return OpenAPIResponse(description=_description(status), content={
+        PROBLEM_MEDIA_TYPE: OpenAPIMediaType(schema=Reference(ref="#/components/schemas/Problem"))})
+
+
+def _problem_response(operation: Operation, status: int) -> None:
+    responses = operation.responses if operation.responses is not None else {}
+    responses.setdefault(str(status), _problem_answer(status))
+    operation.responses = responses
+
+
+def _problems_everywhere(operation: Operation) -> None:
+    """Litestar documents its own 400 (a parameter it validates) as its exception's JSON; the
+    gateway answers every error as problem+json (gateway/problems.py)."""
+    for status, response in (operation.responses or {}).items():
+        if status.startswith(("4", "5")) and isinstance(response, OpenAPIResponse) and (
+                response.content is None or PROBLEM_MEDIA_TYPE not in response.content):
+            operation.responses[status] = _problem_answer(int(status))  # type: ignore[index]

@@ -213,6 +213,18 @@ def test_health_ready_and_openapi(herald: Deployment) -> None:
     assert httpx.get(base + "/readyz").status_code == 200
     spec = httpx.get(base + "/schema/openapi.json").json()
     assert "/reports" in spec["paths"] and "/jobs/{job_id}" in spec["paths"]
+    # Every error answer is documented as the problem+json it is (SPEC §10), and every
+    # key-protected operation says it can refuse a missing key (401) and a missing scope (403).
+    for path, item in spec["paths"].items():
+        for method, operation in item.items():
+            if not isinstance(operation, dict) or "responses" not in operation:
+                continue
+            responses = operation["responses"]
+            for status, response in responses.items():
+                if status.startswith(("4", "5")):
+                    assert list(response["content"]) == ["application/problem+json"], (method, path, status)
+            if operation.get("security"):
+                assert {"401", "403"} <= set(responses), (method, path)
 
 
 def test_job_accepted_without_workers_runs_once_a_worker_starts(fresh: Deployment) -> None:
