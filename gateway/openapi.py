@@ -22,10 +22,12 @@ import msgspec
 from litestar import Litestar
 from litestar.openapi import ResponseSpec
 from litestar.openapi.spec import (
+    OpenAPIHeader,
     OpenAPIMediaType,
     OpenAPIResponse,
     OpenAPIType,
     Operation,
+    Parameter,
     Reference,
     RequestBody,
     Schema,
@@ -169,11 +171,13 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
     webhook_stream.responses["200"] = OpenAPIResponse(
         description="Notices that the tenant's deliveries changed", content={"text/event-stream": sse})
 
+    _describe_headers(openapi.paths, kinds)
     for path, item in openapi.paths.items():
         for operation in (item.get, item.post, item.put, item.patch, item.delete):
             if operation is None:
                 continue
             _problems_everywhere(operation)
+            _answer_headers(operation, {"429": {"Retry-After": _RETRY_AFTER}, "503": {"Retry-After": _RETRY_AFTER}})
             if operation.operation_id not in PUBLIC_OPERATIONS:
                 # Every key-protected route can refuse a missing key and a key without its scope.
                 _problem_response(operation, 401)
@@ -203,3 +207,49 @@ def _problems_everywhere(operation: Operation) -> None:
         if status.startswith(("4", "5")) and isinstance(response, OpenAPIResponse) and (
                 response.content is None or PROBLEM_MEDIA_TYPE not in response.content):
             operation.responses[status] = _problem_answer(int(status))  # type: ignore[index]
+
+
+_TEXT = Schema(type=OpenAPIType.STRING)
+_SECONDS = Schema(type=OpenAPIType.INTEGER, minimum=1)
+_RETRY_AFTER = OpenAPIHeader(schema=_SECONDS, description="seconds to wait before asking again")
+_LOCATION = OpenAPIHeader(schema=_TEXT, description="the resource this answer names")
+_ETAG = OpenAPIHeader(schema=_TEXT, description='the status version as a weak tag, `W/"<version>"`: send it as '
+                      "`If-None-Match` to get `304` while nothing changed")
+
+
+def _request_header(name: str, description: str) -> Parameter:
+    return Parameter(name=name, param_in="header", schema=_TEXT, description=description)
+
+
+def _answer_headers(operation: Operation, by_status: dict[str, dict[str, OpenAPIHeader]]) -> None:
+    for status, headers in by_status.items():
+        response = (operation.responses or {}).get(status)
+        if isinstance(response, OpenAPIResponse):
+            response.headers = {**(response.headers or {}), **headers}
+
+
+def _add_parameters(operation: Operation, *parameters: Parameter) -> None:
+    known = {p.name for p in operation.parameters or () if isinstance(p, Parameter)}
+    operation.parameters = [*(operation.parameters or ()), *(p for p in parameters if p.name not in known)]
+
+
+def _describe_headers(paths: Any, kinds: list[JobKind]) -> None:
+    """The headers SPEC §3, §4 and §8 give meaning to, which Litestar cannot see: the routes
+    read and write them themselves."""
+    for kind in kinds:
+        start = paths[kind.collection].post
+        _answer_headers(start, {"202": {"Location": _LOCATION, "Retry-After": _RETRY_AFTER}})
+        _add_parameters(start, _request_header(
+            "Idempotency-Key", "1..255 printable ASCII characters (a UUID is best): a retry with the same key and "
+            "body answers the same job again (`Idempotent-Replayed: true`); another body, `422`"), _request_header(
+            "traceparent", "W3C Trace Context: the job joins that trace"))
+    status = paths["/jobs/{job_id}"].get
+    _answer_headers(status, {"200": {"ETag": _ETAG, "Retry-After": _RETRY_AFTER},
+                             "303": {"Location": _LOCATION, "ETag": _ETAG}, "304": {"ETag": _ETAG}})
+    _add_parameters(status, _request_header("If-None-Match", "a tag this route gave: `304` while it is current "
+                                            "(with `wait`, held until it is not)"))
+    for path in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output", "/webhooks/events"):
+        _add_parameters(paths[path].get, _request_header(
+            "Last-Event-ID", "resume after this event id (as `?last_event_id=`; the header wins)"))
+    created = paths["/webhooks"].post
+    _answer_headers(created, {"201": {"Location": _LOCATION}})

@@ -225,6 +225,18 @@ def test_health_ready_and_openapi(herald: Deployment) -> None:
                     assert list(response["content"]) == ["application/problem+json"], (method, path, status)
             if operation.get("security"):
                 assert {"401", "403"} <= set(responses), (method, path)
+            for status in ("429", "503"):
+                if status in responses:
+                    assert "Retry-After" in responses[status]["headers"], (method, path, status)
+    # The headers the routes read and write themselves (SPEC §3, §4, §8) are documented too.
+    start = spec["paths"]["/reports"]["post"]
+    assert {"Location", "Retry-After"} <= set(start["responses"]["202"]["headers"])
+    assert {"Idempotency-Key", "traceparent"} <= {p["name"] for p in start["parameters"] if p["in"] == "header"}
+    poll = spec["paths"]["/jobs/{job_id}"]["get"]
+    assert "Location" in poll["responses"]["303"]["headers"] and "ETag" in poll["responses"]["200"]["headers"]
+    assert "If-None-Match" in {p["name"] for p in poll["parameters"] if p["in"] == "header"}
+    stream = spec["paths"]["/jobs/{job_id}/events"]["get"]
+    assert "Last-Event-ID" in {p["name"] for p in stream["parameters"] if p["in"] == "header"}
 
 
 def test_job_accepted_without_workers_runs_once_a_worker_starts(fresh: Deployment) -> None:
