@@ -40,4 +40,6 @@ def etag(job: JobRow) -> str:
 def etag_matches(header: str | None, tag: str) -> bool:
     if not header:
         return False
-    return any(candidate.strip() in (tag, tag.removeprefix("W/"), "*") for candidate in header.split(","))
+    # If-None-Match compares weakly (RFC 9110 §13.1.2): W/"x" matches "x", and "x" matches W/"x".
+    plain = tag.removeprefix("W/")
+    return any(candidate.strip().removeprefix("W/") in (plain, "*") for candidate in header.split(","))

@@ -47,6 +47,9 @@ def test_report_accept_poll_303_download_pdf(herald: Deployment) -> None:
         assert pdf.headers["content-disposition"].startswith("attachment")
         assert len(pypdf.PdfReader(io.BytesIO(pdf.content)).pages) == 4
         assert http.get(done.headers["location"], headers={"If-None-Match": pdf.headers["etag"]}).status_code == 304
+        # If-None-Match compares weakly: the strong result tag matches when sent as weak too.
+        weak = "W/" + pdf.headers["etag"]
+        assert http.get(done.headers["location"], headers={"If-None-Match": weak}).status_code == 304
 
 
 def test_progress_and_versions_move_while_running(herald: Deployment) -> None:
