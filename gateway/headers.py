@@ -5,15 +5,20 @@
 * A head still incomplete after ``MAX_RAW_HEAD_BYTES`` have arrived (sent in pieces, or
   one endless header) is refused with ``431`` by the server's protocol (``HttpProtocol``)
   and the connection closed: httptools would otherwise keep collecting it without bound.
+* A head httptools cannot parse at all is answered ``400`` as problem+json, as every
+  other error is (``HttpProtocol.send_400_response``).
 
 Header names go out lower-cased (uvicorn's httptools protocol writes them so). Names are
 case-insensitive (RFC 9110 §5.1); the gateway ran h11 only to keep their case, at ~15 % of
 its CPU per request (bench/RESULTS.md, issue 14).
+
+``HEAD`` is answered as ``GET`` without the body (``edge``), streams and downloads included.
 """
 
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 import msgspec
 from litestar.types import ASGIApp, Receive, Scope, Send
@@ -44,6 +49,29 @@ async def _refuse_large_head(send: Send) -> None:
     await send({"type": "http.response.body", "body": _TOO_LARGE_BODY, "more_body": False})
 
 
+class _HeadSent(BaseException):
+    """A HEAD answer's head is out: the GET it ran as stops here. A BaseException, so that no
+    ``except Exception`` on the way (the framework's error handler) mistakes it for a failure."""
+
+
+async def _as_head(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> None:
+    """HEAD is GET without the body (RFC 9110 §9.3.2): the app answers the GET, its status and
+    headers go out, and it is stopped at its first body (a stream would never end)."""
+
+    async def head_only(message: Any) -> None:
+        if message["type"] == "http.response.start":
+            await send(message)
+        elif message["type"] == "http.response.body":
+            # uvicorn writes no body for a HEAD request; this ends the answer.
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            raise _HeadSent
+
+    try:
+        await app({**scope, "method": "GET"}, receive, head_only)  # type: ignore[arg-type]
+    except* _HeadSent:  # a file or a stream sends from a task group, which wraps it in a group
+        pass
+
+
 def edge(app: ASGIApp) -> ASGIApp:
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -51,6 +79,9 @@ def edge(app: ASGIApp) -> ASGIApp:
             head += sum(len(name) + len(value) for name, value in scope["headers"])
             if head > MAX_HEADER_BYTES:
                 await _refuse_large_head(send)
+                return
+            if scope.get("method") == "HEAD":
+                await _as_head(app, scope, receive, send)
                 return
         await app(scope, receive, send)
 

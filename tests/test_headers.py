@@ -8,7 +8,7 @@ import json
 import socket
 
 from gateway.headers import MAX_RAW_HEAD_BYTES
-from tests.harness import KEYS, Deployment
+from tests.harness import KEYS, Deployment, client, wait_for_state
 
 
 def answer(sock: socket.socket) -> bytes:
@@ -69,3 +69,30 @@ def test_header_names_are_found_in_any_case(herald: Deployment) -> None:
     for name in ("Location", "Retry-After", "Cache-Control", "Content-Type", "X-Request-ID"):
         assert response.getheader(name) and response.getheader(name) == response.getheader(name.lower()), name
     connection.close()
+
+
+def test_head_answers_as_get_without_the_body(herald: Deployment) -> None:
+    """HEAD is GET without the body (RFC 9110 §9.3.2): the same status and headers for a
+    status, a result, a page and a stream (which must not be held open), 405 where GET is not."""
+    with client(herald.url()) as acme:
+        job = acme.post("/reports", json={"title": "head", "pages": 1}).json()
+        done = wait_for_state(acme, job["id"], {"succeeded"})
+        checks = {
+            f"/jobs/{done['id']}": 303,
+            f"/reports/{done['id']}": 200,
+            f"/jobs/{done['id']}/events": 200,
+            "/events": 200,
+            "/portal": 200,
+            "/reports": 405,
+        }
+        for path, status in checks.items():
+            got = acme.get(path, follow_redirects=False) if path != "/events" else None
+            head = acme.head(path, timeout=10)
+            assert head.status_code == status, (path, head.status_code, head.text[:200])
+            assert head.content == b"", path
+            if got is not None and status != 405:
+                assert head.headers["content-type"] == got.headers["content-type"], path
+        pdf = acme.get(f"/reports/{done['id']}")
+        head = acme.head(f"/reports/{done['id']}")
+        assert head.headers["etag"] == pdf.headers["etag"]
+        assert head.headers["content-length"] == str(len(pdf.content))
