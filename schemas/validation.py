@@ -76,9 +76,9 @@ def _first_infinite(value: Any, path: str) -> str:
         return path or "$"
     items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
-        found = _first_infinite(item, f"{path}.{key}" if isinstance(key, str) else f"{path}[{key}]")
-        if found:
-            return found.removeprefix(".")
+        inner = (f"{path}.{key}" if path else key) if isinstance(key, str) else f"{path}[{key}]"
+        if found := _first_infinite(item, inner):
+            return found
     return ""
 
 
