@@ -364,8 +364,8 @@ class DeliveryQueue(Protocol):
         """``fan_out``, and in the same transaction ``claim`` (with ``offer``'s arguments) among the
         targets it recorded deliveries for: what is due at once goes out without a claim of its
         own. The notifier offers this only while it has claimed everything due it could
-        (no backlog), so what it leases here jumps no queue. A store may lease what else is
-        due too (PostgreSQL runs the whole claim), as the claim pass right after would."""
+        (no backlog), so what it leases here jumps no queue, and never waits on a walk of
+        other targets' backlogs (another tenant's, most of all)."""
 
     async def anything_due(self, held: Collection[str] = ()) -> bool:
         """Whether a claim could lease something now: a due pending delivery nobody holds whose

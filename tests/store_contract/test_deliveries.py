@@ -600,6 +600,30 @@ async def test_a_fan_out_leases_within_the_claims_caps(stores: Stores) -> None:
         assert got == expected, given
 
 
+async def test_a_fan_out_leases_only_among_the_targets_its_batch_touched(stores: Stores) -> None:
+    """Another tenant's due backlog is the claim pass's, not a fan-out's: a quiet tenant's batch
+    leases its own deliveries and never waits on a walk of the noisy one's (SPEC §13)."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    noisy = await endpoint(webhooks, tenant="a")
+    quiet = await endpoint(webhooks, tenant="b")
+    await queue.fan_out([event(f"a{n}", 1, tenant="a") for n in range(3)])  # due, nobody holds them
+    offer = LeaseOffer(owner="n1", lease_s=30.0, per_target=10, limit=100, in_flight={})
+    result = await queue.fan_out_leasing([event("b1", 1, tenant="b")], offer)
+    assert result.pending == 1 and [item.delivery.target for item in result.claimed] == [quiet]
+    assert Counter(item.delivery.target for item in await claim(queue, "n2")) == {noisy: 3}
+
+
+async def test_a_fan_out_leases_for_each_tenant_of_a_callback_url_they_share(stores: Stores) -> None:
+    queue = stores.deliveries
+    jobs = {}
+    for tenant in ("x", "y"):
+        accepted = await stores.jobs.accept(new_job(tenant, callback_url="https://cb.example/shared"))
+        jobs[tenant] = accepted.job.id
+    offer = LeaseOffer(owner="n1", lease_s=30.0, per_target=10, limit=100, in_flight={})
+    result = await queue.fan_out_leasing([event(j, 2, "job.running", tenant=t) for t, j in jobs.items()], offer)
+    assert result.pending == 2 and sorted(item.delivery.tenant for item in result.claimed) == ["x", "y"]
+
+
 # ----- outcomes ----------------------------------------------------------------------------------
 
 

@@ -497,9 +497,8 @@ class PgDeliveryQueue:
 
     async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
         """``fan_out`` and the claim with ``offer``'s caps in one statement (one transaction):
-        what is due at once goes out without a claim of its own. The claim is the whole claim
-        (``herald_webhook_fan_out_leasing``), so it may also lease what else is due, as the
-        claim pass right after would."""
+        what is due at once goes out without a claim of its own. The claim is among the targets
+        the batch has pending deliveries for (``herald_webhook_claim_among``), as SQLite's is."""
         if not events:
             return FannedOut(0)
         if offer.limit <= 0:

@@ -5,10 +5,15 @@
 -- migrations, to every database whose record of this file differs; edit it in place.
 -- The names in braces are filled in when it is applied (herald/storage/postgres/schema.py).
 
-CREATE OR REPLACE FUNCTION herald_webhook_claim(
+-- p_only_tenants and p_only_targets, pairwise: claim among these tenants' targets only, not
+-- every one with pending deliveries (a fan-out's own, herald_webhook_fan_out_leasing), so that
+-- the deliveries one tenant's batch made never wait on a walk of another tenant's backlog. NULL:
+-- every tenant and target (the scheduler's claim, herald_webhook_claim below).
+CREATE OR REPLACE FUNCTION herald_webhook_claim_among(
     p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
     p_busy_targets TEXT[], p_busy_counts INTEGER[],
-    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
+    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[],
+    p_only_tenants TEXT[], p_only_targets TEXT[]
 ) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
                  key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
                  job_traceparent TEXT, job_tracestate TEXT)
@@ -16,7 +21,9 @@ LANGUAGE plpgsql SET enable_seqscan = off AS $$
 #variable_conflict use_column
 DECLARE
     ts DOUBLE PRECISION := {now};
+    v_tenants TEXT[];
     v_tenant TEXT;
+    v_targets TEXT[];
     found_ids TEXT[];
     found_targets TEXT[];
     found_rooms INTEGER[];
@@ -37,56 +44,72 @@ BEGIN
     -- than the rest of a delivery's writes together.
     --
     -- Tenants with anything pending (a loose scan of webhook_deliveries_pending_by_tenant, one
-    -- probe each), less those at their cap; for each, one statement: its targets (a loose
-    -- scan again), less those held, and each target's candidates, at most its room.
-    v_tenant := (SELECT min(w.tenant) FROM webhook_deliveries w WHERE w.status = 'pending');
-    WHILE v_tenant IS NOT NULL LOOP
-        IF p_per_tenant <= 0
-           OR coalesce(p_tenant_counts[array_position(p_busy_tenants, v_tenant)], 0) < p_per_tenant THEN
-            WITH RECURSIVE targets(target) AS (
-                SELECT (SELECT min(w.target) FROM webhook_deliveries w
-                         WHERE w.status = 'pending' AND w.tenant = v_tenant)
+    -- probe each), less those at their cap; for each, its targets (a loose scan again), less
+    -- those held, and one statement: each target's candidates, at most its room.
+    IF p_only_tenants IS NULL THEN
+        v_tenants := ARRAY(
+            WITH RECURSIVE tenants(tenant) AS (
+                SELECT (SELECT min(w.tenant) FROM webhook_deliveries w WHERE w.status = 'pending')
                 UNION ALL
-                SELECT (SELECT min(w.target) FROM webhook_deliveries w
-                         WHERE w.status = 'pending' AND w.tenant = v_tenant AND w.target > t.target)
-                  FROM targets t WHERE t.target IS NOT NULL
+                SELECT (SELECT min(w.tenant) FROM webhook_deliveries w
+                         WHERE w.status = 'pending' AND w.tenant > t.tenant)
+                  FROM tenants t WHERE t.tenant IS NOT NULL
             )
-            SELECT array_agg(cand.id), array_agg(t.target), array_agg(r.room),
-                   array_agg(cand.next_attempt_at), array_agg(cand.seq)
-              INTO found_ids, found_targets, found_rooms, found_due, found_seqs
-              FROM targets t
-             CROSS JOIN LATERAL (
-                SELECT greatest(p_per_target - coalesce(p_busy_counts[array_position(p_busy_targets, t.target)], 0),
-                                0) AS room
-             ) r
-             CROSS JOIN LATERAL (
-                SELECT c.id, c.next_attempt_at, c.seq
-                  FROM webhook_deliveries c
-                  LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
-                 WHERE c.tenant = v_tenant AND c.target = t.target AND c.status = 'pending'
-                   AND c.next_attempt_at <= ts
-                   AND (c.lease_until IS NULL OR c.lease_until <= ts)
-                   AND (c.endpoint_id IS NULL OR e.status = 'enabled')
-                   AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
-                   -- one probe of (target, job_id) per candidate (see migration 3)
-                   AND (SELECT min(older.version) FROM webhook_deliveries older
-                         WHERE older.target = c.target AND older.job_id = c.job_id
-                           AND older.status = 'pending') = c.version
-                 ORDER BY c.next_attempt_at, c.seq
-                 LIMIT r.room
-             ) cand
-             WHERE t.target IS NOT NULL AND r.room > 0 AND NOT (t.target = ANY(p_held));
-            IF found_ids IS NOT NULL THEN
-                c_ids := c_ids || found_ids;
-                c_targets := c_targets || found_targets;
-                c_rooms := c_rooms || found_rooms;
-                c_due := c_due || found_due;
-                c_seqs := c_seqs || found_seqs;
-                c_tenants := c_tenants || array_fill(v_tenant, ARRAY[cardinality(found_ids)]);
-            END IF;
+            SELECT t.tenant FROM tenants t WHERE t.tenant IS NOT NULL);
+    ELSE
+        v_tenants := ARRAY(SELECT DISTINCT t FROM unnest(p_only_tenants) AS t ORDER BY t);
+    END IF;
+    FOREACH v_tenant IN ARRAY v_tenants LOOP
+        CONTINUE WHEN p_per_tenant > 0
+            AND coalesce(p_tenant_counts[array_position(p_busy_tenants, v_tenant)], 0) >= p_per_tenant;
+        IF p_only_tenants IS NULL THEN
+            v_targets := ARRAY(
+                WITH RECURSIVE targets(target) AS (
+                    SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                             WHERE w.status = 'pending' AND w.tenant = v_tenant)
+                    UNION ALL
+                    SELECT (SELECT min(w.target) FROM webhook_deliveries w
+                             WHERE w.status = 'pending' AND w.tenant = v_tenant AND w.target > t.target)
+                      FROM targets t WHERE t.target IS NOT NULL
+                )
+                SELECT t.target FROM targets t WHERE t.target IS NOT NULL);
+        ELSE
+            v_targets := ARRAY(SELECT DISTINCT x.target FROM unnest(p_only_tenants, p_only_targets) AS x(tenant, target)
+                                WHERE x.tenant = v_tenant ORDER BY x.target);
         END IF;
-        v_tenant := (SELECT min(w.tenant) FROM webhook_deliveries w
-                      WHERE w.status = 'pending' AND w.tenant > v_tenant);
+        SELECT array_agg(cand.id), array_agg(t.target), array_agg(r.room),
+               array_agg(cand.next_attempt_at), array_agg(cand.seq)
+          INTO found_ids, found_targets, found_rooms, found_due, found_seqs
+          FROM unnest(v_targets) AS t(target)
+         CROSS JOIN LATERAL (
+            SELECT greatest(p_per_target - coalesce(p_busy_counts[array_position(p_busy_targets, t.target)], 0),
+                            0) AS room
+         ) r
+         CROSS JOIN LATERAL (
+            SELECT c.id, c.next_attempt_at, c.seq
+              FROM webhook_deliveries c
+              LEFT JOIN webhook_endpoints e ON e.id = c.endpoint_id
+             WHERE c.tenant = v_tenant AND c.target = t.target AND c.status = 'pending'
+               AND c.next_attempt_at <= ts
+               AND (c.lease_until IS NULL OR c.lease_until <= ts)
+               AND (c.endpoint_id IS NULL OR e.status = 'enabled')
+               AND EXISTS (SELECT 1 FROM webhook_messages m WHERE m.event_id = c.event_id)
+               -- one probe of (target, job_id) per candidate (see migration 3)
+               AND (SELECT min(older.version) FROM webhook_deliveries older
+                     WHERE older.target = c.target AND older.job_id = c.job_id
+                       AND older.status = 'pending') = c.version
+             ORDER BY c.next_attempt_at, c.seq
+             LIMIT r.room
+         ) cand
+         WHERE r.room > 0 AND NOT (t.target = ANY(p_held));
+        IF found_ids IS NOT NULL THEN
+            c_ids := c_ids || found_ids;
+            c_targets := c_targets || found_targets;
+            c_rooms := c_rooms || found_rooms;
+            c_due := c_due || found_due;
+            c_seqs := c_seqs || found_seqs;
+            c_tenants := c_tenants || array_fill(v_tenant, ARRAY[cardinality(found_ids)]);
+        END IF;
     END LOOP;
     IF cardinality(c_ids) = 0 THEN
         RETURN;
@@ -154,3 +177,17 @@ BEGIN
      ) k
      ORDER BY array_position(ids, (l.d).id);
 END $$;
+
+-- The scheduler's claim: among every tenant and target with pending deliveries.
+CREATE OR REPLACE FUNCTION herald_webhook_claim(
+    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_busy_targets TEXT[], p_busy_counts INTEGER[],
+    p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
+) RETURNS TABLE (delivery webhook_deliveries, send_url TEXT, body BYTEA,
+                 key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
+                 job_traceparent TEXT, job_tracestate TEXT)
+LANGUAGE sql AS $$
+    SELECT * FROM herald_webhook_claim_among(p_owner, p_lease_s, p_per_target, p_limit, p_busy_targets,
+                                             p_busy_counts, p_per_tenant, p_busy_tenants, p_tenant_counts,
+                                             p_held, NULL, NULL)
+$$;

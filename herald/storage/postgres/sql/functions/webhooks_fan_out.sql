@@ -6,11 +6,14 @@
 -- herald.delivery_rules.place for each event and target, next to the data, after the locks
 -- (SQLite's _add_delivery calls the rulebook itself). Its numbers come in as arguments
 -- (p_progress_interval: PROGRESS_INTERVAL_S), and tests/store_contract/test_rulebook.py
--- holds its decisions to the rulebook's, case by case.
-CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
+-- holds its decisions to the rulebook's, case by case. Besides how many deliveries are
+-- pending, it says which targets got one (touched_tenants and touched_targets, pairwise): the
+-- leasing fan-out claims among those alone.
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out_touching(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
-    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION
-) RETURNS INTEGER LANGUAGE plpgsql SET enable_seqscan = off AS $$
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION,
+    OUT pending INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
+) LANGUAGE plpgsql SET enable_seqscan = off AS $$
 #variable_conflict use_column
 DECLARE
     ts DOUBLE PRECISION;
@@ -31,8 +34,10 @@ DECLARE
     last_progress DOUBLE PRECISION;
     new_status TEXT;
     due DOUBLE PRECISION;
-    pending INTEGER := 0;
 BEGIN
+    pending := 0;
+    touched_tenants := '{}';
+    touched_targets := '{}';
     -- Endpoints that take part are held against deletion and API disabling until commit
     -- (those take the row FOR UPDATE first); routine updates do not wait for this lock.
     PERFORM 1 FROM webhook_endpoints e
@@ -58,7 +63,7 @@ BEGIN
          WHERE ev.type <> 'job.progress' AND j.callback_url IS NOT NULL AND j.callback_url <> ''
       ) r;
     IF cardinality(t_ords) = 0 THEN
-        RETURN 0;
+        RETURN;
     END IF;
 
     -- One job's deliveries to one target are decided by one fan-out (or finish) at a time.
@@ -124,16 +129,27 @@ BEGIN
         ON CONFLICT (event_id, target) DO NOTHING;
         IF FOUND AND new_status = 'pending' THEN
             pending := pending + 1;
+            touched_tenants := touched_tenants || p_tenants[o];  -- repeats and all: the claim takes each once
+            touched_targets := touched_targets || tgt;
         END IF;
     END LOOP;
-    RETURN pending;
 END $$;
 
--- The fan-out, then in the same transaction the claim (herald_webhook_claim, with the offer's
--- caps): what is due at once is leased to this notifier without a claim of its own, as
--- SQLite's fan_out_leasing does. The claim is the whole claim, not only the targets this
--- batch touched: what else it leases is what the claim pass right after would have leased.
--- Every row carries the fan-out's pending count; with nothing leased, one row of NULLs does.
+-- The fan-out alone (a notifier with a backlog leases nothing as it fans out).
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
+    p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION
+) RETURNS INTEGER LANGUAGE sql AS $$
+    SELECT f.pending FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds,
+                                                          p_event_ids, p_bodies, p_progress_interval) f
+$$;
+
+-- The fan-out, then in the same transaction the claim (herald_webhook_claim_among, with the
+-- offer's caps) among the targets this batch has pending deliveries for: what is due at once
+-- is leased to this notifier without a claim of its own, as SQLite's fan_out_leasing does.
+-- Only those targets, so that a batch of one tenant's events never waits on a walk of another
+-- tenant's backlog (the scheduler's claim pass takes the rest). Every row carries the
+-- fan-out's pending count; with nothing leased, one row of NULLs does.
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out_leasing(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION,
@@ -143,18 +159,22 @@ CREATE OR REPLACE FUNCTION herald_webhook_fan_out_leasing(
 ) RETURNS TABLE (pending INTEGER, delivery webhook_deliveries, send_url TEXT, body BYTEA,
                  key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
                  job_traceparent TEXT, job_tracestate TEXT)
-LANGUAGE plpgsql AS $$
+LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     n INTEGER;
+    only_tenants TEXT[];
+    only_targets TEXT[];
 BEGIN
-    n := herald_webhook_fan_out(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids, p_bodies,
-                                p_progress_interval);
+    SELECT f.pending, f.touched_tenants, f.touched_targets INTO n, only_tenants, only_targets
+      FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids,
+                                           p_bodies, p_progress_interval) f;
     IF n > 0 AND p_limit > 0 THEN
         RETURN QUERY
         SELECT n, c.delivery, c.send_url, c.body, c.key_algorithms, c.key_secrets, c.key_public_keys,
                c.job_traceparent, c.job_tracestate
-          FROM herald_webhook_claim(p_owner, p_lease_s, p_per_target, p_limit, p_busy_targets, p_busy_counts,
-                                    p_per_tenant, p_busy_tenants, p_tenant_counts, p_held) c;
+          FROM herald_webhook_claim_among(p_owner, p_lease_s, p_per_target, p_limit, p_busy_targets,
+                                          p_busy_counts, p_per_tenant, p_busy_tenants, p_tenant_counts, p_held,
+                                          only_tenants, only_targets) c;
         IF FOUND THEN
             RETURN;
         END IF;
