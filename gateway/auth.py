@@ -23,7 +23,8 @@ from litestar import Request
 
 from gateway.problems import AdminOnly, InsufficientScope, PortalScope, Unauthorized
 from gateway.services import Services
-from herald.directory import Principal
+from gateway.sse import STREAM_OWNER
+from herald.directory import Principal, StreamOwner
 from herald.jobs import StoreUnavailable
 from herald.signing import UrlSigner
 from herald.tenants import KEY_PREFIX, SCOPE_WEBHOOKS
@@ -56,6 +57,17 @@ def _principal(token: str, svc: Services) -> Principal | None:
     return principal
 
 
+def note_stream_owner(request: Request, svc: Services, tenant: str, key_id: str | None = None) -> None:
+    """Who this request is for, so that a stream it opens ends when that no longer holds
+    (``gateway.sse``): the key that authenticated it, or only the tenant of a signed link."""
+    request.state[STREAM_OWNER] = StreamOwner(svc.directory, tenant, key_id)
+
+
+def _authenticated(request: Request, svc: Services, principal: Principal) -> Principal:
+    note_stream_owner(request, svc, principal.tenant, principal.key_id)
+    return principal
+
+
 def _scoped(principal: Principal, scope: str) -> str:
     if scope not in principal.scopes:
         raise InsufficientScope(scope)
@@ -72,7 +84,7 @@ def bearer_tenant(request: Request, svc: Services, scope: str) -> str | None:
     if token.startswith(PORTAL_TOKEN_PREFIX):
         raise PortalScope()
     principal = _principal(token, svc)
-    return None if principal is None else _scoped(principal, scope)
+    return None if principal is None else _scoped(_authenticated(request, svc, principal), scope)
 
 
 def require_principal(request: Request, svc: Services) -> Principal:
@@ -84,7 +96,7 @@ def require_principal(request: Request, svc: Services) -> Principal:
     principal = _principal(token, svc)
     if principal is None:
         raise Unauthorized()
-    return principal
+    return _authenticated(request, svc, principal)
 
 
 def require_tenant(request: Request, svc: Services, scope: str) -> str:
@@ -146,5 +158,6 @@ def require_webhook_tenant(request: Request, svc: Services) -> str:
         tenant, key_id = found
         if not svc.directory.key_live(key_id, tenant):
             raise Unauthorized("the key that opened this portal session was revoked, or its tenant disabled")
+        note_stream_owner(request, svc, tenant, key_id)
         return tenant
     return require_tenant(request, svc, SCOPE_WEBHOOKS)

@@ -4,11 +4,17 @@ Litestar's ``Stream`` awaits each send for as long as the client takes; a client
 stops reading would hold its stream (and its queue) forever. ``EventStream`` bounds every
 send: a client that cannot take one event within ``SEND_TIMEOUT_S`` is dropped, counted
 and logged; it reconnects with Last-Event-ID and misses nothing.
+
+A stream lasts only while whoever opened it may (SPEC §12): the request's authentication
+leaves a ``StreamOwner`` in ``request.state`` (``gateway.auth``), and the tenant directory
+ends the stream once that key is revoked or expires, or its tenant is disabled. The
+client's reconnect then gets the 401 any request with that key gets.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 from collections.abc import AsyncIterator
@@ -20,6 +26,7 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import HTTPResponseBodyEvent, Receive, Send
 
+from herald.directory import StreamOwner
 from herald.metrics import metrics
 from schemas import JobEvent
 
@@ -29,6 +36,8 @@ SEND_TIMEOUT_S = 10.0
 KEEPALIVE_S = 15.0
 RETRY_MS = 3000
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
+
+STREAM_OWNER = "stream_owner"  # the request.state entry: a herald.directory.StreamOwner
 
 RETRY_FRAME = f"retry: {RETRY_MS}\n\n".encode()
 KEEPALIVE_FRAME = b": keep-alive\n\n"
@@ -93,13 +102,19 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
     task, and one small task waits for the client's disconnect and cancels it.
     """
 
-    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by")
+    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "owner")
+    owner: StreamOwner | None  # set by EventStream: whom the stream was opened for
 
     async def send_body(self, send: Send, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task, self._sends, self._in_send, self._seen, self._strikes = task, 0, False, -1, 0
         self._ended_by: str | None = None
+        owner: StreamOwner | None = getattr(self, "owner", None)
+        if owner is not None and not owner.directory.stream_allowed(owner.tenant, owner.key_id):
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return  # revoked between the request's authentication and now
+        held = owner.directory.hold_stream(owner, lambda: self._end("revoked")) if owner is not None else None
         listener = asyncio.ensure_future(self._until_disconnect(receive))
         _watchdog.add(self)
         iterator = self.iterator
@@ -116,7 +131,12 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
             if self._ended_by is None:
                 raise  # cancelled from outside (the server stopping): not ours to swallow
             task.uncancel()
+            if self._ended_by == "revoked":  # a clean end: the client reconnects, and learns why
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            if held is not None and owner is not None:
+                owner.directory.release_stream(held)
             _watchdog.discard(self)
             listener.cancel()
             if self._ended_by == "send_timeout":
@@ -170,7 +190,7 @@ class EventStream(Stream):
     ) -> ASGIResponse:
         merged_headers = {**headers, **self.headers} if headers is not None else self.headers
         merged_cookies = self.cookies if cookies is None else itertools.chain(self.cookies, cookies)
-        return _BoundedStreamingResponse(
+        response = _BoundedStreamingResponse(
             background=self.background or background,
             content_length=0,
             cookies=merged_cookies,
@@ -182,3 +202,5 @@ class EventStream(Stream):
             media_type="text/event-stream",
             status_code=self.status_code or status_code,
         )
+        response.owner = request.state.get(STREAM_OWNER)
+        return response

@@ -23,9 +23,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import itertools
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -45,6 +46,16 @@ log = logging.getLogger("herald.directory")
 
 CHANGED_SUBJECT = "herald.directory.changed"
 LAST_USED_RESOLUTION_S = 60.0  # SPEC §12: last_used_at to the minute, written at most once a minute
+
+
+@dataclass(frozen=True, slots=True)
+class StreamOwner:
+    """Whom a held stream was opened for: the tenant and the key (None: a signed link, which
+    names the tenant only). The stream lasts while ``Directory.stream_allowed`` says so."""
+
+    directory: Directory
+    tenant: str
+    key_id: str | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,6 +82,11 @@ class Directory:
         self._used: dict[str, float] = {}  # key id -> when, not yet written
         self._written: dict[str, float] = {}  # key id -> when last written by this process
         self._subscription: Subscription | None = None
+        # Held streams (SSE, a live output), each ended once its key is revoked or expires or its
+        # tenant is disabled: checked after every reload, and on every tick while a key can expire.
+        self._streams: dict[int, tuple[str, str | None, Callable[[], None]]] = {}
+        self._stream_handles = itertools.count()
+        self._expiring = False
 
     # ----- loading -------------------------------------------------------------------------
 
@@ -92,7 +108,9 @@ class Directory:
         self._tenants = tenants
         self._keys = {key.id: key for key in snapshot.keys}
         self._limits = {row.id: row.effective_limits(self._defaults) for row in tenants.values()}
+        self._expiring = any(key.expires_at is not None for key in snapshot.keys)
         self.version = snapshot.version
+        self._end_disallowed_streams()
 
     async def run(self) -> None:
         """Refresh on every broadcast and at least every ``HERALD_DIRECTORY_REFRESH_S``;
@@ -102,7 +120,8 @@ class Directory:
                 await asyncio.wait_for(self._wake.wait(), timeout=self._refresh_s)
             self._wake.clear()
             try:
-                await self.refresh()
+                if not await self.refresh() and self._expiring:
+                    self._end_disallowed_streams()
                 await self._flush_used()
             except StoreUnavailable as exc:
                 log.warning("tenant directory not refreshed: %s", exc)
@@ -163,6 +182,29 @@ class Directory:
         key = self._keys.get(key_id) or next((k for k in self._env_keys if k.id == key_id), None)
         return (key is not None and key.tenant == tenant and not key.expired(time.time())
                 and not self.disabled(tenant))
+
+    def stream_allowed(self, tenant: str, key_id: str | None) -> bool:
+        """Whether a stream opened with this key (None: a signed link) may go on."""
+        return not self.disabled(tenant) if key_id is None else self.key_live(key_id, tenant)
+
+    def hold_stream(self, owner: StreamOwner, end: Callable[[], None]) -> int:
+        """Call ``end`` (once) when ``owner`` may no longer stream; a handle for ``release_stream``."""
+        handle = next(self._stream_handles)
+        self._streams[handle] = (owner.tenant, owner.key_id, end)
+        return handle
+
+    def release_stream(self, handle: int) -> None:
+        self._streams.pop(handle, None)
+
+    def _end_disallowed_streams(self) -> None:
+        ended = [handle for handle, (tenant, key_id, _end) in self._streams.items()
+                 if not self.stream_allowed(tenant, key_id)]
+        for handle in ended:
+            _tenant, _key_id, end = self._streams.pop(handle)
+            end()
+        if ended:
+            log.info("held streams ended: their key was revoked or expired, or their tenant disabled",
+                     extra={"streams": len(ended)})
 
     def disabled(self, tenant: str) -> bool:
         row = self._tenants.get(tenant)
@@ -225,4 +267,4 @@ async def running_directory(settings: Settings, store: TenantStore, nc: NATS | N
         yield directory
 
 
-__all__ = ["ALL_SCOPES", "CHANGED_SUBJECT", "Directory", "Principal"]
+__all__ = ["ALL_SCOPES", "CHANGED_SUBJECT", "Directory", "Principal", "StreamOwner"]

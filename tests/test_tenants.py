@@ -386,6 +386,69 @@ def test_revoking_the_key_that_made_a_portal_link_ends_its_sessions(fresh: Deplo
     assert keyed(base, sessions[1]).get("/webhooks").status_code == 200  # another key's session lives on
 
 
+class HeldStream:
+    """A stream read to its end in a thread of its own: ``ended`` is set when the server ends it."""
+
+    def __init__(self, url: str, headers: dict[str, str] | None = None) -> None:
+        self.opened = threading.Event()
+        self.ended = threading.Event()
+        self.status: int | None = None
+        self._url, self._headers = url, {"Accept": "text/event-stream", **(headers or {})}
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+        assert self.opened.wait(10) and self.status == 200, (url, self.status)
+
+    def _read(self) -> None:
+        try:
+            with httpx.stream("GET", self._url, headers=self._headers, timeout=httpx.Timeout(10, read=120),
+                              verify=TLS) as answer:
+                self.status = answer.status_code
+                self.opened.set()
+                for _ in answer.iter_raw():
+                    pass
+        except httpx.HTTPError:
+            pass  # a cut connection is an end too
+        finally:
+            self.opened.set()
+            self.ended.set()
+
+
+def test_streams_end_when_their_key_is_revoked_or_expires_or_their_tenant_is_disabled(
+        fresh: Deployment, two_gateways: tuple[str, str]) -> None:
+    """SPEC §12: a revoked or expired key gets 401, and so do the portal sessions opened with it;
+    a stream that key holds open ends with it (its reconnect then gets the 401), on every
+    gateway, not only where the change was made."""
+    gw1, gw2 = two_gateways
+    new_tenant(gw1, "watched")
+    doomed, kept = new_key(gw1, "watched"), new_key(gw1, "watched")
+    expiring = new_key(gw1, "watched", expires_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 4)))
+    with keyed(gw2, doomed["key"]) as http:
+        link = http.post("/portal/link").json()["url"]
+        signed = http.post("/events/link").json()["url"]
+    query = {k: v[0] for k, v in parse_qs(urlsplit(link).query).items()}
+    session = httpx.post(gw2 + "/portal/session", json=query).json()["token"]
+
+    def bearer(key: str) -> dict[str, str]:
+        return {"Authorization": f"Bearer {key}"}
+
+    by_doomed = HeldStream(gw2 + "/events", bearer(doomed["key"]))
+    by_session = HeldStream(gw2 + "/webhooks/events", bearer(session))
+    by_kept = HeldStream(gw2 + "/events", bearer(kept["key"]))
+    by_link = HeldStream(gw2 + signed)
+    by_expiring = HeldStream(gw2 + "/events", bearer(expiring["key"]))
+
+    with admin(gw1) as http:  # the other gateway: the change reaches gw2 by broadcast
+        assert http.delete(f"/admin/keys/{doomed['id']}").status_code == 204
+    assert by_doomed.ended.wait(PROPAGATION_S + 1) and by_session.ended.wait(PROPAGATION_S + 1)
+    assert keyed(gw2, doomed["key"]).get("/events", headers={"Accept": "text/event-stream"}).status_code == 401
+    assert by_expiring.ended.wait(10)  # its expiry moves no version: the directory's tick ends it
+    assert not by_kept.ended.is_set() and not by_link.ended.is_set()  # another key, a link: not touched
+
+    with admin(gw1) as http:
+        assert http.patch("/admin/tenants/watched", json={"disabled": True}).status_code == 200
+    assert by_kept.ended.wait(PROPAGATION_S + 1) and by_link.ended.wait(PROPAGATION_S + 1)
+
+
 def test_env_tenants_limits_can_be_changed_but_their_keys_not_revoked(fresh: Deployment) -> None:
     base = fresh.start_gateway()
     with admin(base) as http:

@@ -17,7 +17,7 @@ from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from gateway.auth import bearer_tenant, require_tenant
+from gateway.auth import bearer_tenant, note_stream_owner, require_tenant
 from herald.tenants import SCOPE_JOBS_READ
 from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
@@ -69,6 +69,7 @@ async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str
         job = await svc.store.get(job_id) if is_uuid(job_id) else None
         if job is None:
             raise NotFound("no such job")
+        note_stream_owner(request, svc, job.tenant)
         return job
     tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
     if tenant is None:
@@ -172,6 +173,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
         if len(tenant) > 64 or not svc.signer.verify("/events", TENANT_EVENTS_PURPOSE, query.get("exp"),
                                                      query.get("sig"), extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /events/link for a fresh one")
+        note_stream_owner(request, svc, tenant)
         return tenant
     return require_tenant(request, svc, SCOPE_JOBS_READ)
 

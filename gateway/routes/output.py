@@ -22,7 +22,7 @@ from litestar.params import Parameter
 from litestar.response import Stream
 from nats.js import JetStreamContext
 
-from gateway.auth import bearer_tenant
+from gateway.auth import bearer_tenant, note_stream_owner
 from gateway.hub import RESYNC, Framed, LiveChunk
 from gateway.ids import is_uuid
 from gateway.openapi import problems
@@ -74,6 +74,7 @@ async def _job_for_output(request: Request, svc: Services, job_id: str, exp: str
             raise InvalidSignature("this signed output URL is not valid; take links.output from a fresh status")
         job = await svc.store.get(job_id) if is_uuid(job_id) else None
         if job is not None:
+            note_stream_owner(request, svc, job.tenant)
             return job
         if is_uuid(job_id) and await svc.store.tombstone_tenant(job_id) is not None:
             raise Gone("this job ended and its retention period has passed")

@@ -23,7 +23,7 @@ import msgspec
 from litestar import Controller, Request, Response, delete, get, patch, post
 from litestar.params import Parameter
 
-from gateway.auth import require_webhook_tenant
+from gateway.auth import note_stream_owner, require_webhook_tenant
 from gateway.bodies import read_body, url_errors
 from gateway.cursors import decode_position, decode_seq, encode_position, encode_seq
 from gateway.ids import is_uuid
@@ -249,6 +249,7 @@ def _webhook_events_tenant(request: Request, svc: Services) -> str:
         if len(tenant) > 64 or not svc.signer.verify("/webhooks/events", WEBHOOK_EVENTS_PURPOSE, query.get("exp"),
                                                      query.get("sig"), extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /webhooks/events/link for a fresh one")
+        note_stream_owner(request, svc, tenant)
         return tenant
     return require_webhook_tenant(request, svc)
 
