@@ -22,6 +22,9 @@ from herald.tenants import LimitsSource
 STREAM_RETRY_AFTER_S = 5
 
 
+MIN_RATE = 1 / 86400  # job starts per second: one a day
+
+
 class TenantLimits:
     """Each tenant's limits come from ``limits`` (the tenant directory: its own, or the
     deployment's defaults), read at each start or opening, so a change made through /admin
@@ -35,11 +38,15 @@ class TenantLimits:
 
     def start_budget(self, tenant: str) -> StartBudget | None:
         rate = self.limits.limits(tenant).rate_limit
-        # A rate of 0 turns the limit off; the burst is twice the rate (SPEC §1).
-        return StartBudget(rate=rate, burst=max(1.0, 2 * rate)) if rate > 0 else None
+        if rate <= 0:
+            return None  # a rate of 0 turns the limit off
+        # The burst is twice the rate (SPEC §1). A rate below one start a day counts as one a
+        # day: the bucket's arithmetic would underflow (PostgreSQL refuses to) or wait forever.
+        rate = max(rate, MIN_RATE)
+        return StartBudget(rate=rate, burst=max(1.0, 2 * rate))
 
     def rate_limited(self, tenant: str, wait_s: float) -> RateLimited:
-        wait = max(1, math.ceil(wait_s))
+        wait = max(1, math.ceil(min(wait_s, 1 / MIN_RATE)))
         rate = self.limits.limits(tenant).rate_limit
         return RateLimited(f"job starts are limited to {rate:g}/s for this tenant; retry after {wait} s",
                            retry_after=wait)

@@ -299,6 +299,18 @@ def test_limits_changed_at_run_time_apply_to_the_next_start(fresh: Deployment) -
         assert all(other.post("/reports", json=REPORT).status_code == 202 for _ in range(5))
 
 
+def test_a_vanishing_rate_limit_answers_429_with_a_retry_after_of_a_day_at_most(fresh: Deployment) -> None:
+    """5e-324 starts/s makes the wait infinite (and 1e-300 a 300-digit one): still a 429."""
+    base = fresh.start_gateway()
+    for tenant, rate in (("denormal", 5e-324), ("glacial", 1e-300)):
+        new_tenant(base, tenant, rate_limit=rate)
+        with keyed(base, new_key(base, tenant)["key"]) as http:
+            answers = [http.post("/reports", json=REPORT) for _ in range(3)]
+        assert [a.status_code for a in answers] == [202, 429, 429], [a.text for a in answers]
+        assert answers[1].headers["Retry-After"] == "86400"
+        assert answers[1].headers["Content-Type"].startswith("application/problem+json")
+
+
 def test_an_expired_key_gets_401(fresh: Deployment) -> None:
     base = fresh.start_gateway()
     new_tenant(base, "brief")
