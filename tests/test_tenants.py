@@ -138,6 +138,19 @@ def test_admin_api_creates_lists_updates_and_audits(fresh: Deployment) -> None:
     assert issued["key"] not in logged and ADMIN_KEY not in logged
 
 
+def test_admin_paths_with_a_nul_byte_are_404_on_both_stores(fresh: Deployment) -> None:
+    """PostgreSQL's text refuses a NUL byte outright; what no tenant or key can be named is 404."""
+    base = fresh.start_gateway()
+    with admin(base) as http:
+        for method, path, body in (("GET", "/admin/tenants/a%00b", None), ("GET", "/admin/tenants/a%00b/keys", None),
+                                   ("PATCH", "/admin/tenants/a%00b", {}),
+                                   ("POST", "/admin/tenants/a%00b/keys", {"name": "x"}),
+                                   ("DELETE", "/admin/keys/a%00b", None), ("DELETE", "/admin/keys/%C3%A9", None)):
+            answer = http.request(method, path, json=body)
+            assert answer.status_code == 404, (method, path, answer.text)
+            assert answer.headers["Content-Type"].startswith("application/problem+json")
+
+
 def test_admin_api_is_off_without_an_admin_key(fresh: Deployment) -> None:
     base = fresh.start_gateway(HERALD_ADMIN_KEY="")
     assert admin(base).get("/admin/tenants").status_code == 401

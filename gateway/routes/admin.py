@@ -10,6 +10,7 @@ their keys cannot be revoked here (409).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated
 
 from litestar import Controller, Request, Response, delete, get, patch, post
@@ -26,11 +27,13 @@ from herald.tenants import ALL_SCOPES, SOURCE_ENV, KeyRow, TenantRow, issue_key
 from herald.timefmt import LATEST, now, rfc3339
 from schemas import FieldError
 from schemas.admin import (
-    ApiKey, ApiKeyList, AuditEntry, AuditList, CreatedApiKey, KeyCreate, LimitsPatch, Tenant, TenantCreate, TenantLimits,
-    TenantList, TenantUpdate,
+    TENANT_ID_PATTERN, ApiKey, ApiKeyList, AuditEntry, AuditList, CreatedApiKey, KeyCreate, LimitsPatch, Tenant,
+    TenantCreate, TenantLimits, TenantList, TenantUpdate,
 )
 
 NO_STORE = {"Cache-Control": "no-store"}
+_TENANT_ID = re.compile(TENANT_ID_PATTERN)
+_KEY_ID = re.compile(r"[A-Za-z0-9_-]{1,64}")  # issued: 16 hex digits; HERALD_API_KEYS': env-<12 hex>
 
 
 def _svc(request: Request) -> Services:
@@ -74,6 +77,8 @@ async def _changed(svc: Services) -> None:
 
 
 async def _tenant_row(svc: Services, tenant_id: str) -> TenantRow:
+    if not _TENANT_ID.match(tenant_id):  # e.g. a NUL byte, which PostgreSQL's text refuses outright
+        raise NotFound(f"no tenant {tenant_id!r}")
     row = await svc.storage.tenants.get_tenant(tenant_id)
     if row is not None:
         return row
@@ -193,7 +198,7 @@ class AdminController(Controller):
         svc = _svc(request)
         if svc.directory.env_key(key_id) is not None:
             raise EnvKey("this key comes from HERALD_API_KEYS: remove it there and restart, or disable the tenant")
-        if len(key_id) > 64 or await svc.storage.tenants.revoke_key(key_id) is None:
+        if not _KEY_ID.fullmatch(key_id) or await svc.storage.tenants.revoke_key(key_id) is None:
             raise NotFound(f"no key {key_id!r}")
         await _changed(svc)
 
