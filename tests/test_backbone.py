@@ -216,6 +216,10 @@ def test_health_ready_and_openapi(herald: Deployment) -> None:
     assert httpx.get(base + "/readyz").status_code == 200
     spec = httpx.get(base + "/schema/openapi.json").json()
     assert "/reports" in spec["paths"] and "/jobs/{job_id}" in spec["paths"]
+    for missing in ("/schema/swagger", "/schema/redoc", "/schema/%C3%A9"):  # Litestar's own answer is an HTML page
+        answer = httpx.get(base + missing)
+        assert answer.status_code == 404 and answer.headers["Content-Type"] == "application/problem+json", missing
+    assert httpx.get(base + "/schema").headers["Content-Type"].startswith("text/html")
     # Every error answer is documented as the problem+json it is (SPEC §10), and every
     # key-protected operation says it can refuse a missing key (401) and a missing scope (403).
     for path, item in spec["paths"].items():

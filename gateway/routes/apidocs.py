@@ -12,11 +12,11 @@ from __future__ import annotations
 from importlib.resources import files
 from typing import Any
 
-from litestar import Request, Router, get
+from litestar import MediaType, Request, Response, Router, get
 from litestar.openapi.plugins import JsonRenderPlugin, OpenAPIRenderPlugin
 from litestar.response import File
 
-from gateway.problems import NotFound
+from gateway.problems import NotFound, problem_response
 from gateway.routes.page import PAGE_HEADERS, STATIC_DIR
 
 SCHEMA_PATH = "/schema"
@@ -48,10 +48,19 @@ def swagger_asset(name: str) -> File:
                 headers={"Cache-Control": "public, max-age=86400"})
 
 
+def _problem_not_html(response: Response[Any]) -> Response[Any]:
+    """Litestar's OpenAPI router answers any other path under it with an HTML 404 page of its
+    own (a catch-all route, not an exception): a problem, as every other 4xx of Herald's."""
+    if response.status_code == 404 and response.media_type == MediaType.HTML:
+        return problem_response(NotFound(f"no such page under {SCHEMA_PATH}: the API browser is {SCHEMA_PATH}, "
+                                         f"the document {SCHEMA_PATH}/openapi.json").problem)
+    return response
+
+
 def schema_router() -> Router:
     """Where the OpenAPI routes live: every answer under ``/schema`` carries the pages' CSP."""
     return Router(SCHEMA_PATH, route_handlers=[], response_headers=PAGE_HEADERS, include_in_schema=False,
-                  dto=None, return_dto=None)
+                  dto=None, return_dto=None, after_request=_problem_not_html)
 
 
 def render_plugins() -> list[OpenAPIRenderPlugin]:
