@@ -113,7 +113,7 @@ def create_app(settings: Settings) -> Litestar:
             owner.push_async_callback(storage.close)
             metrics = process_metrics()
             hub = Hub(metrics)
-            directory = Directory(settings, storage.tenants)
+            directory = Directory(settings, storage.tenants, storage.sealer)
             store.on_commit(metrics.observe)
             store.on_commit(log_transition)
             store.on_commit(lambda _job, event: hub.publish(event))

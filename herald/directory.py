@@ -36,7 +36,8 @@ from nats.aio.subscription import Subscription
 
 from herald.jobs import StoreUnavailable
 from herald.settings import Settings
-from herald.storage.ports import TenantStore
+from herald.sealing import Sealer
+from herald.storage.ports import Storage, TenantStore
 from herald.tasks import TaskOwner
 from herald.tenants import (
     ALL_SCOPES, SOURCE_ENV, DirectorySnapshot, KeyRow, Limits, TenantRow, env_keys, key_digest, split_key,
@@ -68,11 +69,11 @@ class Principal:
 
 
 class Directory:
-    def __init__(self, settings: Settings, store: TenantStore) -> None:
+    def __init__(self, settings: Settings, store: TenantStore, sealer: Sealer) -> None:
         self._store = store
         self._refresh_s = settings.directory_refresh_s
         self._defaults = Limits.defaults(settings)
-        self._env_keys = env_keys(settings)
+        self._env_keys = env_keys(settings, sealer)
         self._env_tenants = {key.tenant for key in self._env_keys}
         self.version = -1
         self._tenants: dict[str, TenantRow] = {}
@@ -254,10 +255,10 @@ class Directory:
 
 
 @asynccontextmanager
-async def running_directory(settings: Settings, store: TenantStore, nc: NATS | None) -> AsyncIterator[Directory]:
+async def running_directory(settings: Settings, storage: Storage, nc: NATS | None) -> AsyncIterator[Directory]:
     """A loaded directory that follows changes (broadcast and bounded age) while the block runs:
     for the worker and notifier processes, which enforce tenants' limits."""
-    directory = Directory(settings, store)
+    directory = Directory(settings, storage.tenants, storage.sealer)
     await directory.refresh(force=True)
     async with TaskOwner() as owner:
         if nc is not None:

@@ -13,6 +13,8 @@ serves many machines, which must all hold the same key, so there it must be set.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
 import secrets
 import stat
@@ -78,6 +80,13 @@ class Sealer:
             self._ciphers.setdefault(fingerprint, AESGCM(_derive(key, b"herald sealing v1 aes-256-gcm", 32)))
             self._fingerprints.append(fingerprint)
         self._current = self._fingerprints[0]
+        self._tag_key = _derive(keys[0], b"herald tags v1 hmac-sha256", 32)
+
+    def tag(self, text: str, length: int = 12) -> str:
+        """A short stable name for ``text`` that only a holder of the first key can compute
+        (HMAC-SHA256, hex): an id for a secret that must reveal nothing of it, not even to
+        whoever tries guesses offline against it."""
+        return hmac.new(self._tag_key, text.encode(), hashlib.sha256).hexdigest()[:length]
 
     @property
     def current_prefix(self) -> bytes:

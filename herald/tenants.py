@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from herald.sealing import Sealer
 from herald.settings import Settings
 from herald.timefmt import rfc3339
 from schemas.admin import TENANT_ID_PATTERN as TENANT_ID_PATTERN  # re-exported: the ids SPEC §12 allows
@@ -183,16 +184,18 @@ def split_key(token: str) -> tuple[str, str] | None:
     return key_id, secret
 
 
-def env_key_id(tenant: str, key: str) -> str:
+def env_key_id(tenant: str, key: str, sealer: Sealer) -> str:
     """A stable id for a key from ``HERALD_API_KEYS``: the same in every process, and
-    revealing nothing of the key (a prefix of a hash of tenant and key)."""
-    return "env-" + hashlib.sha256(f"{tenant}:{key}".encode()).hexdigest()[:12]
+    revealing nothing of the key. It goes out in portal links and sessions, and an operator's
+    key may be a guessable word: so a keyed hash (``Sealer.tag``), never a plain one that
+    anyone could check guesses against."""
+    return "env-" + sealer.tag(f"{tenant}:{key}")
 
 
-def env_keys(settings: Settings) -> list[KeyRow]:
+def env_keys(settings: Settings, sealer: Sealer) -> list[KeyRow]:
     """``HERALD_API_KEYS`` as key rows: every scope, no expiry, ``source: env``."""
     return [
-        KeyRow(id=env_key_id(tenant, key), tenant=tenant, name="HERALD_API_KEYS", scopes=ALL_SCOPES,
+        KeyRow(id=env_key_id(tenant, key, sealer), tenant=tenant, name="HERALD_API_KEYS", scopes=ALL_SCOPES,
                digest=key_digest(key), created_at=0.0, source=SOURCE_ENV)
         for key, tenant in settings.api_keys.items()
     ]

@@ -120,7 +120,7 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         owner.push_async_callback(drain)
         notices.attach(nc)
         # Tenants' limits as they change at run time (SPEC §12, §13).
-        directory = await owner.enter_async_context(running_directory(settings, storage.tenants, nc))
+        directory = await owner.enter_async_context(running_directory(settings, storage, nc))
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         events = PullStream(nc, EVENTS_STREAM, NOTIFIER_CONSUMER, batch=FETCH_BATCH, expires_s=PULL_EXPIRES_S)

@@ -28,6 +28,7 @@ from herald import jetstream
 from herald.constants import EVENTS_STREAM, JOBS_STREAM, NOTIFIER_CONSUMER, RESULTS_BUCKET, worker_consumer_name
 from herald.jobs import JobRow
 from herald.directory import Directory
+from herald.sealing import Sealer
 from herald.settings import DEV_KEY, DEV_TENANT, Settings
 from herald.storage.ports import ResultBody, ResultStore
 from herald.storage.results import (
@@ -372,7 +373,7 @@ def _download_app(results: ResultStore, job: JobRow) -> Litestar:
     )
     settings = Settings(api_keys={DEV_KEY: DEV_TENANT})
     # The directory's HERALD_API_KEYS part needs no store: the route reads nothing else of it.
-    directory = Directory(settings, store=None)  # type: ignore[arg-type]
+    directory = Directory(settings, store=None, sealer=Sealer(["a test key, thirty-two characters long"]))  # type: ignore[arg-type]
     app.state.services = SimpleNamespace(settings=settings, store=_Jobs(job), results=results, signer=None,
                                          directory=directory)
     return app

@@ -7,6 +7,7 @@ the way a tenant sees it (its key on every gateway), within the 2 s the SPEC all
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import threading
 import time
 from collections import Counter
@@ -472,6 +473,21 @@ def test_streams_end_when_their_key_is_revoked_or_expires_or_their_tenant_is_dis
     with admin(gw1) as http:
         assert http.patch("/admin/tenants/watched", json={"disabled": True}).status_code == 200
     assert by_kept.ended.wait(PROPAGATION_S + 1) and by_link.ended.wait(PROPAGATION_S + 1)
+
+
+def test_an_env_keys_id_in_a_portal_link_lets_nobody_check_guesses_of_the_key(
+        fresh: Deployment, two_gateways: tuple[str, str]) -> None:
+    """The link goes to someone who should not have the key, and an operator's key may be a
+    guessable word: its id is a keyed hash (the store's secret key), the same on every gateway."""
+    ids = []
+    for base in two_gateways:
+        link = keyed(base, KEYS["acme"]).post("/portal/link").json()["url"]
+        ids.append(parse_qs(urlsplit(link).query)["key"][0])
+    assert ids[0] == ids[1] and ids[0].startswith("env-")
+    assert ids[0] != "env-" + hashlib.sha256(f"acme:{KEYS['acme']}".encode()).hexdigest()[:12]
+    query = {k: v[0] for k, v in parse_qs(urlsplit(link).query).items()}
+    session = httpx.post(two_gateways[0] + "/portal/session", json=query).json()["token"]
+    assert keyed(two_gateways[0], session).get("/webhooks").status_code == 200
 
 
 def test_env_tenants_limits_can_be_changed_but_their_keys_not_revoked(fresh: Deployment) -> None:

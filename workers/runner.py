@@ -441,7 +441,7 @@ async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSour
             return
         owner.push_async_callback(_drain, nc)
         # Tenants' limits as they change at run time (SPEC §12, §13).
-        directory = await owner.enter_async_context(running_directory(settings, storage.tenants, nc))
+        directory = await owner.enter_async_context(running_directory(settings, storage, nc))
         limits = limits if limits is not None else directory
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)

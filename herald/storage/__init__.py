@@ -31,6 +31,7 @@ def build_storage(settings: Settings) -> Storage:
             webhooks=pg_webhooks.PgWebhookStore(pg, sealer),
             deliveries=pg_webhooks.PgDeliveryQueue(pg, sealer),
             tenants=pg_tenants.PgTenantStore(pg),
+            sealer=sealer,
         )
 
     from herald.storage.sqlite import jobs as sqlite_jobs
@@ -46,6 +47,7 @@ def build_storage(settings: Settings) -> Storage:
         webhooks=sqlite_webhooks.SqliteWebhookStore(db, sealer),
         deliveries=sqlite_queue.SqliteDeliveryQueue(db, sealer),
         tenants=sqlite_tenants.SqliteTenantStore(db),
+        sealer=sealer,
     )
 
 

@@ -80,6 +80,7 @@ from herald.deliveries import (
     Plan,
 )
 from herald.jobs import Accepted, IdempotencyClaim, JobRow, NewJob, Transition
+from herald.sealing import Sealer
 from herald.tenants import AuditRow, DirectorySnapshot, KeyRow, TenantRow
 from herald.transitions import Change
 from herald.webhook_signing import SigningKey
@@ -450,6 +451,7 @@ class Storage:
     webhooks: WebhookStore
     deliveries: DeliveryQueue
     tenants: TenantStore
+    sealer: Sealer  # what seals the store's secrets; also names env keys (herald.tenants.env_key_id)
 
     async def close(self) -> None:
         await self.jobs.close()
