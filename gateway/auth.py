@@ -24,12 +24,12 @@ from litestar import Request
 from gateway.problems import AdminOnly, InsufficientScope, PortalScope, Unauthorized
 from gateway.services import Services
 from gateway.sse import STREAM_OWNER
+from herald.constants import PORTAL_TOKEN_PREFIX
 from herald.directory import Principal, StreamOwner
 from herald.jobs import StoreUnavailable
 from herald.signing import UrlSigner
 from herald.tenants import KEY_PREFIX, SCOPE_WEBHOOKS
 
-PORTAL_TOKEN_PREFIX = "hps_"
 PORTAL_LINK_PURPOSE = "portal"  # the signed /portal URL: valid HERALD_SIGNED_URL_TTL_S to open
 PORTAL_SESSION_PURPOSE = "portal-session"
 PORTAL_SESSION_PATH = "/webhooks"

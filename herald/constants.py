@@ -2,6 +2,11 @@
 
 import re
 
+# Bearer tokens Herald makes itself: an issued API key (``hk_<id>_<secret>``) and a portal
+# session (``hps_…``). A key of HERALD_API_KEYS may not look like either.
+ISSUED_KEY_PREFIX = "hk_"
+PORTAL_TOKEN_PREFIX = "hps_"
+
 JOBS_STREAM = "HERALD_JOBS"
 EVENTS_STREAM = "HERALD_EVENTS"
 # Streamed output (SPEC §8): chunks on ``output.<tenant token>.<job>``; the stream republishes

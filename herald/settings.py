@@ -12,6 +12,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
 
+from herald.constants import ISSUED_KEY_PREFIX, PORTAL_TOKEN_PREFIX
 from schemas.admin import TENANT_ID_PATTERN
 
 DEV_TENANT = "dev"
@@ -63,6 +64,11 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
         if not _TENANT_ID.fullmatch(tenant):
             raise SettingsError(f"{name}: tenant {tenant!r} is not a valid tenant id "
                                 "(lower-case letters, digits, '-' and '_', at most 63, starting with a letter or digit)")
+        if key.startswith((ISSUED_KEY_PREFIX, PORTAL_TOKEN_PREFIX)):
+            # It would be read as an issued key or a portal session, and never match.
+            raise SettingsError(f"{name}: a key of tenant {tenant!r} starts with {ISSUED_KEY_PREFIX!r} or "
+                                f"{PORTAL_TOKEN_PREFIX!r}, as the keys the admin API issues and portal sessions "
+                                "do: choose another")
         keys[key] = tenant
     if not keys:
         raise SettingsError(f"{name} is set but holds no key")

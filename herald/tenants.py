@@ -14,6 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from herald.constants import ISSUED_KEY_PREFIX
 from herald.sealing import Sealer
 from herald.settings import Settings
 from herald.timefmt import rfc3339
@@ -63,7 +64,7 @@ class DefaultLimits:
 
 # ----- tenants and keys as the store keeps them (SPEC §12) ------------------------------------
 
-KEY_PREFIX = "hk_"
+KEY_PREFIX = ISSUED_KEY_PREFIX
 SOURCE_API = "api"
 SOURCE_ENV = "env"
 LIMIT_NAMES: tuple[str, ...] = ("rate_limit", "max_running", "max_endpoints", "max_streams")

@@ -452,6 +452,14 @@ def test_api_keys_for_tenant_names_that_are_no_ids_are_refused(tenant: str) -> N
     assert "HERALD_API_KEYS" in str(refused.value) and repr(tenant) in str(refused.value)
 
 
+@pytest.mark.parametrize("key", ["hk_0123456789abcdef_secret", "hps_1.ZGV2.env-1.sig"])
+def test_api_keys_shaped_like_issued_keys_or_portal_sessions_are_refused(key: str) -> None:
+    """Such a key would be read as an issued key or a portal session and never authenticate."""
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env({"HERALD_API_KEYS": f"acme:{key}"})
+    assert "HERALD_API_KEYS" in str(refused.value) and key[4:] not in str(refused.value)
+
+
 def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -> None:
     tenant = BAD_TENANT_NAMES[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
