@@ -18,6 +18,7 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
+from typing import NoReturn
 
 from litestar import Request
 
@@ -68,6 +69,14 @@ def _authenticated(request: Request, svc: Services, principal: Principal) -> Pri
     return principal
 
 
+def _refuse_portal_session(token: str, svc: Services) -> NoReturn:
+    """A portal session outside ``/webhooks``: 403 if it is one; a token of that shape that is
+    no session (forged, expired) is an unknown key, 401, as any other."""
+    if portal_token_principal(svc.signer, token) is None:
+        raise Unauthorized()
+    raise PortalScope()
+
+
 def _scoped(principal: Principal, scope: str) -> str:
     if scope not in principal.scopes:
         raise InsufficientScope(scope)
@@ -82,7 +91,7 @@ def bearer_tenant(request: Request, svc: Services, scope: str) -> str | None:
     if token is None:
         return None
     if token.startswith(PORTAL_TOKEN_PREFIX):
-        raise PortalScope()
+        _refuse_portal_session(token, svc)
     principal = _principal(token, svc)
     return None if principal is None else _scoped(_authenticated(request, svc, principal), scope)
 
@@ -92,7 +101,7 @@ def require_principal(request: Request, svc: Services) -> Principal:
     if token is None:
         raise Unauthorized()
     if token.startswith(PORTAL_TOKEN_PREFIX):
-        raise PortalScope()
+        _refuse_portal_session(token, svc)
     principal = _principal(token, svc)
     if principal is None:
         raise Unauthorized()

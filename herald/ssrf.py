@@ -32,6 +32,10 @@ IPV4_CARRYING_V6 = tuple(ipaddress.ip_network(n) for n in (
     "2002::/16",        # 6to4
     "2001::/32",        # Teredo
 ))
+# Special-purpose IPv4 blocks IANA lists as not globally reachable that Python before 3.11.10
+# (CVE-2024-4032) still calls global: IETF protocol assignments (192.0.0.9 and .10 are
+# anycast services no webhook lives at) and the deprecated 6to4 relay anycast.
+NOT_GLOBAL_V4 = tuple(ipaddress.ip_network(n) for n in ("192.0.0.0/24", "192.88.99.0/24"))
 _NUMERIC_LABEL = re.compile(r"(0x[0-9a-f]*|[0-9]+)", re.IGNORECASE)
 
 
@@ -70,6 +74,8 @@ def _is_public(address: str) -> bool:
     if isinstance(ip, ipaddress.IPv6Address):
         if ip not in GLOBAL_UNICAST_V6 or any(ip in net for net in IPV4_CARRYING_V6):
             return False
+    elif any(ip in net for net in NOT_GLOBAL_V4):
+        return False
     return ip.is_global and not ip.is_multicast
 
 

@@ -29,7 +29,7 @@ SPEC_METRICS = {
 
 def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     response = httpx.get(url + "/metrics", timeout=5, verify=TLS)
-    assert response.status_code == 200 and response.headers["content-type"].startswith("text/plain")
+    assert response.status_code == 200 and response.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     samples = {}
     for family in text_string_to_metric_families(response.text):
         for sample in family.samples:

@@ -160,6 +160,9 @@ def test_a_portal_link_opens_the_tenants_webhooks_and_nothing_else(portal: Deplo
             assert answer.json()["type"] == "/problems/portal-scope", (method, path)
         started = session.post("/exports", json={"format": "csv", "rows": 1})
         assert started.status_code == 403 and started.json()["type"] == "/problems/portal-scope"
+    for forged in ("hps_garbage", token[:-2] + ("AA" if not token.endswith("AA") else "BB")):  # no session: 401
+        answer = httpx.get(base + "/jobs", headers={"Authorization": f"Bearer {forged}"})
+        assert answer.status_code == 401 and answer.json()["type"] == "/problems/unauthorized", answer.text
     with client(base) as acme:
         assert len(acme.get("/jobs").json()["items"]) == 1  # nothing was started
 

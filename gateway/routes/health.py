@@ -39,4 +39,4 @@ async def metrics(request: Request) -> Response[bytes]:
     except Exception:  # the store's own gauges are left out while it is unreachable, not the rest
         stats, queued_ages = None, None
     body = exposition(stats, queued_ages)
-    return Response(body, media_type="text/plain; version=0.0.4; charset=utf-8")
+    return Response(body, media_type="text/plain; version=0.0.4")  # Litestar adds the charset to text/*
