@@ -340,7 +340,22 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         wait_until(lambda find=find, victim=victim: (new := find()) is not None and new.pid != victim.pid and alive(new),
                    timeout=20, interval=0.1, what=f"{what} restarted")
 
-    # Ctrl-C: everything stops (gateways, workers, notifiers, NATS, PostgreSQL), exit 0.
+    # Ctrl-C while reports run: everything stops (gateways, workers, notifiers, NATS,
+    # PostgreSQL), exit 0, and cleanly: the workers hand their jobs back and their relays'
+    # last pass publishes that on the three-replica streams without tripping over the relay
+    # loop's own publish of the same rows ("duplicate message id is in process").
+    running: list[str] = []
+    if not not_ready:
+        dev = {"Authorization": f"Bearer {seen['gateway-1']['HERALD_API_KEYS'].split(':', 1)[1].split(',')[0]}"}
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=2).status_code == 200, timeout=READY_TIMEOUT_S,
+                   interval=0.2, what="the first gateway ready again after PostgreSQL's restart")
+        for _ in range(4):
+            started_job = httpx.post(base + "/reports", json={"title": "long", "pages": 100}, headers=dev, timeout=10)
+            assert started_job.status_code == 202, started_job.text
+            running.append(started_job.json()["id"])
+        wait_until(lambda: all(httpx.get(f"{base}/jobs/{j}", headers=dev, timeout=5).json()["state"] == "running"
+                               for j in running), timeout=30, interval=0.2, what="the reports running")
+    stderr_before_stop = len(stderr.read_bytes())
     tree = descendants(supervisor)
     assert sum("nats-server" in " ".join(p.cmdline()) for p in tree if alive(p)) == 3
     assert any(p.name() == "postgres" for p in tree if alive(p))
@@ -349,6 +364,8 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     assert process.wait(40) == 0, stderr.read_text(errors="replace")[-3000:]
     assert time.monotonic() - started < 40
     wait_until(lambda: not any(alive(p) for p in tree), timeout=5, what="no process left")
+    stopping = stderr.read_bytes()[stderr_before_stop:].decode(errors="replace")
+    assert "Traceback" not in stopping and "in process" not in stopping, stopping[-3000:]
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if str(root) in " ".join(p.info["cmdline"] or [])]
     assert not [p for p in leftovers if alive(p)]
     # PostgreSQL stopped cleanly: its shutdown checkpoint could still reach its data dir (a

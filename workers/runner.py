@@ -446,8 +446,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSour
         js = nc.jetstream()
         await jetstream.ensure_topology(js, settings)
         relay = Relay(store, nc, sweep_interval_s=settings.sweep_interval_s)
+        # Unwound in reverse: the loop stops, then its last pass sends what the last runs and the
+        # shutdown's hand-backs committed.
+        owner.push_async_callback(relay.finish)
         owner.spawn(relay.run(), "relay")
-        owner.push_async_callback(relay.publish_pending)  # runs first: what the last runs committed goes out
         # Each kind's work is pulled per tenant (workers/dispatch.py): consumers are made as tenants need them.
         dispatch = Dispatch(nc, js, settings, (kind.declaration for kind in kinds.values()), limits)
         await dispatch.start()
