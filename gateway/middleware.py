@@ -68,11 +68,14 @@ class RequestContext:
         header = (REQUEST_ID_HEADER, request_id.encode())
         status = 500  # if no answer starts, the server failed
         started = time.perf_counter()
+        started_job: str | None = None  # a start's (or its replay's) job, named by its Location
 
         async def send_with_id(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started_job
             if message["type"] == "http.response.start":
                 status = message["status"]
+                if status == 202:
+                    started_job = _job_of_location(message.get("headers", ()))
                 headers = [*message.get("headers", ()), header]
                 # Every answer, downloads and problems alike, is what its Content-Type says:
                 # a browser must not sniff a result (or an echoed value) into HTML or script.
@@ -85,10 +88,10 @@ class RequestContext:
             try:
                 await self.app(scope, receive, send_with_id)
             finally:
-                self._record(scope, status, time.perf_counter() - started)
+                self._record(scope, status, time.perf_counter() - started, started_job)
                 structlog.contextvars.unbind_contextvars("job_id")  # bound by bind_job_context
 
-    def _record(self, scope: Scope, status: int, elapsed: float) -> None:
+    def _record(self, scope: Scope, status: int, elapsed: float, started_job: str | None = None) -> None:
         # The router writes the matched template into this same scope dict.
         route: str = scope.get("path_template") or UNMATCHED_ROUTE
         method = str(scope.get("method", ""))
@@ -103,10 +106,17 @@ class RequestContext:
         timed.observe(elapsed)
         fields: dict[str, Any] = {"method": method, "route": route, "path": scope.get("path", ""), "status": status,
                   "duration_ms": round(elapsed * 1000, 1)}
-        job_id = (scope.get("path_params") or {}).get("job_id")
+        job_id = (scope.get("path_params") or {}).get("job_id") or started_job
         if job_id is not None:
             fields["job_id"] = job_id
         log_event(log, logging.DEBUG if route in _QUIET_ROUTES else logging.INFO, "request", fields)
+
+
+def _job_of_location(headers: Any) -> str | None:
+    for name, value in headers:
+        if name.lower() == b"location" and value.startswith(b"/jobs/"):
+            return bytes(value[len(b"/jobs/"):]).decode("latin-1")
+    return None
 
 
 async def bind_job_context(request: Request[Any, Any, Any]) -> None:

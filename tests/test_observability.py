@@ -225,13 +225,19 @@ def test_each_request_has_an_id_in_the_answer_and_in_the_log(herald: Deployment)
     assert len(minted) == 32 and minted != "x" * 300, "an unusable one is replaced"
     plain = httpx.get(f"{base}/nowhere")
     assert plain.status_code == 404 and len(plain.headers["x-request-id"]) == 32, "unknown routes get one too"
-    ids = {response.headers["x-request-id"] for response in (traced, insane, plain)}
+    # A start's line names the job it made, and so does its replay's (SPEC §10: every line about a job).
+    starts = [httpx.post(f"{base}/reports", json={"title": "t", "pages": 1},
+                         headers={**auth, "X-Request-ID": f"start-{n}", "Idempotency-Key": f"log-{job_id}"})
+              for n in range(2)]
+    assert [r.status_code for r in starts] == [202, 202] and starts[0].json()["id"] == starts[1].json()["id"]
+    ids = {response.headers["x-request-id"] for response in (traced, insane, plain, *starts)}
 
     def request_lines() -> dict[str, dict[str, Any]]:
         return {line["request_id"]: line for line in log_lines(herald, "gateway")
                 if line["event"] == "request" and line.get("request_id") in ids}
 
-    lines = wait_until(lambda: len(r := request_lines()) == 3 and r, what="access lines")
+    lines = wait_until(lambda: len(r := request_lines()) == 5 and r, what="access lines")
+    assert lines["start-0"]["job_id"] == lines["start-1"]["job_id"] == starts[0].json()["id"]
     assert lines["trace-7.a:b"]["route"] == "/jobs/{job_id}" and lines["trace-7.a:b"]["job_id"] == job_id
     assert lines["trace-7.a:b"]["status"] == 303 and lines[minted]["status"] == 303
     assert lines[plain.headers["x-request-id"]]["route"] == "unmatched"
