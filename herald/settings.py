@@ -78,6 +78,9 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
 def _admin_key(name: str, raw: str) -> str:
     if len(raw) < 32:
         raise SettingsError(f"{name} must be at least 32 characters")
+    if any(c.isspace() for c in raw) or not raw.isprintable():
+        # A bearer token is one word: a key with spaces could be set but never sent.
+        raise SettingsError(f"{name} must be printable and hold no spaces")
     return raw
 
 

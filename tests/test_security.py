@@ -462,6 +462,12 @@ def test_api_keys_shaped_like_issued_keys_or_portal_sessions_are_refused(key: st
     assert "HERALD_API_KEYS" in str(refused.value) and key[4:] not in str(refused.value)
 
 
+@pytest.mark.parametrize("admin_key", [" " * 40, "an admin key with spaces in it, forty chars", "tab\t" * 10, "short"])
+def test_admin_keys_that_could_never_be_sent_are_refused(admin_key: str) -> None:
+    with pytest.raises(SettingsError, match="HERALD_ADMIN_KEY"):
+        Settings.from_env({"HERALD_ADMIN_KEY": admin_key})
+
+
 def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -> None:
     tenant = BAD_TENANT_NAMES[0]
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
