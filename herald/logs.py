@@ -140,6 +140,19 @@ def log_event(logger: logging.Logger, level: int, event: str, fields: dict[str, 
         logger.log(level, event, extra=fields)
 
 
+class _ErrorWithoutTraceback(logging.Filter):
+    """asyncpg's pool logs every failed reconnect with its whole traceback (a dozen lines a
+    second per process while PostgreSQL is away): the error's own words say all of it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            exc = record.exc_info[1]
+            record.msg = f"{record.getMessage()}: {type(exc).__name__}: {exc}"
+            record.args = None
+            record.exc_info = None
+        return True
+
+
 def configure_logging(settings: Settings, component: str) -> None:
     shared: list[structlog.typing.Processor] = [
         structlog.contextvars.merge_contextvars,
@@ -178,6 +191,9 @@ def configure_logging(settings: Settings, component: str) -> None:
     root.setLevel(settings.log_level.upper())
     for noisy in ("uvicorn.access", "nats"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+    pool = logging.getLogger("asyncpg.pool")
+    if not any(isinstance(f, _ErrorWithoutTraceback) for f in pool.filters):
+        pool.addFilter(_ErrorWithoutTraceback())
     for name in ("uvicorn", "uvicorn.error", "uvicorn.access", "litestar"):
         framework = logging.getLogger(name)  # whatever configured them, they go through our handler
         framework.handlers = []
