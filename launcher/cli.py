@@ -209,9 +209,18 @@ def reencrypt_secrets(settings: Settings) -> int:
 def _check_secret_key(settings: Settings) -> None:
     """A process that opens the store needs its secret key, before anything starts
     (PostgreSQL: HERALD_SECRET_KEY; SQLite: that, or the key file, made here once)."""
-    from herald.sealing import load_sealer
+    from herald.sealing import KEY_FILE, SealError, load_sealer
+    from herald.storage.sqlite.resealing import check_file_keys
 
-    load_sealer(settings)
+    sealer = load_sealer(settings)
+    if not settings.uses_postgres:
+        try:
+            check_file_keys(settings.db_path, sealer)
+        except SealError as exc:
+            key_file = settings.data_dir / KEY_FILE
+            hint = (f"; {key_file} holds the key Herald made for this store when HERALD_SECRET_KEY was unset"
+                    if settings.secret_keys and key_file.exists() else "")
+            raise SettingsError(f"{exc}{hint}") from None
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -131,6 +131,30 @@ def test_postgres_without_a_secret_key_exits_at_start_naming_the_variable(tmp_pa
     assert not (tmp_path / KEY_FILE).exists()  # never a key generated for a shared store
 
 
+@pytest.mark.parametrize("command", ["gateway", "worker", "notifier"])
+def test_a_secret_key_set_after_the_store_was_sealed_is_refused_at_start_in_one_line(
+        tmp_path: Path, command: str) -> None:
+    """SQLite: ``herald up`` made a key file and sealed the store with it; setting
+    HERALD_SECRET_KEY afterwards is an exit 2 that says so (and names the key file), before any
+    process opens the store, not a traceback from each."""
+
+    async def seal_with_the_key_file() -> None:
+        storage = await open_storage(Settings(data_dir=tmp_path))
+        try:
+            await storage.jobs.signing_key()
+        finally:
+            await storage.close()
+
+    asyncio.run(seal_with_the_key_file())
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_DATA_DIR=str(tmp_path), HERALD_SECRET_KEY=KEY_B)
+    done = subprocess.run([sys.executable, "-m", "launcher.cli", command], env=env, capture_output=True, timeout=60)
+    assert done.returncode == 2, done.stderr
+    said = done.stderr.decode()
+    assert "HERALD_SECRET_KEY" in said and str(tmp_path / KEY_FILE) in said and "Traceback" not in said
+    assert KEY_B not in said
+
+
 # ----- secrets at rest, in a running deployment ---------------------------------------------------
 
 

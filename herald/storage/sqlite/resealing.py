@@ -8,6 +8,9 @@ starting at once agree: the first seals, the others find nothing left to do.
 from __future__ import annotations
 
 import sqlite3
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
 
 from herald.sealing import FINGERPRINT_BYTES, MAGIC, Sealer, key_aad, secret_aad, unknown_key_error
 from herald.storage.sqlite.db import Database
@@ -63,11 +66,37 @@ async def reseal(db: Database, sealer: Sealer, *, everything: bool) -> int:
     return await db.write(tx)
 
 
+_HEAD = len(MAGIC) + FINGERPRINT_BYTES  # what names a blob's key
+_SEALED_HEADS = {"webhook_keys": f"SELECT DISTINCT substr(secret, 1, {_HEAD}) FROM webhook_keys",
+                 "herald_secrets": f"SELECT DISTINCT substr(value, 1, {_HEAD}) FROM herald_secrets"}
+
+
+def _refuse_unknown_keys(read: Callable[[str], Sequence[Sequence[Any]]], sealer: Sealer) -> None:
+    tables = {row[0] for row in read("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    heads = [bytes(row[0]) for table, sql in _SEALED_HEADS.items() if table in tables for row in read(sql)]
+    if any(head.startswith(MAGIC) and not sealer.knows(head) for head in heads):
+        raise unknown_key_error("the store")
+
+
 def check_keys(db: Database, sealer: Sealer) -> None:
     """Refuse a store whose secrets this process could not open (a wrong or missing key)."""
-    n = len(MAGIC) + FINGERPRINT_BYTES
-    prefixes = [r[0] for r in db.read(f"SELECT DISTINCT substr(secret, 1, {n}) FROM webhook_keys")
-                ] if _has_webhook_keys(db) else []
-    prefixes += [r[0] for r in db.read(f"SELECT DISTINCT substr(value, 1, {n}) FROM herald_secrets")]
-    if any(bytes(p).startswith(MAGIC) and not sealer.knows(bytes(p)) for p in prefixes):
-        raise unknown_key_error("the store")
+    _refuse_unknown_keys(db.read, sealer)
+
+
+def check_file_keys(path: Path, sealer: Sealer) -> None:
+    """``check_keys`` on the database file, read-only, before any process opens it: a key set
+    after the store was first sealed (``HERALD_SECRET_KEY`` after ``herald up`` made its key
+    file) is said once, at start, not as every process's traceback. A file that is not there
+    yet, or cannot be read, is left to the store's own opening."""
+    if not path.exists():
+        return
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, timeout=5)
+    except sqlite3.Error:
+        return
+    try:
+        _refuse_unknown_keys(lambda sql: conn.execute(sql).fetchall(), sealer)
+    except sqlite3.Error:
+        return
+    finally:
+        conn.close()
