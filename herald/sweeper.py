@@ -38,10 +38,13 @@ def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     kind = get_kind(job.kind)
     attempts = kind.attempts(settings.max_attempts) if kind is not None else settings.max_attempts
     if job.attempt >= attempts:
+        # Past the allowance: workers stopping gracefully hand their jobs back, and each hand-back
+        # is a start too (attempt + 1), but only a lost worker fails a job.
+        of = (f"of {attempts}" if job.attempt == attempts
+              else f"(past the {attempts} allowed: starts handed back at a worker's shutdown count too)")
         return Change(
             expect={"running"}, to="failed", attempt=job.attempt, stale_before=stale_before,
-            error=WORKER_LOST.problem(
-                f"the worker stopped heartbeating on attempt {job.attempt} of {attempts}"),
+            error=WORKER_LOST.problem(f"the worker stopped heartbeating on attempt {job.attempt} {of}"),
         )
     return Change(expect={"running"}, to="queued", attempt=job.attempt, requeue=True, stale_before=stale_before)
 
