@@ -369,20 +369,21 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
         url = supervisor.start_nats()
         supervisor.start_postgres()
         supervisor.ensure_topology(url)
-        if supervisor.stopping.is_set():  # Ctrl-C while NATS or PostgreSQL were starting
-            return 0
-        supervisor.plan_children(url)
-        for child in supervisor.children:
-            supervisor.spawn(child)
-        print(supervisor.describe(), file=sys.stderr, flush=True)
-        if supervisor.wait_ready(deadline_s=60):
-            print(supervisor.banner(), flush=True)
-        elif not supervisor.stopping.is_set():
-            print("herald: the first gateway did not become healthy within 60 s; see the log above", file=sys.stderr)
-        supervisor.supervise()
-        return 0
+        if not supervisor.stopping.is_set():  # else Ctrl-C while NATS or PostgreSQL were starting
+            supervisor.plan_children(url)
+            for child in supervisor.children:
+                supervisor.spawn(child)
+            print(supervisor.describe(), file=sys.stderr, flush=True)
+            if supervisor.wait_ready(deadline_s=60):
+                print(supervisor.banner(), flush=True)
+            elif not supervisor.stopping.is_set():
+                print("herald: the first gateway did not become healthy within 60 s; see the log above",
+                      file=sys.stderr)
+            supervisor.supervise()
+        status = 0
     except SupervisorError as exc:
         print(f"herald: {exc}", file=sys.stderr)
-        return 2
+        status = 2
     finally:
         supervisor.stop()
+    return supervisor.report_stop(status)

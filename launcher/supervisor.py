@@ -277,6 +277,22 @@ class Supervisor:
         if directory:
             mark_process_dead(process.pid, directory)
 
+    def unclean(self) -> list[str]:
+        """After ``stop``: the Herald processes that did not end as asked (a failure while
+        stopping, or killed at the deadline), each as ``name (exit N)``. The SIGTERM they
+        were sent is a clean end too: uvicorn re-raises it once its shutdown is done."""
+        return [f"{c.name} (exit {c.process.returncode})" for c in self.children
+                if c.process is not None and c.process.returncode not in (0, -signal.SIGTERM, None)]
+
+    def report_stop(self, status: int) -> int:
+        """``status``, or 1 if the stop was not clean: Ctrl-C promises a clean stop (SPEC §1)."""
+        unclean = self.unclean()
+        if unclean and status == 0:
+            print(f"herald: not every process stopped cleanly: {', '.join(unclean)}; see its lines above",
+                  file=sys.stderr)
+            return 1
+        return status
+
     def stop(self) -> None:
         live = [c.process for c in self.children if c.process is not None and c.process.poll() is None]
         for process in live:
@@ -321,9 +337,10 @@ def run_up(settings: Settings) -> int:
         elif not supervisor.stopping.is_set():
             print("herald: the gateway did not become healthy within 30 s; see the log above", file=sys.stderr)
         supervisor.supervise()
-        return 0
+        status = 0
     except SupervisorError as exc:
         print(f"herald: {exc}", file=sys.stderr)
-        return 2
+        status = 2
     finally:
         supervisor.stop()
+    return supervisor.report_stop(status)
