@@ -575,6 +575,18 @@ def test_verify_real_deliveries_hmac_and_ed25519(fresh: Deployment) -> None:
                                secret)
         with pytest.raises(WebhookVerificationError):  # the other endpoint's credential does not verify
             verify_webhook(*by_path["ed25519"], credentials["hmac-sha256"])
+        # A test event (the portal's button, send_test_event) verifies as every other delivery does.
+        receiver.hits.clear()
+        with HeraldClient(base, KEY) as client:
+            endpoints = {e.url.rsplit("/", 1)[1]: e.id for e in client.list_webhooks().items}
+            for endpoint_id in endpoints.values():
+                client.send_test_event(endpoint_id)
+        wait_until(lambda: len(receiver.hits) >= 2, timeout=30, what="both test deliveries")
+        for path, headers, body in receiver.hits:
+            scheme = path.strip("/")
+            event = verify_webhook(headers, body, credentials[scheme])
+            assert event.type == "webhook.test" and isinstance(event.data, client_models.WebhookTestData)
+            assert event.data.endpoint_id == endpoints[scheme]
     finally:
         receiver.close()
 

@@ -64,6 +64,7 @@ from herald_client.models import (
     Tenant,
     TenantLimits,
     WebhookEvent,
+    WebhookTestData,
 )
 from herald_client.policy import Backoff, Policy
 from herald_client.webhooks import verify_webhook
@@ -121,6 +122,7 @@ __all__ = [
     "Unauthorized",
     "WaitTimeout",
     "WebhookEvent",
+    "WebhookTestData",
     "WebhookVerificationError",
     "verify_webhook",
 ]

@@ -85,12 +85,29 @@ class OutputChunk(msgspec.Struct, kw_only=True, frozen=True):
     data: Any
 
 
+TEST_EVENT_TYPE = "webhook.test"
+
+
+class WebhookTestData(msgspec.Struct, kw_only=True):
+    """``data`` of a ``webhook.test`` delivery (``send_test_event``, the portal's test button)."""
+
+    endpoint_id: str
+    message: str
+
+
 class WebhookEvent(msgspec.Struct, kw_only=True):
-    """The payload of a verified webhook delivery (Standard Webhooks, SPEC §7)."""
+    """The payload of a verified webhook delivery (Standard Webhooks, SPEC §7): ``data`` is the
+    job's status, or for ``type == "webhook.test"`` a ``WebhookTestData``."""
 
     type: str
     timestamp: str
-    data: JobStatus
+    data: JobStatus | WebhookTestData
+
+
+class _WebhookEnvelope(msgspec.Struct, kw_only=True):
+    type: str
+    timestamp: str
+    data: msgspec.Raw
 
 
 class Result(msgspec.Struct, kw_only=True):
@@ -280,4 +297,13 @@ class AuditList(msgspec.Struct, kw_only=True):
 
 status_decoder = msgspec.json.Decoder(JobStatus)
 problem_decoder = msgspec.json.Decoder(Problem)
-webhook_decoder = msgspec.json.Decoder(WebhookEvent)
+_envelope_decoder = msgspec.json.Decoder(_WebhookEnvelope)
+_test_data_decoder = msgspec.json.Decoder(WebhookTestData)
+
+
+def decode_webhook(raw: bytes) -> WebhookEvent:
+    """A delivery's body, its ``data`` typed by its ``type`` (two Structs cannot share one
+    untagged union in msgspec); raises ``msgspec.DecodeError``."""
+    envelope = _envelope_decoder.decode(raw)
+    decoder = _test_data_decoder if envelope.type == TEST_EVENT_TYPE else status_decoder
+    return WebhookEvent(type=envelope.type, timestamp=envelope.timestamp, data=decoder.decode(envelope.data))

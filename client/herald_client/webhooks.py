@@ -23,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import msgspec
 
 from herald_client.errors import WebhookVerificationError
-from herald_client.models import WebhookEvent, webhook_decoder
+from herald_client.models import WebhookEvent, decode_webhook
 
 DEFAULT_TOLERANCE_S = 300  # Standard Webhooks: reject timestamps more than 5 minutes off
 HMAC_PREFIX = "whsec_"
@@ -119,6 +119,6 @@ def verify_webhook(
     else:
         raise WebhookVerificationError("no signature matches")
     try:
-        return webhook_decoder.decode(raw)
+        return decode_webhook(raw)
     except msgspec.DecodeError as exc:
         raise WebhookVerificationError(f"signed, but not a Herald event: {exc}") from exc
