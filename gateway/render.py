@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from litestar.datastructures import CacheControlHeader
+
 from herald.signing import UrlSigner
 from herald.jobs import JobRow
 from herald.timefmt import now
 from schemas import JobStatus
 from schemas.jobs import QueuedReason
+
+# Answers that carry a secret or a signed link: never kept by a cache or a browser.
+NO_STORE = CacheControlHeader(no_store=True)
 
 EVENTS_PURPOSE = "events"
 RESULT_PURPOSE = "result"

@@ -291,6 +291,26 @@ def test_non_ascii_portal_session_fields_are_client_errors(target: Target, field
             _assert_client_error(response, f"{field_name}={value!r}")
 
 
+def test_answers_that_carry_a_secret_or_a_signed_link_are_never_stored(herald: Deployment) -> None:
+    with client(herald.url()) as acme:
+        created = acme.post("/webhooks", json={"url": "https://hooks.example.com/no-store"})
+        assert created.status_code == 201
+        endpoint = created.json()["id"]
+        answers = {
+            "POST /webhooks": created,
+            "POST /webhooks/{id}/rotate-secret": acme.post(f"/webhooks/{endpoint}/rotate-secret"),
+            "GET /webhooks/callback-secret": acme.get("/webhooks/callback-secret"),
+            "POST /webhooks/callback-secret/rotate": acme.post("/webhooks/callback-secret/rotate"),
+            "POST /portal/link": acme.post("/portal/link"),
+            "POST /events/link": acme.post("/events/link"),
+            "POST /webhooks/events/link": acme.post("/webhooks/events/link"),
+        }
+        acme.delete(f"/webhooks/{endpoint}")
+    for route, answer in answers.items():
+        assert answer.status_code in (200, 201) and answer.headers.get("cache-control") == "no-store", \
+            (route, answer.status_code, answer.headers.get("cache-control"))
+
+
 # ----- the SSRF guard (SPEC §7, §10) ------------------------------------------------------------
 
 REFUSED_HOSTS = [

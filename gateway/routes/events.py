@@ -24,7 +24,7 @@ from gateway.ids import is_uuid, kind_filter
 from gateway.hub import RESYNC
 from gateway.openapi import problems
 from gateway.problems import InvalidRequest, InvalidSignature, NotFound, Unauthorized
-from gateway.render import EVENTS_PURPOSE
+from gateway.render import EVENTS_PURPOSE, NO_STORE
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
 from gateway.sse import RETRY_FRAME, EventStream, job_frame, tenant_frame
@@ -307,7 +307,7 @@ async def tenant_events(
 
 @post("/events/link", operation_id="events_link", tags=["events"], status_code=200,
       summary="A signed URL for the tenant's event stream (for EventSource, which cannot send a key)",
-      responses=problems(401))
+      responses=problems(401), cache_control=NO_STORE)
 async def events_link(request: Request) -> EventLink:
     svc = services(request)
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)

@@ -24,6 +24,7 @@ from herald.tenants import SCOPE_WEBHOOKS
 from gateway.bodies import read_body
 from gateway.openapi import problems, with_body
 from gateway.problems import InvalidSignature
+from gateway.render import NO_STORE
 from gateway.routes.page import PAGE_HEADERS, REVALIDATE, STATIC_DIR
 from gateway.services import services
 from schemas.webhooks import PortalLink, PortalSession, PortalSessionRequest
@@ -40,7 +41,7 @@ async def portal_page() -> File:
 
 @post(f"{PORTAL_PATH}/link", operation_id="portal_link", tags=["webhooks"], status_code=200,
       summary="A signed /portal URL that opens the tenant's webhooks (not its jobs) without a key",
-      responses=problems(401, 403))
+      responses=problems(401, 403), cache_control=NO_STORE)
 async def portal_link(request: Request) -> PortalLink:
     """Valid ``HERALD_SIGNED_URL_TTL_S`` to open; once opened the page works for 8 hours.
     Only an API key can make one (a portal session cannot extend itself)."""

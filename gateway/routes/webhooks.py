@@ -36,6 +36,7 @@ from gateway.problems import (
     NotFound,
     RateLimited,
 )
+from gateway.render import NO_STORE
 from gateway.services import Services, services
 from gateway.sse import KEEPALIVE_FRAME, KEEPALIVE_S, RETRY_FRAME, EventStream, frame
 from herald.timefmt import rfc3339
@@ -329,14 +330,16 @@ class WebhooksController(Controller):
         )
 
     @get("/callback-secret", operation_id="get_callback_secret",
-         summary="The secret that signs deliveries to jobs' callback_url", responses=problems(401))
+         summary="The secret that signs deliveries to jobs' callback_url", responses=problems(401),
+         cache_control=NO_STORE)
     async def callback_secret(self, request: Request) -> SigningSecret:
         tenant = _tenant(request)
         key = await _webhooks(request).callback_key(tenant)
         return secret_view(key)
 
     @post("/callback-secret/rotate", operation_id="rotate_callback_secret", status_code=200,
-          summary="A new callback secret; the old one keeps signing for 24 h", responses=problems(401))
+          summary="A new callback secret; the old one keeps signing for 24 h", responses=problems(401),
+          cache_control=NO_STORE)
     async def rotate_callback_secret(self, request: Request) -> SigningSecret:
         tenant = _tenant(request)
         key = await _webhooks(request).rotate_callback_key(tenant)
@@ -386,7 +389,8 @@ class WebhooksController(Controller):
         await _changed(request, tenant, None)
 
     @post("/{endpoint_id:str}/rotate-secret", operation_id="rotate_webhook_secret", status_code=200,
-          summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=problems(401, 404))
+          summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=problems(401, 404),
+          cache_control=NO_STORE)
     async def rotate(self, request: Request, endpoint_id: str) -> SigningSecret:
         tenant = _tenant(request)
         await _endpoint(request, tenant, endpoint_id)
@@ -514,7 +518,7 @@ class WebhooksController(Controller):
 
     @post("/events/link", operation_id="webhook_events_link", status_code=200,
           summary="A signed URL for GET /webhooks/events (for EventSource, which cannot send a key)",
-          responses=problems(401))
+          responses=problems(401), cache_control=NO_STORE)
     async def events_link(self, request: Request) -> EventLink:
         svc = services(request)
         tenant = _tenant(request)
