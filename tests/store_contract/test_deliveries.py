@@ -708,6 +708,29 @@ async def test_finish_after_the_endpoint_was_deleted_is_dropped(stores: Stores) 
     assert await stores.count("webhook_attempts") == 0
 
 
+async def test_deleting_an_endpoint_with_a_long_log_leaves_nothing_and_never_holds_other_tenants(
+        stores: Stores) -> None:
+    """An endpoint whose target is paced keeps its deliveries pending: its log grows long.
+    Deleting it removes every delivery and attempt; meanwhile another tenant's start goes
+    through (on SQLite, whose one writer serves every tenant, the log goes a batch at a time)."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    doomed = await endpoint(webhooks)
+    kept = await endpoint(webhooks, url="https://example.com/kept")
+    for n in range(0, 3000, 500):
+        await queue.fan_out([event(f"j{m}", 1) for m in range(n, n + 500)])
+    items = await claim(queue, per_target=4, limit=8)
+    await finish(stores, items[0], OK, Plan("delivered"))
+    deleting = asyncio.create_task(webhooks.delete_endpoint("t1", doomed))
+    await asyncio.sleep(0)  # its first write is under way
+    accepted = await stores.jobs.accept(new_job("t2"))
+    if stores.backend == "sqlite":
+        assert not deleting.done(), "another tenant's start waited for the whole delete"
+    assert accepted.job.tenant == "t2" and await deleting
+    assert await stores.count("webhook_deliveries") == 3000  # the other endpoint's, all there
+    assert not await webhooks.delete_endpoint("t1", doomed)
+    assert {item.delivery.target for item in await claim(queue, "n2")} == {kept}
+
+
 THANKED = Outcome(status_code=200, latency_s=0.012, response=b"thanks")
 BOOM = Outcome(status_code=500, latency_s=0.02, error=None, response=b"boom")
 CONNECTION_REFUSED = Outcome(status_code=None, latency_s=0.003, error="ClientConnectorError: refused")
