@@ -212,10 +212,21 @@ class LeaseOffer:
 
 @dataclass(frozen=True, slots=True)
 class FannedOut:
-    """A fan-out's outcome: how many deliveries it left pending, and those of them it leased."""
+    """A fan-out's outcome: how many deliveries it left pending, those of them it leased, and
+    how many of its events wait for their tenant's share (``delivery_rules.share_fan_out``)."""
 
     pending: int
     claimed: list[Claimed] = field(default_factory=list)
+    waiting: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    """What one pass over the events waiting for their fan-out did (``DeliveryQueue.drain_waiting``):
+    how many it fanned out, and how many deliveries they left pending."""
+
+    events: int
+    pending: int
 
 
 @dataclass(frozen=True, slots=True)

@@ -18,6 +18,14 @@ what the answer says.
   endpoint's failing streak starts with its first failure and ends with a success; a
   ``410`` or ``ENDPOINT_DISABLE_AFTER_S`` of failing disables the endpoint, whose pending
   deliveries then fail (the one just attempted keeps its attempt count).
+* **Fan-out share** (``share_fan_out``): how much of a batch of events one fan-out records
+  now. One tenant's events add at most ``FAN_OUT_SHARE`` deliveries to one transaction (the
+  first event always goes); the rest of that tenant's events, and every event of a tenant
+  that already has some waiting, wait in the store, oldest first, and are fanned out in later
+  transactions, ``FAN_OUT_SHARE`` per tenant each. Every tenant's events arrive in one
+  stream in the order they were committed: without a share, a tenant with a hundred
+  endpoints asked for more deliveries than a notifier records, and every other tenant's
+  events waited behind that backlog in the stream (SPEC §13).
 * **Keys** (``rotate``, ``signs``): a rotation makes a new current key; the previous one
   keeps signing for ``ROTATION_OVERLAP_S`` and is forgotten at the next rotation after
   that. The keys that sign are those not yet retired, newest first.
@@ -31,7 +39,7 @@ table of cases through both stores and requires the answers these functions give
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypeVar
 
@@ -45,6 +53,13 @@ RESPONSE_KEEP_BYTES = 1024  # of each attempt's answer, kept in the attempt log
 # A key's created_at is its primary key with its owner: a rotation within the same clock
 # reading moves it forward by this much.
 KEY_TIME_STEP_S = 1e-6
+# Deliveries one tenant's events may add to one fan-out transaction: a tenant within the
+# default limits (100 endpoints) gets five events' worth, another tenant's batch waits for
+# at most that much of its writes (bench/RESULTS.md, "fan-out shared among tenants").
+FAN_OUT_SHARE = 512
+# Tenants whose waiting events one drain transaction places, each up to its share: the others'
+# turn comes next, those waiting longest first, and a transaction writes at most this many shares.
+DRAIN_TENANTS = 2
 
 
 # ----- placement (fan-out) ---------------------------------------------------------------
@@ -114,6 +129,34 @@ def place(
         if slots:
             due = max(at, max(slots) + progress_interval)
     return Placement("pending", due, superseded)
+
+
+# ----- the fan-out's share per tenant ------------------------------------------------------
+
+
+def share_fan_out(costs: Sequence[tuple[str, int]], waiting: Collection[str] = (),
+                  share: int = FAN_OUT_SHARE) -> list[bool]:
+    """Which of a batch's events (``costs``: tenant and deliveries, in stream order) are fanned
+    out now (True) and which wait in the store behind the tenant's earlier ones (False).
+    ``waiting``: the tenants that already have events waiting; theirs all wait, so that a
+    tenant's events are fanned out in the order they came."""
+    spent: dict[str, int] = {}
+    late = set(waiting)
+    now: list[bool] = []
+    for tenant, cost in costs:
+        used = spent.get(tenant)
+        if tenant not in late and (used is None or used + cost <= share):
+            spent[tenant] = (used or 0) + cost
+            now.append(True)
+        else:
+            late.add(tenant)
+            now.append(False)
+    return now
+
+
+def over_share(costs: Sequence[tuple[str, int]], share: int = FAN_OUT_SHARE) -> set[str]:
+    """The tenants some of whose events in ``costs`` would wait even if none had waited before."""
+    return {tenant for (tenant, _cost), now in zip(costs, share_fan_out(costs, (), share), strict=True) if not now}
 
 
 # ----- settlement (after an attempt) -------------------------------------------------------

@@ -83,6 +83,7 @@ class Scheduler:
         self.recorder = Recorder(queue, self.owner)
         self._rng = random.Random()
         self._wake = asyncio.Event()
+        self._waiting = asyncio.Event()  # a fan-out put events to wait for their tenant's share
         self._stopping = False
         self._tasks: dict[asyncio.Task[None], Claimed] = {}
         self._in_flight: Counter[str] = Counter()  # per delivery target (endpoint id or callback URL)
@@ -109,6 +110,7 @@ class Scheduler:
     def stop(self) -> None:
         self._stopping = True
         self._wake.set()
+        self._waiting.set()
 
     async def run(self) -> None:
         """Deliver until ``stop()``; then let attempts in flight finish briefly and hand back the rest."""
@@ -144,8 +146,8 @@ class Scheduler:
         async with self._claiming:
             offer = self._offer()
             if offer is None:
-                pending = await self.queue.fan_out(events)
-                claimed: list[Claimed] = []
+                result = await self.queue.fan_out(events)
+                pending, claimed = result.pending, result.claimed
             else:
                 result = await self.queue.fan_out_leasing(events, offer)
                 pending, claimed = result.pending, result.claimed
@@ -157,7 +159,28 @@ class Scheduler:
                     log.warning("handing back deliveries the fan-out leased failed: %s", exc)
         if pending > len(claimed) and self._claim_would_find_more(events, offer is not None):
             self.kick()
+        if result.waiting:
+            self._waiting.set()
         return pending
+
+    async def drain_waiting(self) -> None:
+        """Until ``stop()``: fan out the events that wait for their tenant's share
+        (``DeliveryQueue.drain_waiting``), pass after pass while there are any. Woken by a
+        fan-out that put events to wait; every ``idle_poll_s`` it looks anyway (another
+        notifier's, or a stopped one's)."""
+        while not self._stopping:
+            self._waiting.clear()
+            try:
+                drained = await self.queue.drain_waiting()
+            except Exception as exc:  # the store is busy or away: the events keep waiting
+                log.warning("fanning out waiting job events failed, will retry: %s", exc)
+                drained = None
+            if drained is not None and drained.events:
+                if drained.pending:
+                    self.kick()
+                continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._waiting.wait(), timeout=self.idle_poll_s)
 
     def _claim_would_find_more(self, events: Sequence[JobEvent], offered: bool) -> bool:
         """Whether the deliveries a fan-out left pending need a claim pass now. Those a leasing

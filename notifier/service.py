@@ -1,6 +1,6 @@
 """The ``herald notifier`` process: committed job events in, signed webhook deliveries out.
 
-Two loops share one store and one HTTP client:
+Three loops share one store and one HTTP client:
 
 * the fan-out reads the HERALD_EVENTS stream through the durable ``herald-notifier``
   consumer (every notifier process binds the same one, so they share the messages),
@@ -8,7 +8,9 @@ Two loops share one store and one HTTP client:
   this notifier, ``Scheduler.fan_out``) and only then acks the messages, so a crash
   before the commit means NATS delivers them again, and a crash after it finds the rows
   already there (leased ones come back when their lease runs out);
-* the scheduler sends whatever is due, whoever recorded it.
+* the scheduler sends whatever is due, whoever recorded it;
+* the drain fans out the events a fan-out put to wait for their tenant's share
+  (``herald.delivery_rules.share_fan_out``), whichever notifier put them there.
 
 The scheduler starts before NATS is reachable: retries already in the store do not
 wait for it.
@@ -109,6 +111,7 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         )
         # Delivering needs the store only: it runs while NATS is still away.
         owner.spawn(scheduler.run(), "webhook-scheduler", stop=scheduler.stop)  # hands its leases back
+        owner.spawn(scheduler.drain_waiting(), "fan-out-waiting", stop=scheduler.stop)
         nc = await jetstream.connect_until_ready(settings, name="herald-notifier", stop=stop)
         if nc is None:
             return

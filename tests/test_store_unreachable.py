@@ -60,7 +60,7 @@ async def _before_the_outage(storage: Storage) -> _Seen:
                                                     event_types=["job.succeeded"], kinds=None, signature="hmac-sha256")
     seen.endpoint_id = row.id
     seen.event = event("j-sweep", 1, tenant="sweep")
-    assert await storage.deliveries.fan_out([seen.event]) == 1
+    assert (await storage.deliveries.fan_out([seen.event])).pending == 1
     [seen.claimed] = await storage.deliveries.claim("n1", lease_s=30, per_target=1, limit=1, in_flight={})
     return seen
 
@@ -116,6 +116,7 @@ def _calls(storage: Storage, seen: _Seen) -> dict[str, Callable[[], Awaitable[An
         "deliveries.fan_out": lambda: queue.fan_out([seen.event]),
         "deliveries.fan_out_leasing": lambda: queue.fan_out_leasing(
             [seen.event], LeaseOffer(owner="n1", lease_s=30, per_target=1, limit=1, in_flight={})),
+        "deliveries.drain_waiting": lambda: queue.drain_waiting(),
         "deliveries.anything_due": lambda: queue.anything_due(),
         "deliveries.next_due_after": lambda: queue.next_due_after(0),
         "deliveries.claim": lambda: queue.claim("n1", lease_s=30, per_target=1, limit=1, in_flight={}),

@@ -72,6 +72,7 @@ from herald.deliveries import (
     Claimed,
     DeliveryRow,
     EndpointRow,
+    Drained,
     FannedOut,
     Finished,
     HealthRow,
@@ -355,11 +356,18 @@ class TenantStore(Protocol):
 class DeliveryQueue(Protocol):
     """The durable schedule of webhook deliveries, shared by any number of notifiers."""
 
-    async def fan_out(self, events: Sequence[JobEvent]) -> int:
+    async def fan_out(self, events: Sequence[JobEvent]) -> FannedOut:
         """Record the deliveries of ``events`` (one per matching endpoint, one for the job's
         callback URL) in one transaction, idempotent per target and event; each placed as
-        ``herald.delivery_rules.place`` says (superseding, progress slots). Returns how many are
-        pending."""
+        ``herald.delivery_rules.place`` says (superseding, progress slots). Each tenant's events
+        add at most its share (``herald.delivery_rules.share_fan_out``): the rest, and all
+        events of a tenant that has some waiting, are recorded to wait for ``drain_waiting``.
+        Returns how many deliveries are pending and how many events wait."""
+
+    async def drain_waiting(self) -> Drained:
+        """Fan out, in one transaction, the oldest waiting events of the tenants that have
+        waited longest, each tenant's up to its share; any number of notifiers may call it at
+        once, and a tenant's events are fanned out in the order they came."""
 
     async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
         """``fan_out``, and in the same transaction ``claim`` (with ``offer``'s arguments) among the

@@ -128,7 +128,7 @@ async def test_fan_out_places_each_event_as_the_rulebook_does(stores: Stores) ->
                 assert (row["status"], row["next_attempt_at"]) == ("superseded", None), (job, sibling.version)
             else:
                 assert row["status"] == sibling.status, (job, sibling.version)
-    assert pending == expected_pending
+    assert pending.pending == expected_pending
 
 
 # ----- settlement: finish -----------------------------------------------------------------------

@@ -63,11 +63,11 @@ async def test_endpoint_crud_and_tenant_isolation(stores: Stores) -> None:
     assert updated.updated_at >= row.updated_at
 
     # Disabling fails what was waiting, and later events are dropped, not queued.
-    assert await queue.fan_out([event("j1", 1)]) == 1 + 3  # this endpoint and the three others
+    assert (await queue.fan_out([event("j1", 1)])).pending == 1 + 3  # this endpoint and the three others
     disabled = await webhooks.update_endpoint("t1", row.id, {"status": "disabled"})
     assert disabled is not None and disabled.status == "disabled"
     assert [d["status"] for d in await deliveries(stores, endpoint_id=row.id)] == ["failed"]
-    assert await queue.fan_out([event("j2", 1)]) == 3
+    assert (await queue.fan_out([event("j2", 1)])).pending == 3
     assert await deliveries(stores, endpoint_id=row.id, job_id="j2") == []
 
     # Re-enabling restarts the 5-day clock.
@@ -178,7 +178,7 @@ async def test_recover_test_events_and_health(stores: Stores) -> None:
     async def claim() -> list:  # type: ignore[type-arg]
         return await queue.claim("n1", lease_s=30, per_target=10, limit=10, in_flight={})
 
-    assert await queue.fan_out([_job_event("job-a"), _job_event("job-b")]) == 2
+    assert (await queue.fan_out([_job_event("job-a"), _job_event("job-b")])).pending == 2
     first = {c.delivery.job_id: c for c in await claim()}
     await queue.finish(first["job-a"], "n1", time.time(), REFUSED, Plan("failed"))
     await queue.finish(first["job-b"], "n1", time.time(), DELIVERED, Plan("delivered"))
@@ -231,7 +231,7 @@ async def test_recover_and_test_events_wait_for_nothing_a_concurrent_disable_mis
     other = (await stores.another()).webhooks
     for _ in range(10):
         endpoint_id = await endpoint(webhooks)
-        assert await queue.fan_out([event(f"job-{endpoint_id}", 1)]) == 1
+        assert (await queue.fan_out([event(f"job-{endpoint_id}", 1)])).pending == 1
         [item] = await claim(queue)
         await queue.finish(item, "n1", 0.0, FAILED, Plan("failed"))
         body = b'{"type":"webhook.test"}'

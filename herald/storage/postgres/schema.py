@@ -16,12 +16,12 @@ from herald.deliveries import CALLBACK_PREFIX
 from herald.storage.migrations import Migration, Schema, Session, load, load_functions
 from herald.storage.postgres.db import NOW_SQL
 from herald.storage.postgres.jobs import NUMBER_LOCK_SEED
-from herald.storage.postgres.webhooks import KEY_LOCK_CLASS, ORDER_LOCK_CLASS
+from herald.storage.postgres.webhooks import DRAIN_LOCK_CLASS, KEY_LOCK_CLASS, ORDER_LOCK_CLASS, SHARE_LOCK_CLASS
 
 # The constants the SQL files name in braces.
 SQL_PARAMS = {"now": NOW_SQL, "key_lock": KEY_LOCK_CLASS, "order_lock": ORDER_LOCK_CLASS,
               "callback_prefix": CALLBACK_PREFIX, "number_lock": NUMBER_LOCK_SEED,
-              "notify": NOTIFY, "quiet": QUIET}
+              "notify": NOTIFY, "quiet": QUIET, "share_lock": SHARE_LOCK_CLASS, "drain_lock": DRAIN_LOCK_CLASS}
 
 # herald_migrations' names -> the version that carries that migration's SQL now.
 LEGACY_NAMES = {

@@ -89,6 +89,7 @@ from herald.deliveries import (
     DeliveryRow,
     EndpointLimitReached,
     EndpointRow,
+    Drained,
     FannedOut,
     Finished,
     HealthRow,
@@ -100,7 +101,13 @@ from herald.deliveries import (
     event_id,
 )
 from herald import delivery_rules as rules
-from herald.delivery_rules import ENDPOINT_DISABLE_AFTER_S, PROGRESS_INTERVAL_S, RESPONSE_KEEP_BYTES
+from herald.delivery_rules import (
+    DRAIN_TENANTS,
+    ENDPOINT_DISABLE_AFTER_S,
+    FAN_OUT_SHARE,
+    PROGRESS_INTERVAL_S,
+    RESPONSE_KEEP_BYTES,
+)
 from herald.sealing import Sealer, key_aad
 from herald.storage.postgres.db import NOW_SQL, PgDatabase, unavailable_on_connection_errors
 from herald.webhook_signing import HMAC, SigningKey, new_key
@@ -115,6 +122,8 @@ T = TypeVar("T")
 ORDER_LOCK_CLASS = 0x57484F52
 KEY_LOCK_CLASS = 0x57484B59
 ENDPOINT_LOCK_CLASS = 0x57484550  # "WHEP": a tenant's endpoint count (max_endpoints)
+SHARE_LOCK_CLASS = 0x57485348  # "WHSH": a tenant's fan-out share: its first events put to wait
+DRAIN_LOCK_CLASS = 0x57484452  # "WHDR": a tenant's waiting events, drained by one notifier at a time
 
 # The server's clock once per statement: an InitPlan, a constant for index scans.
 NOW = f"(SELECT {NOW_SQL})"
@@ -144,7 +153,7 @@ def _fan_out_args(events: Sequence[JobEvent]) -> tuple[Any, ...]:
         [e.tenant for e in events], [e.job_id for e in events], [e.version for e in events],
         [e.type for e in events], [e.kind for e in events], [event_id(e) for e in events],
         [_payload_encoder.encode(WebhookPayload(type=e.type, timestamp=e.at, data=e.data)) for e in events],
-        PROGRESS_INTERVAL_S,
+        PROGRESS_INTERVAL_S, FAN_OUT_SHARE,
     )
 
 
@@ -483,17 +492,19 @@ class PgDeliveryQueue:
         self.db = db
         self.sealer = sealer
 
-    async def fan_out(self, events: Sequence[JobEvent]) -> int:
-        """Record the deliveries of ``events`` in one statement (one transaction); returns how many are pending."""
+    async def fan_out(self, events: Sequence[JobEvent]) -> FannedOut:
+        """Record the deliveries of ``events`` in one statement (one transaction), each tenant's
+        up to its share; returns how many are pending and how many events wait."""
         if not events:
-            return 0
+            return FannedOut(0)
         args = _fan_out_args(events)
 
-        async def call() -> int:
-            return int(await self.db.pool.fetchval(
-                "SELECT herald_webhook_fan_out($1, $2, $3, $4, $5, $6, $7, $8)", *args))
+        async def call() -> asyncpg.Record:
+            return await self.db.pool.fetchrow(
+                "SELECT * FROM herald_webhook_fan_out($1, $2, $3, $4, $5, $6, $7, $8, $9)", *args)
 
-        return await _retrying(call)
+        row = await _retrying(call)
+        return FannedOut(int(row["pending"]), waiting=int(row["waiting"]))
 
     async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
         """``fan_out`` and the claim with ``offer``'s caps in one statement (one transaction):
@@ -502,7 +513,7 @@ class PgDeliveryQueue:
         if not events:
             return FannedOut(0)
         if offer.limit <= 0:
-            return FannedOut(await self.fan_out(events))
+            return await self.fan_out(events)
         busy = {target: n for target, n in offer.in_flight.items() if n}
         tenants = {tenant: n for tenant, n in offer.tenant_in_flight.items() if n > 0}
         args = (*_fan_out_args(events), offer.owner, offer.lease_s, offer.per_target, offer.limit,
@@ -512,11 +523,23 @@ class PgDeliveryQueue:
         async def call() -> list[asyncpg.Record]:
             return list(await self.db.pool.fetch(
                 "SELECT * FROM herald_webhook_fan_out_leasing($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
-                " $13, $14, $15, $16, $17, $18)", *args))
+                " $13, $14, $15, $16, $17, $18, $19)", *args))
 
         rows = await _retrying(call)
         claimed = [await self._claimed(row) for row in rows if row["delivery"] is not None]
-        return FannedOut(int(rows[0]["pending"]) if rows else 0, claimed)
+        if not rows:
+            return FannedOut(0, claimed)
+        return FannedOut(int(rows[0]["pending"]), claimed, int(rows[0]["waiting"]))
+
+    async def drain_waiting(self) -> Drained:
+        """Place the events waiting longest (``herald_webhook_drain_waiting``), in one statement."""
+
+        async def call() -> asyncpg.Record:
+            return await self.db.pool.fetchrow("SELECT * FROM herald_webhook_drain_waiting($1, $2, $3)",
+                                               PROGRESS_INTERVAL_S, FAN_OUT_SHARE, DRAIN_TENANTS)
+
+        row = await _retrying(call)
+        return Drained(int(row["events"]), int(row["pending"]))
 
     async def anything_due(self, held: Collection[str] = ()) -> bool:
         """Cheap read: is a claim worth its transaction?"""

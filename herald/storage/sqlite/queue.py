@@ -2,7 +2,9 @@
 
 * ``fan_out`` turns committed job events into deliveries, one per matching endpoint and
   one for the job's ``callback_url``, idempotently (one row per target and event), so a
-  NATS message delivered twice creates nothing twice.
+  NATS message delivered twice creates nothing twice. Each tenant's events add at most its
+  share to one transaction; the rest wait in ``webhook_fan_out_waiting`` and
+  ``drain_waiting`` fans them out, oldest first (``delivery_rules.share_fan_out``).
 * ``claim`` leases due deliveries to one notifier process, so any number of them share
   the work and a killed one's deliveries come back when its lease runs out.
 * ``finish`` records an attempt and its consequence in one transaction; ``finish_many``
@@ -32,6 +34,7 @@ from herald.deliveries import (
     Attempted,
     Claimed,
     DeliveryRow,
+    Drained,
     EndpointRow,
     FannedOut,
     Finished,
@@ -53,6 +56,8 @@ from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 
 _payload_encoder = msgspec.json.Encoder()
+_event_encoder = msgspec.json.Encoder()
+_event_decoder = msgspec.json.Decoder(JobEvent)
 
 # The claim reads per tenant and target, never everything pending: the tenants that have
 # pending deliveries (a loose index scan: one index probe per tenant, however long each one's
@@ -104,6 +109,17 @@ ORDER BY d.next_attempt_at, d.seq LIMIT :room
 
 Target = tuple[str, str | None, str | None]  # (target, endpoint id, callback URL)
 
+# Events waiting for their tenant's share of the fan-out (``delivery_rules.share_fan_out``):
+# whether a tenant has any, and which tenants do (a loose index scan, one probe per tenant).
+_WAITING_SQL = "SELECT 1 FROM webhook_fan_out_waiting WHERE tenant = ? LIMIT 1"
+_WAITING_TENANTS_SQL = """
+WITH RECURSIVE t(tenant) AS (
+    SELECT (SELECT MIN(tenant) FROM webhook_fan_out_waiting)
+    UNION ALL
+    SELECT (SELECT MIN(tenant) FROM webhook_fan_out_waiting WHERE tenant > t.tenant) FROM t WHERE t.tenant IS NOT NULL
+) SELECT tenant FROM t WHERE tenant IS NOT NULL
+"""
+
 
 def _targets(event: JobEvent, endpoints: Sequence[EndpointRow], callback_url: str | None) -> list[Target]:
     """Every receiver of ``event``: the matching enabled endpoints and the job's callback URL
@@ -124,6 +140,14 @@ def _callback_url(db: Database, event: JobEvent) -> str | None:
         return None
     rows = db.read("SELECT callback_url FROM jobs WHERE id = ?", (event.job_id,))
     return (rows[0]["callback_url"] or None) if rows else None
+
+
+def _callback_url_in(conn: sqlite3.Connection, event: JobEvent) -> str | None:
+    """``_callback_url``, read in a writing transaction."""
+    if event.type == "job.progress":
+        return None
+    row = conn.execute("SELECT callback_url FROM jobs WHERE id = ?", (event.job_id,)).fetchone()
+    return (row["callback_url"] or None) if row is not None else None
 
 
 # What ``delivery_rules.place`` needs: the job's deliveries at the target, in one probe of
@@ -157,19 +181,41 @@ def _add_delivery(
     return placement.status == "pending"
 
 
-def _record(conn: sqlite3.Connection, targeted: Sequence[tuple[JobEvent, str | None]],
-            ts: float) -> tuple[int, dict[str, set[str]]]:
-    """The fan-out's writes for events some target wants, each with its job's callback URL:
-    how many deliveries are pending, and by tenant the targets that got one."""
+Receivers = tuple[JobEvent, list[Target]]  # an event and every target that wants it
+
+
+def _receivers(conn: sqlite3.Connection, targeted: Sequence[tuple[JobEvent, str | None]]) -> list[Receivers]:
+    """Each event with its receivers now (``_targets``), given its job's callback URL; the
+    endpoints are read in the writing transaction (one enabled at the loop's read may be gone)."""
     endpoints: dict[str, list[EndpointRow]] = {}
-    pending = 0
-    touched: dict[str, set[str]] = {}
+    receivers: list[Receivers] = []
     for event, callback_url in targeted:
         if event.tenant not in endpoints:
             rows = conn.execute("SELECT * FROM webhook_endpoints WHERE tenant = ? AND status = 'enabled'",
                                 (event.tenant,)).fetchall()
             endpoints[event.tenant] = [EndpointRow.from_mapping(r) for r in rows]
-        targets = _targets(event, endpoints[event.tenant], callback_url)
+        receivers.append((event, _targets(event, endpoints[event.tenant], callback_url)))
+    return receivers
+
+
+def _share(conn: sqlite3.Connection, receivers: Sequence[Receivers], ts: float) -> tuple[list[Receivers], int]:
+    """The events fanned out now (``delivery_rules.share_fan_out``); the rest are put to wait,
+    each behind its tenant's earlier ones. Returns those fanned out now and how many wait."""
+    tenants = {event.tenant for event, _ in receivers}
+    waiting = {t for t in tenants if conn.execute(_WAITING_SQL, (t,)).fetchone() is not None}
+    goes = rules.share_fan_out([(event.tenant, len(targets)) for event, targets in receivers], waiting)
+    later = [event for (event, _), go in zip(receivers, goes, strict=True) if not go]
+    conn.executemany("INSERT INTO webhook_fan_out_waiting (tenant, event, created_at) VALUES (?,?,?)",
+                     [(event.tenant, _event_encoder.encode(event), ts) for event in later])
+    return [r for r, go in zip(receivers, goes, strict=True) if go], len(later)
+
+
+def _record(conn: sqlite3.Connection, receivers: Sequence[Receivers], ts: float) -> tuple[int, dict[str, set[str]]]:
+    """The fan-out's writes for events and their receivers: how many deliveries are pending,
+    and by tenant the targets that got one."""
+    pending = 0
+    touched: dict[str, set[str]] = {}
+    for event, targets in receivers:
         if not targets:
             continue
         body = _payload_encoder.encode(WebhookPayload(type=event.type, timestamp=event.at, data=event.data))
@@ -180,6 +226,28 @@ def _record(conn: sqlite3.Connection, targeted: Sequence[tuple[JobEvent, str | N
                 pending += 1
                 touched.setdefault(event.tenant, set()).add(target)
     return pending, touched
+
+
+def _drain(conn: sqlite3.Connection, ts: float) -> Drained:
+    """The oldest waiting events of the ``DRAIN_TENANTS`` tenants waiting longest, each tenant's
+    up to its share, fanned out and no longer waiting."""
+    tenants = [row[0] for row in conn.execute(_WAITING_TENANTS_SQL)]
+    first = {t: conn.execute("SELECT MIN(seq) FROM webhook_fan_out_waiting WHERE tenant = ?", (t,)).fetchone()[0]
+             for t in tenants}
+    drained: list[Receivers] = []
+    seqs: list[tuple[int]] = []
+    for tenant in sorted(tenants, key=first.__getitem__)[:rules.DRAIN_TENANTS]:
+        rows = conn.execute("SELECT seq, event FROM webhook_fan_out_waiting WHERE tenant = ? ORDER BY seq LIMIT ?",
+                            (tenant, rules.FAN_OUT_SHARE)).fetchall()
+        events = [_event_decoder.decode(row["event"]) for row in rows]
+        receivers = _receivers(conn, [(event, _callback_url_in(conn, event)) for event in events])
+        goes = rules.share_fan_out([(tenant, len(targets)) for _, targets in receivers])
+        take = goes.index(False) if False in goes else len(goes)  # one tenant's: a run of True, then False
+        drained += receivers[:take]
+        seqs += [(row["seq"],) for row in rows[:take]]
+    pending, _ = _record(conn, drained, ts)
+    conn.executemany("DELETE FROM webhook_fan_out_waiting WHERE seq = ?", seqs)
+    return Drained(len(seqs), pending)
 
 
 def _lease(conn: sqlite3.Connection, ts: float, rows: Sequence[sqlite3.Row], owner: str, lease_s: float,
@@ -208,12 +276,18 @@ class SqliteDeliveryQueue:
         self.db = db
         self.sealer = sealer
 
-    async def fan_out(self, events: Sequence[JobEvent]) -> int:
-        """Record the deliveries of ``events`` in one transaction; returns how many are pending."""
+    async def fan_out(self, events: Sequence[JobEvent]) -> FannedOut:
+        """Record the deliveries of ``events`` in one transaction, each tenant's up to its share."""
         targeted = self._targeted(events)
         if not targeted:
-            return 0
-        return await self.db.write(lambda conn: _record(conn, targeted, now())[0])
+            return FannedOut(0)
+
+        def tx(conn: sqlite3.Connection) -> FannedOut:
+            ts = now()
+            receivers, waiting = _share(conn, _receivers(conn, targeted), ts)
+            return FannedOut(_record(conn, receivers, ts)[0], waiting=waiting)
+
+        return await self.db.write(tx)
 
     async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
         """``fan_out``, then ``claim`` among the targets it recorded for, in the same transaction."""
@@ -223,15 +297,22 @@ class SqliteDeliveryQueue:
 
         def tx(conn: sqlite3.Connection) -> FannedOut:
             ts = now()
-            pending, touched = _record(conn, targeted, ts)
+            receivers, waiting = _share(conn, _receivers(conn, targeted), ts)
+            pending, touched = _record(conn, receivers, ts)
             if not touched or offer.limit <= 0:
-                return FannedOut(pending)
+                return FannedOut(pending, waiting=waiting)
             busy = offer.tenant_in_flight
             rows = _fair_order(_candidates(conn, ts, offer.per_target, offer.in_flight, offer.per_tenant, busy,
                                            offer.held, only=touched), busy, offer.per_tenant)[:offer.limit]
-            return FannedOut(pending, _lease(conn, ts, rows, offer.owner, offer.lease_s, self.sealer))
+            return FannedOut(pending, _lease(conn, ts, rows, offer.owner, offer.lease_s, self.sealer), waiting)
 
         return await self.db.write(tx)
+
+    async def drain_waiting(self) -> Drained:
+        """Fan out the events waiting longest (``_drain``); an idle store costs one read, no write."""
+        if not self.db.read("SELECT 1 FROM webhook_fan_out_waiting LIMIT 1"):
+            return Drained(0, 0)
+        return await self.db.write(lambda conn: _drain(conn, now()))
 
     def _targeted(self, events: Sequence[JobEvent]) -> list[tuple[JobEvent, str | None]]:
         """The events some target may want, each with its job's callback URL, judged by reads on

@@ -8,8 +8,9 @@
 -- (p_progress_interval: PROGRESS_INTERVAL_S), and tests/store_contract/test_rulebook.py
 -- holds its decisions to the rulebook's, case by case. Besides how many deliveries are
 -- pending, it says which targets got one (touched_tenants and touched_targets, pairwise): the
--- leasing fan-out claims among those alone.
-CREATE OR REPLACE FUNCTION herald_webhook_fan_out_touching(
+-- leasing fan-out claims among those alone. Every event given is placed: the share
+-- (herald_webhook_fan_out_touching) is taken before.
+CREATE OR REPLACE FUNCTION herald_webhook_place_events(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION,
     OUT pending INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
@@ -135,13 +136,115 @@ BEGIN
     END LOOP;
 END $$;
 
+-- How many deliveries each event would make: its matching enabled endpoints, and its job's
+-- callback URL (every type but progress), as herald_webhook_place_events finds its receivers.
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out_costs(
+    p_tenants TEXT[], p_job_ids TEXT[], p_types TEXT[], p_kinds TEXT[]
+) RETURNS INTEGER[] LANGUAGE sql STABLE AS $$
+    SELECT coalesce(array_agg(
+        (SELECT count(*) FROM webhook_endpoints e
+          WHERE e.tenant = ev.tenant AND e.status = 'enabled' AND ev.type = ANY(e.event_types)
+            AND (e.kinds IS NULL OR ev.kind = ANY(e.kinds)))::INTEGER
+        + (SELECT count(*) FROM jobs j
+            WHERE j.id = ev.job_id AND ev.type <> 'job.progress' AND j.callback_url IS NOT NULL
+              AND j.callback_url <> '')::INTEGER
+        ORDER BY ev.ord), '{}')
+      FROM unnest(p_tenants, p_job_ids, p_types, p_kinds) WITH ORDINALITY AS ev(tenant, job_id, type, kind, ord)
+$$;
+
+-- herald.delivery_rules.share_fan_out, element for element (tests/store_contract holds the two
+-- to the same answers): which events are fanned out now (TRUE) and which wait.
+CREATE OR REPLACE FUNCTION herald_webhook_share_fan_out(
+    p_tenants TEXT[], p_costs INTEGER[], p_waiting TEXT[], p_share INTEGER
+) RETURNS BOOLEAN[] LANGUAGE plpgsql IMMUTABLE AS $$
+DECLARE
+    spent JSONB := '{}';
+    late TEXT[] := p_waiting;
+    goes BOOLEAN[] := '{}';
+    used INTEGER;
+BEGIN
+    FOR i IN 1 .. coalesce(cardinality(p_tenants), 0) LOOP
+        used := (spent ->> p_tenants[i])::INTEGER;
+        IF NOT (p_tenants[i] = ANY(late)) AND (used IS NULL OR used + p_costs[i] <= p_share) THEN
+            spent := spent || jsonb_build_object(p_tenants[i], coalesce(used, 0) + p_costs[i]);
+            goes := goes || TRUE;
+        ELSE
+            late := late || p_tenants[i];
+            goes := goes || FALSE;
+        END IF;
+    END LOOP;
+    RETURN goes;
+END $$;
+
+-- The fan-out of a batch, each tenant's events up to its share (herald.delivery_rules.share_fan_out):
+-- the rest, and every event of a tenant that has some waiting already, are put to wait in
+-- webhook_fan_out_waiting, behind that tenant's earlier ones. A tenant's events must not pass
+-- its waiting ones: a batch that puts a tenant's first events to wait holds the tenant's share
+-- lock exclusively until it commits, and every other batch takes it shared before it looks for
+-- waiting events (so batches that wait for nothing never wait for each other). Returns what
+-- herald_webhook_place_events does for the events placed now, and how many wait.
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out_touching(
+    p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
+    OUT pending INTEGER, OUT waiting INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
+) LANGUAGE plpgsql AS $$
+DECLARE
+    costs INTEGER[];
+    over TEXT[];
+    waits TEXT[];
+    goes BOOLEAN[];
+    who TEXT;
+    now_idx INTEGER[];
+BEGIN
+    costs := herald_webhook_fan_out_costs(p_tenants, p_job_ids, p_types, p_kinds);
+    goes := herald_webhook_share_fan_out(p_tenants, costs, '{}', p_share);
+    SELECT coalesce(array_agg(DISTINCT p_tenants[i]), '{}') INTO over
+      FROM generate_subscripts(p_tenants, 1) AS i WHERE NOT goes[i];
+    FOR who IN SELECT DISTINCT t FROM unnest(p_tenants) AS t ORDER BY 1 LOOP
+        IF who = ANY(over) THEN
+            PERFORM pg_advisory_xact_lock({share_lock}, hashtext(who));
+        ELSE
+            PERFORM pg_advisory_xact_lock_shared({share_lock}, hashtext(who));
+        END IF;
+    END LOOP;
+    SELECT coalesce(array_agg(x.t), '{}') INTO waits
+      FROM (SELECT DISTINCT t FROM unnest(p_tenants) AS t) x
+     WHERE EXISTS (SELECT 1 FROM webhook_fan_out_waiting w WHERE w.tenant = x.t);
+    IF cardinality(waits) > 0 THEN
+        goes := herald_webhook_share_fan_out(p_tenants, costs, waits, p_share);
+    END IF;
+    INSERT INTO webhook_fan_out_waiting (tenant, job_id, version, type, kind, event_id, body, created_at)
+    SELECT p_tenants[i], p_job_ids[i], p_versions[i], p_types[i], p_kinds[i], p_event_ids[i], p_bodies[i], {now}
+      FROM generate_subscripts(p_tenants, 1) AS i WHERE NOT goes[i] ORDER BY i;
+    GET DIAGNOSTICS waiting = ROW_COUNT;
+    IF waiting = 0 THEN
+        SELECT f.pending, f.touched_tenants, f.touched_targets INTO pending, touched_tenants, touched_targets
+          FROM herald_webhook_place_events(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids,
+                                           p_bodies, p_progress_interval) f;
+        RETURN;
+    END IF;
+    SELECT coalesce(array_agg(i ORDER BY i), '{}') INTO now_idx FROM generate_subscripts(p_tenants, 1) AS i WHERE goes[i];
+    SELECT f.pending, f.touched_tenants, f.touched_targets INTO pending, touched_tenants, touched_targets
+      FROM herald_webhook_place_events(
+          ARRAY(SELECT p_tenants[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          ARRAY(SELECT p_job_ids[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          ARRAY(SELECT p_versions[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          ARRAY(SELECT p_types[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          ARRAY(SELECT p_kinds[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          ARRAY(SELECT p_event_ids[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          ARRAY(SELECT p_bodies[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
+          p_progress_interval) f;
+END $$;
+
 -- The fan-out alone (a notifier with a backlog leases nothing as it fans out).
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
-    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION
-) RETURNS INTEGER LANGUAGE sql AS $$
-    SELECT f.pending FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds,
-                                                          p_event_ids, p_bodies, p_progress_interval) f
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
+    OUT pending INTEGER, OUT waiting INTEGER
+) LANGUAGE sql AS $$
+    SELECT f.pending, f.waiting FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types,
+                                                                     p_kinds, p_event_ids, p_bodies,
+                                                                     p_progress_interval, p_share) f
 $$;
 
 -- The fan-out, then in the same transaction the claim (herald_webhook_claim_among, with the
@@ -149,28 +252,29 @@ $$;
 -- is leased to this notifier without a claim of its own, as SQLite's fan_out_leasing does.
 -- Only those targets, so that a batch of one tenant's events never waits on a walk of another
 -- tenant's backlog (the scheduler's claim pass takes the rest). Every row carries the
--- fan-out's pending count; with nothing leased, one row of NULLs does.
+-- fan-out's pending and waiting counts; with nothing leased, one row of NULLs does.
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out_leasing(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
-    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION,
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
     p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
     p_busy_targets TEXT[], p_busy_counts INTEGER[],
     p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
-) RETURNS TABLE (pending INTEGER, delivery webhook_deliveries, send_url TEXT, body BYTEA,
+) RETURNS TABLE (pending INTEGER, waiting INTEGER, delivery webhook_deliveries, send_url TEXT, body BYTEA,
                  key_algorithms TEXT[], key_secrets BYTEA[], key_public_keys BYTEA[],
                  job_traceparent TEXT, job_tracestate TEXT)
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
     n INTEGER;
+    w INTEGER;
     only_tenants TEXT[];
     only_targets TEXT[];
 BEGIN
-    SELECT f.pending, f.touched_tenants, f.touched_targets INTO n, only_tenants, only_targets
+    SELECT f.pending, f.waiting, f.touched_tenants, f.touched_targets INTO n, w, only_tenants, only_targets
       FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids,
-                                           p_bodies, p_progress_interval) f;
+                                           p_bodies, p_progress_interval, p_share) f;
     IF n > 0 AND p_limit > 0 THEN
         RETURN QUERY
-        SELECT n, c.delivery, c.send_url, c.body, c.key_algorithms, c.key_secrets, c.key_public_keys,
+        SELECT n, w, c.delivery, c.send_url, c.body, c.key_algorithms, c.key_secrets, c.key_public_keys,
                c.job_traceparent, c.job_tracestate
           FROM herald_webhook_claim_among(p_owner, p_lease_s, p_per_target, p_limit, p_busy_targets,
                                           p_busy_counts, p_per_tenant, p_busy_tenants, p_tenant_counts, p_held,
@@ -179,6 +283,62 @@ BEGIN
             RETURN;
         END IF;
     END IF;
-    RETURN QUERY SELECT n, NULL::webhook_deliveries, NULL::TEXT, NULL::BYTEA, NULL::TEXT[], NULL::BYTEA[],
+    RETURN QUERY SELECT n, w, NULL::webhook_deliveries, NULL::TEXT, NULL::BYTEA, NULL::TEXT[], NULL::BYTEA[],
                         NULL::BYTEA[], NULL::TEXT, NULL::TEXT;
+END $$;
+
+-- The waiting events of up to p_tenants tenants, those waiting longest first, each tenant's
+-- oldest up to its share, placed and no longer waiting, in one transaction. A tenant's are
+-- taken by one drain at a time (a try-lock: another notifier's drain takes the next tenant),
+-- so they are placed in the order they came.
+CREATE OR REPLACE FUNCTION herald_webhook_drain_waiting(
+    p_progress_interval DOUBLE PRECISION, p_share INTEGER, p_tenants INTEGER,
+    OUT events INTEGER, OUT pending INTEGER
+) LANGUAGE plpgsql AS $$
+DECLARE
+    who TEXT;
+    taken INTEGER := 0;
+    seqs BIGINT[];
+    w_tenants TEXT[];
+    w_jobs TEXT[];
+    w_versions INTEGER[];
+    w_types TEXT[];
+    w_kinds TEXT[];
+    w_event_ids TEXT[];
+    w_bodies BYTEA[];
+    goes BOOLEAN[];
+    n INTEGER;
+    placed INTEGER;
+BEGIN
+    events := 0;
+    pending := 0;
+    FOR who IN
+        WITH RECURSIVE t(tenant) AS (
+            SELECT (SELECT min(w.tenant) FROM webhook_fan_out_waiting w)
+            UNION ALL
+            SELECT (SELECT min(w.tenant) FROM webhook_fan_out_waiting w WHERE w.tenant > t.tenant)
+              FROM t WHERE t.tenant IS NOT NULL
+        )
+        SELECT t.tenant FROM t WHERE t.tenant IS NOT NULL
+         ORDER BY (SELECT min(w.seq) FROM webhook_fan_out_waiting w WHERE w.tenant = t.tenant)
+    LOOP
+        EXIT WHEN taken >= p_tenants;
+        CONTINUE WHEN NOT pg_try_advisory_xact_lock({drain_lock}, hashtext(who));
+        SELECT array_agg(w.seq ORDER BY w.seq), array_agg(w.tenant ORDER BY w.seq), array_agg(w.job_id ORDER BY w.seq),
+               array_agg(w.version ORDER BY w.seq), array_agg(w.type ORDER BY w.seq), array_agg(w.kind ORDER BY w.seq),
+               array_agg(w.event_id ORDER BY w.seq), array_agg(w.body ORDER BY w.seq)
+          INTO seqs, w_tenants, w_jobs, w_versions, w_types, w_kinds, w_event_ids, w_bodies
+          FROM (SELECT * FROM webhook_fan_out_waiting x WHERE x.tenant = who ORDER BY x.seq LIMIT p_share) w;
+        CONTINUE WHEN seqs IS NULL;  -- drained by another notifier meanwhile
+        taken := taken + 1;
+        goes := herald_webhook_share_fan_out(w_tenants, herald_webhook_fan_out_costs(w_tenants, w_jobs, w_types, w_kinds),
+                                             '{}', p_share);
+        n := coalesce(array_position(goes, FALSE) - 1, cardinality(goes));  -- one tenant's: TRUE, then FALSE
+        SELECT f.pending INTO placed
+          FROM herald_webhook_place_events(w_tenants[1:n], w_jobs[1:n], w_versions[1:n], w_types[1:n], w_kinds[1:n],
+                                           w_event_ids[1:n], w_bodies[1:n], p_progress_interval) f;
+        DELETE FROM webhook_fan_out_waiting w WHERE w.seq = ANY(seqs[1:n]);
+        events := events + n;
+        pending := pending + coalesce(placed, 0);
+    END LOOP;
 END $$;
