@@ -500,6 +500,25 @@ def test_env_tenants_limits_can_be_changed_but_their_keys_not_revoked(fresh: Dep
         assert acme.get("/jobs").status_code == 200
 
 
+def test_changing_an_env_tenant_is_audited_as_the_change_it_is(fresh: Deployment) -> None:
+    """A HERALD_API_KEYS tenant exists already (configuration): disabling it, changing its
+    limits or enabling it again is audited as just that (SPEC §12), one row each, on every
+    store; its first change over the API is no ``tenant.created``."""
+    base = fresh.start_gateway()
+    with admin(base) as http:
+        assert http.patch("/admin/tenants/globex", json={"disabled": True}).status_code == 200
+        assert http.patch("/admin/tenants/acme", json={"limits": {"max_running": 2}}).status_code == 200
+        assert http.patch("/admin/tenants/globex", json={"disabled": False}).status_code == 200
+        audit = http.get("/admin/audit").json()["items"]
+        assert [(e["action"], e["tenant"], e["key_id"], e["detail"]) for e in audit] == [
+            ("tenant.updated", "globex", None, {"disabled": False}),
+            ("tenant.updated", "acme", None, {"limits": {"max_running": 2}}),
+            ("tenant.disabled", "globex", None, {"disabled": True}),
+        ]
+        assert [(t["id"], t["source"], t["disabled"]) for t in http.get("/admin/tenants").json()["items"]] == [
+            ("acme", "env", False), ("globex", "env", False)]
+
+
 def test_a_cap_set_over_the_api_holds_on_the_workers(fresh: Deployment) -> None:
     fresh.env_overrides.update(HERALD_REPORT_PAGE_MS="100")
     base = fresh.start_gateway()

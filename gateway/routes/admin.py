@@ -147,13 +147,12 @@ class AdminController(Controller):
         svc = _svc(request)
         body, _ = await read_body(request, TenantUpdate)
         row = await _tenant_row(svc, tenant_id)
-        store = svc.storage.tenants
-        if row.source == SOURCE_ENV and await store.get_tenant(tenant_id) is None:
-            await store.create_tenant(tenant_id, {}, source=SOURCE_ENV)  # a row to carry its changes
-        updated = await store.update_tenant(
+        updated = await svc.storage.tenants.update_tenant(
             tenant_id,
             limits=body.limits.given() if isinstance(body.limits, LimitsPatch) else None,
             disabled=body.disabled if isinstance(body.disabled, bool) else None,
+            # An env tenant's first change makes the row that carries it: audited as that change.
+            source_if_new=SOURCE_ENV if row.source == SOURCE_ENV else None,
         )
         if updated is None:
             raise NotFound(f"no tenant {tenant_id!r}")

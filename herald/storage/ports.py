@@ -325,9 +325,14 @@ class TenantStore(Protocol):
         ...
 
     async def update_tenant(self, tenant_id: str, *, limits: Mapping[str, float | None] | None,
-                            disabled: bool | None) -> TenantRow | None:
+                            disabled: bool | None, source_if_new: str | None = None) -> TenantRow | None:
         """Set (a value) or clear (None: back to the default) the named limits, and/or
-        disable or enable. None if there is no such tenant."""
+        disable or enable. None if there is no such tenant.
+
+        ``source_if_new``: a tenant that exists without a row (``HERALD_API_KEYS``'s) gets one
+        with that source, in the same transaction, to carry the change. Only the change is
+        audited (``tenant.updated`` or ``tenant.disabled``), never a ``tenant.created``: the
+        tenant was not created, it was there already."""
         ...
 
     async def create_key(self, key: KeyRow) -> KeyRow: ...

@@ -68,6 +68,23 @@ async def test_tenants_created_listed_and_updated_each_change_audited_under_a_ne
     assert all(before <= r.at for r in log) and [r.at for r in log] == sorted((r.at for r in log), reverse=True)
 
 
+async def test_a_tenant_without_a_row_gets_one_with_its_first_change_audited_as_that_change(stores: Stores) -> None:
+    """A HERALD_API_KEYS tenant has no row until the API first changes it: the row comes with
+    that change, in its transaction, audited as the change (the tenant was not created)."""
+    tenants = stores.tenants
+    start = await tenants.directory_version()
+    disabled = await tenants.update_tenant("globex", limits=None, disabled=True, source_if_new=SOURCE_ENV)
+    assert disabled is not None and (disabled.disabled, dict(disabled.limits), disabled.source) == (True, {}, SOURCE_ENV)
+    again = await tenants.update_tenant("globex", limits={"max_running": 2}, disabled=None, source_if_new=SOURCE_ENV)
+    assert again is not None and again.disabled and dict(again.limits) == {"max_running": 2}
+    assert await tenants.get_tenant("globex") == again
+    assert await tenants.update_tenant("nobody", limits=None, disabled=True) is None  # no source: no row
+    assert await tenants.directory_version() == start + 2
+    log = await tenants.audit_log(before=None, limit=10)
+    assert [(r.action, r.tenant, dict(r.detail)) for r in log] == [
+        (TENANT_UPDATED, "globex", {"limits": {"max_running": 2}}), (TENANT_DISABLED, "globex", {"disabled": True})]
+
+
 async def test_keys_are_created_listed_and_revoked_each_change_audited(stores: Stores) -> None:
     tenants = stores.tenants
     await tenants.create_tenant("acme", {})

@@ -99,8 +99,12 @@ class PgTenantStore:
         return [_tenant(r) for r in rows]
 
     async def update_tenant(self, tenant_id: str, *, limits: Mapping[str, float | None] | None,
-                            disabled: bool | None) -> TenantRow | None:
+                            disabled: bool | None, source_if_new: str | None = None) -> TenantRow | None:
         async with self._tx() as conn:
+            if source_if_new is not None:  # no audit row of its own: the change below has one
+                await conn.execute(
+                    f"INSERT INTO herald_tenants (id, created_at, disabled, source, limits)"
+                    f" VALUES ($1, {NOW_SQL}, false, $2, '{{}}') ON CONFLICT (id) DO NOTHING", tenant_id, source_if_new)
             row = await conn.fetchrow("SELECT * FROM herald_tenants WHERE id = $1 FOR UPDATE", tenant_id)
             if row is None:
                 return None

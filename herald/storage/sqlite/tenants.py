@@ -83,8 +83,12 @@ class SqliteTenantStore:
         return [_tenant(r) for r in rows]
 
     async def update_tenant(self, tenant_id: str, *, limits: Mapping[str, float | None] | None,
-                            disabled: bool | None) -> TenantRow | None:
+                            disabled: bool | None, source_if_new: str | None = None) -> TenantRow | None:
         def tx(conn: sqlite3.Connection) -> TenantRow | None:
+            at = now()
+            if source_if_new is not None:  # no audit row of its own: the change below has one
+                conn.execute("INSERT OR IGNORE INTO herald_tenants (id, created_at, disabled, source, limits)"
+                             " VALUES (?,?,0,?,'{}')", (tenant_id, at, source_if_new))
             row = conn.execute("SELECT * FROM herald_tenants WHERE id = ?", (tenant_id,)).fetchone()
             if row is None:
                 return None
@@ -93,7 +97,6 @@ class SqliteTenantStore:
             now_disabled = current.disabled if disabled is None else disabled
             conn.execute("UPDATE herald_tenants SET limits = ?, disabled = ? WHERE id = ?",
                          (json.dumps(merged, sort_keys=True), int(now_disabled), tenant_id))
-            at = now()
             if limits is not None:
                 _changed(conn, at, TENANT_UPDATED, tenant_id, None, {"limits": dict(limits)})
             if disabled is not None and disabled != current.disabled:
