@@ -15,9 +15,12 @@ inside the signature, so never another tenant's anything.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import binascii
 import hmac
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import NoReturn
 
 from litestar import Request
@@ -37,6 +40,7 @@ PORTAL_SESSION_PATH = "/webhooks"
 PORTAL_SESSION_S = 8 * 3600  # an opened portal works this long (a working day), then needs a fresh link
 MAX_TENANT_LENGTH = 64
 MAX_KEY_ID_LENGTH = 64
+_NO_LONGER_HOLDS = "this key was revoked or has expired, or its tenant was disabled"
 
 
 def _bearer_token(request: Request) -> str | None:
@@ -62,6 +66,39 @@ def note_stream_owner(request: Request, svc: Services, tenant: str, key_id: str 
     """Who this request is for, so that a stream it opens ends when that no longer holds
     (``gateway.sse``): the key that authenticated it, or only the tenant of a signed link."""
     request.state[STREAM_OWNER] = StreamOwner(svc.directory, tenant, key_id)
+
+
+@asynccontextmanager
+async def held_for_owner(request: Request) -> AsyncIterator[None]:
+    """Hold a long poll (``GET /jobs/{id}?wait=``, a held feed poll) only while whoever asked
+    may (SPEC §12): the tenant directory ends it as it ends a held stream (``gateway.sse``),
+    once the request's key is revoked or expires, or its tenant is disabled, and the poll is
+    answered the 401 any request with that key now gets, not left to run out its wait."""
+    owner: StreamOwner | None = request.state.get(STREAM_OWNER)
+    if owner is None:
+        yield
+        return
+    if not owner.directory.stream_allowed(owner.tenant, owner.key_id):
+        raise Unauthorized(_NO_LONGER_HOLDS)  # revoked between the request's authentication and now
+    task = asyncio.current_task()
+    assert task is not None
+    ended = False
+
+    def end() -> None:
+        nonlocal ended
+        ended = True
+        task.cancel()
+
+    held = owner.directory.hold_stream(owner, end)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if not ended:
+            raise  # cancelled from outside (the server stopping): not ours to swallow
+        task.uncancel()
+        raise Unauthorized(_NO_LONGER_HOLDS) from None
+    finally:
+        owner.directory.release_stream(held)
 
 
 def _authenticated(request: Request, svc: Services, principal: Principal) -> Principal:

@@ -51,8 +51,8 @@ LAST_USED_RESOLUTION_S = 60.0  # SPEC §12: last_used_at to the minute, written 
 
 @dataclass(frozen=True, slots=True)
 class StreamOwner:
-    """Whom a held stream was opened for: the tenant and the key (None: a signed link, which
-    names the tenant only). The stream lasts while ``Directory.stream_allowed`` says so."""
+    """Whom a held stream or long poll was opened for: the tenant and the key (None: a signed
+    link, which names the tenant only). It lasts while ``Directory.stream_allowed`` says so."""
 
     directory: Directory
     tenant: str
@@ -83,8 +83,9 @@ class Directory:
         self._used: dict[str, float] = {}  # key id -> when, not yet written
         self._written: dict[str, float] = {}  # key id -> when last written by this process
         self._subscription: Subscription | None = None
-        # Held streams (SSE, a live output), each ended once its key is revoked or expires or its
-        # tenant is disabled: checked after every reload, and on every tick while a key can expire.
+        # Held streams (SSE, a live output) and long polls, each ended once its key is revoked or
+        # expires or its tenant is disabled: checked after every reload, and on every tick while a
+        # key can expire.
         self._streams: dict[int, tuple[str, str | None, Callable[[], None]]] = {}
         self._stream_handles = itertools.count()
         self._expiring = False
@@ -204,7 +205,7 @@ class Directory:
             _tenant, _key_id, end = self._streams.pop(handle)
             end()
         if ended:
-            log.info("held streams ended: their key was revoked or expired, or their tenant disabled",
+            log.info("held streams and polls ended: their key was revoked or expired, or their tenant disabled",
                      extra={"streams": len(ended)})
 
     def disabled(self, tenant: str) -> bool:

@@ -475,6 +475,95 @@ def test_streams_end_when_their_key_is_revoked_or_expires_or_their_tenant_is_dis
     assert by_kept.ended.wait(PROPAGATION_S + 1) and by_link.ended.wait(PROPAGATION_S + 1)
 
 
+class HeldPoll:
+    """A long poll answered in a thread of its own: ``answered`` is set with its ``response``."""
+
+    def __init__(self, url: str, headers: dict[str, str], params: dict[str, Any] | None = None) -> None:
+        self.answered = threading.Event()
+        self.response: httpx.Response | None = None
+        self._args = url, headers, params
+        threading.Thread(target=self._ask, daemon=True).start()
+
+    def _ask(self) -> None:
+        url, headers, params = self._args
+        try:
+            self.response = httpx.get(url, headers=headers, params=params, verify=TLS,
+                                      timeout=httpx.Timeout(10, read=120))
+        finally:
+            self.answered.set()
+
+    def refused_within(self, seconds: float) -> bool:
+        """Answered within ``seconds``, and with the 401 of a key that no longer holds (SPEC §12)."""
+        if not self.answered.wait(seconds):
+            return False
+        response = self.response
+        assert response is not None and response.status_code == 401, response and (response.status_code, response.text)
+        assert response.headers["www-authenticate"].startswith("Bearer")
+        assert response.headers["content-type"].startswith("application/problem+json")
+        return True
+
+
+def test_held_polls_end_when_their_key_is_revoked_or_expires_or_their_tenant_is_disabled(
+        fresh: Deployment, two_gateways: tuple[str, str]) -> None:
+    """A long poll (``GET /jobs/{id}?wait=``) and a held feed poll (``GET /events?wait=``) hold
+    like a stream, and end like one (SPEC §12): once the key that asked is revoked or expires,
+    or its tenant is disabled, on every gateway, answered 401 then, not at the end of their
+    wait; another key's polls, and a signed link's, hold on until the tenant is disabled."""
+    gw1, gw2 = two_gateways
+    new_tenant(gw1, "polled")
+    doomed, kept = new_key(gw1, "polled"), new_key(gw1, "polled")
+    with keyed(gw2, kept["key"]) as http:
+        job = http.post("/reports", json=REPORT).json()  # no worker: it stays queued, its version put
+        etag = http.get(f"/jobs/{job['id']}").headers["etag"]
+
+        def after_the_job() -> str | None:  # a feed poll from before the job's event would be answered at once
+            feed = http.get("/events", headers={"Accept": "application/json"}).json()
+            return feed["next_cursor"] if any(e["data"]["id"] == job["id"] for e in feed["events"]) else None
+
+        cursor = wait_until(after_the_job, what="the job's event in the feed")
+    signed = keyed(gw2, doomed["key"]).post("/events/link").json()["url"]
+    # Made last, so that its polls are held well before it expires.
+    expiring = new_key(gw1, "polled", expires_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 6)))
+
+    def job_poll(key: str) -> HeldPoll:
+        return HeldPoll(f"{gw2}/jobs/{job['id']}", {"Authorization": f"Bearer {key}", "If-None-Match": etag},
+                        {"wait": 60})
+
+    def feed_poll(url: str, headers: dict[str, str]) -> HeldPoll:  # params would replace a signed URL's query
+        return HeldPoll(f"{url}{'&' if '?' in url else '?'}after={cursor}&wait=60",
+                        {**headers, "Accept": "application/json"})
+
+    polls = {
+        "doomed": job_poll(doomed["key"]),
+        "doomed feed": feed_poll(gw2 + "/events", {"Authorization": f"Bearer {doomed['key']}"}),
+        "kept": job_poll(kept["key"]),
+        "kept feed": feed_poll(gw2 + "/events", {"Authorization": f"Bearer {kept['key']}"}),
+        "link feed": feed_poll(gw2 + signed, {}),
+        "expiring": job_poll(expiring["key"]),
+    }
+
+    def held() -> float:
+        return sum(float(line.rsplit(" ", 1)[1]) for line in httpx.get(gw2 + "/metrics", verify=TLS).text.splitlines()
+                   if line.startswith("herald_long_polls "))
+
+    wait_until(lambda: held() == len(polls) or any(p.answered.is_set() for p in polls.values()), timeout=10,
+               what="every poll held")
+    assert not [(name, p.response) for name, p in polls.items() if p.answered.is_set()]  # none answered yet
+
+    with admin(gw1) as http:  # the other gateway: the change reaches gw2 by broadcast
+        assert http.delete(f"/admin/keys/{doomed['id']}").status_code == 204
+    assert polls["doomed"].refused_within(PROPAGATION_S + 1)
+    assert polls["doomed feed"].refused_within(PROPAGATION_S + 1)
+    assert polls["expiring"].refused_within(10)  # its expiry moves no version: the directory's tick ends it
+    assert not any(polls[name].answered.is_set() for name in ("kept", "kept feed", "link feed"))
+
+    with admin(gw1) as http:
+        assert http.patch("/admin/tenants/polled", json={"disabled": True}).status_code == 200
+    for name in ("kept", "kept feed", "link feed"):
+        assert polls[name].refused_within(PROPAGATION_S + 1), name
+    wait_until(lambda: held() == 0, timeout=5, what="no poll held")
+
+
 def test_an_env_keys_id_in_a_portal_link_lets_nobody_check_guesses_of_the_key(
         fresh: Deployment, two_gateways: tuple[str, str]) -> None:
     """The link goes to someone who should not have the key, and an operator's key may be a

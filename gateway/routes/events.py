@@ -17,7 +17,7 @@ from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
 from litestar.params import Parameter
 
-from gateway.auth import bearer_tenant, note_stream_owner, require_tenant
+from gateway.auth import bearer_tenant, held_for_owner, note_stream_owner, require_tenant
 from herald.tenants import SCOPE_JOBS_READ
 from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
@@ -237,7 +237,7 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
 
 
 async def _feed(
-    svc: Services, tenant: str, kind: str | None, after: str | None, limit: int, wait: int | None
+    request: Request, svc: Services, tenant: str, kind: str | None, after: str | None, limit: int, wait: int | None
 ) -> EventFeed:
     try:
         cursor = _parse_cursor(after, "after")
@@ -253,14 +253,16 @@ async def _feed(
         try:
             loop = asyncio.get_running_loop()
             deadline = loop.time() + wait
-            events = await svc.store.tenant_events(tenant, position, limit, kind)  # after subscribing
-            while not events and (remaining := deadline - loop.time()) > 0:
-                try:
-                    async with asyncio.timeout(remaining):
-                        await subscriber.next()
-                except TimeoutError:
-                    break
-                events = await svc.store.tenant_events(tenant, position, limit, kind)
+            # 401 once the key (or a signed link's tenant) no longer holds, as a held stream ends.
+            async with held_for_owner(request):
+                events = await svc.store.tenant_events(tenant, position, limit, kind)  # after subscribing
+                while not events and (remaining := deadline - loop.time()) > 0:
+                    try:
+                        async with asyncio.timeout(remaining):
+                            await subscriber.next()
+                    except TimeoutError:
+                        break
+                    events = await svc.store.tenant_events(tenant, position, limit, kind)
         finally:
             svc.metrics.long_polls.dec()
             svc.hub.unsubscribe(subscriber)
@@ -296,7 +298,7 @@ async def tenant_events(
     tenant = _tenant_for_feed(request, svc)
     kind = kind_filter(kind)
     if _wants_json(request):
-        feed = await _feed(svc, tenant, kind, after, limit, wait)
+        feed = await _feed(request, svc, tenant, kind, after, limit, wait)
         return Response(feed, headers={"Cache-Control": "no-store"})
     resume = _resume_point(request, last_event_id)
     if resume == UNREPLAYABLE:

@@ -10,7 +10,7 @@ from litestar.params import Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.answers import StatusAnswer, status_answer
-from gateway.auth import require_tenant
+from gateway.auth import held_for_owner, require_tenant
 from herald.tenants import SCOPE_JOBS_READ, SCOPE_JOBS_WRITE
 from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
@@ -76,7 +76,8 @@ async def get_job(
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
         svc.limiter.open_stream(tenant)
         try:
-            seen = await svc.hub.wait_for_version(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
+            async with held_for_owner(request):  # 401 once the key is revoked, as a held stream ends
+                seen = await svc.hub.wait_for_version(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
         finally:
             svc.limiter.close_stream(tenant)
         if seen is not None:
