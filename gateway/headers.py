@@ -13,18 +13,24 @@ case-insensitive (RFC 9110 §5.1); the gateway ran h11 only to keep their case, 
 its CPU per request (bench/RESULTS.md, issue 14).
 
 ``HEAD`` is answered as ``GET`` without the body (``edge``), streams and downloads included.
+So every ``Allow`` names HEAD wherever it names GET: an OPTIONS answer's (``edge``, which also
+names every method of a route where the framework's names only its first handler's) and a
+405's (``gateway.problems``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from typing import Any
 
 import msgspec
+from litestar import Litestar
+from litestar.routes import HTTPRoute
 from litestar.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from gateway.problems import PROBLEM_MEDIA_TYPE
+from gateway.problems import PROBLEM_MEDIA_TYPE, allow
 from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE
 
 MAX_HEADER_BYTES = 16 * 1024
@@ -72,7 +78,36 @@ async def _as_head(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> 
         pass
 
 
-def edge(app: ASGIApp) -> ASGIApp:
+def allowed_methods(app: Litestar) -> dict[str, bytes]:
+    """Each route's ``Allow``, by the path template the router leaves in the scope: the methods
+    of all its handlers, HEAD wherever GET is, and OPTIONS."""
+    methods: dict[str, set[str]] = {}
+    for route in app.routes:
+        if isinstance(route, HTTPRoute):
+            methods.setdefault(route.path_format, set()).update(route.methods)
+    return {template: allow(named).encode() for template, named in methods.items()}
+
+
+async def _as_options(app: ASGIApp, allowed: Mapping[str, bytes], scope: Scope, receive: Receive, send: Send) -> None:
+    """OPTIONS as the framework answers it (204, or 404 for no route), with an ``Allow`` that
+    names every method of the route. Litestar's names only those of the route's first handler
+    (its OPTIONS handler is made for the first one and kept when more join the path), and
+    never HEAD, which ``edge`` answers."""
+
+    async def complete(message: Any) -> None:
+        if message["type"] == "http.response.start" and message["status"] < 300:
+            value = allowed.get(scope.get("path_template", ""))
+            if value is not None:
+                headers = [(name, v) for name, v in message.get("headers", ()) if name.lower() != b"allow"]
+                message = {**message, "headers": [*headers, (b"allow", value)]}
+        await send(message)
+
+    await app(scope, receive, complete)
+
+
+def edge(app: Litestar) -> ASGIApp:
+    allowed = allowed_methods(app)
+
     async def middleware(scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
             head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
@@ -80,8 +115,12 @@ def edge(app: ASGIApp) -> ASGIApp:
             if head > MAX_HEADER_BYTES:
                 await _refuse_large_head(send)
                 return
-            if scope.get("method") == "HEAD":
+            method = scope.get("method")
+            if method == "HEAD":
                 await _as_head(app, scope, receive, send)
+                return
+            if method == "OPTIONS":
+                await _as_options(app, allowed, scope, receive, send)
                 return
         await app(scope, receive, send)
 

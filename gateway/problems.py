@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import ClassVar
 
 from litestar import Request, Response
@@ -205,6 +205,23 @@ def _field_errors(exc: HTTPException) -> list[FieldError]:
             for item in exc.extra if isinstance(item, dict) and item.get("key")]
 
 
+def allow(methods: Iterable[str]) -> str:
+    """An ``Allow`` value (RFC 9110 §10.2.1): the methods given, OPTIONS (answered on every
+    route), and HEAD wherever GET is (``gateway.headers.edge`` answers it as GET)."""
+    named = {method.strip().upper() for method in methods if method.strip()} | {"OPTIONS"}
+    if "GET" in named:
+        named.add("HEAD")
+    return ", ".join(sorted(named))
+
+
+def _completed_allow(headers: Mapping[str, str]) -> dict[str, str]:
+    """A 405's headers with its ``Allow`` naming HEAD too where GET is allowed."""
+    completed = {name: value for name, value in headers.items() if name.lower() != "allow"}
+    given = next((value for name, value in headers.items() if name.lower() == "allow"), "")
+    completed["Allow"] = allow(given.split(","))
+    return completed
+
+
 def handle_http_exception(request: Request, exc: HTTPException) -> Response[Problem]:
     if isinstance(exc, ProblemError):
         return problem_response(exc.problem, exc.headers)
@@ -213,14 +230,16 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response[Prob
     status = exc.status_code
     kind = _FRAMEWORK_TYPES.get(status, GENERIC)
     detail = exc.detail if isinstance(exc.detail, str) and exc.detail else kind.title
+    headers = exc.headers
     if status == 405:
         detail = f"{request.method} is not allowed on {request.url.path}"
+        headers = _completed_allow(exc.headers or {})
     elif status == 404:
         detail = f"no route or resource at {request.url.path}"
     elif status >= 500:
         log.error("server error", extra={"path": request.url.path, "detail": str(exc.detail)})
         detail = _SERVER_ERROR_DETAIL
-    return problem_response(kind.problem(detail, status=status), exc.headers)
+    return problem_response(kind.problem(detail, status=status), headers)
 
 
 def handle_unexpected(request: Request, exc: Exception) -> Response[Problem]:

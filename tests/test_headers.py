@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import http.client
 import json
+import re
 import socket
+import uuid
+
+import httpx
 
 from gateway.headers import MAX_RAW_HEAD_BYTES
 from tests.harness import KEYS, Deployment, client, wait_for_state
@@ -96,3 +100,39 @@ def test_head_answers_as_get_without_the_body(herald: Deployment) -> None:
         head = acme.head(f"/reports/{done['id']}")
         assert head.headers["etag"] == pdf.headers["etag"]
         assert head.headers["content-length"] == str(len(pdf.content))
+
+
+_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+# What the OpenAPI document leaves out (pages, files, the document itself), by a real path each.
+_UNDOCUMENTED = ("/", "/portal", "/static/app.js", "/schema", "/schema/openapi.json", "/schema/assets/swagger-ui.css")
+
+
+def test_every_route_s_allow_names_exactly_the_methods_it_answers(herald: Deployment) -> None:
+    """Every route of the OpenAPI document, and every page it leaves out: OPTIONS answers 204
+    with an Allow naming the route's methods, HEAD wherever GET is (the edge answers it as
+    GET), and OPTIONS (RFC 9110 §9.3.7), for a route of one handler or several; each method
+    it names is answered (never 405), each other one is 405 with that same Allow (§15.5.6).
+    No key is sent: every refusal comes before anything is done."""
+    base = herald.url()
+    document = httpx.get(base + "/schema/openapi.json").json()
+    routes = {re.sub(r"\{[^}]+\}", lambda _: str(uuid.uuid4()), path): {m.upper() for m in ops if m.upper() in _METHODS}
+              for path, ops in document["paths"].items()}
+    assert len(routes) == len(document["paths"]) > 25
+    routes.update({path: {"GET"} for path in _UNDOCUMENTED})
+    wrong: list[tuple[str, str, int, str | None]] = []
+    with httpx.Client(base_url=base, timeout=10) as http:
+        for path, methods in routes.items():
+            expected = methods | {"OPTIONS"} | ({"HEAD"} if "GET" in methods else set())
+            for method in _METHODS:
+                answer = http.request(method, path)
+                allow = answer.headers.get("allow")
+                named = set(allow.split(", ")) if allow else set()
+                if method == "OPTIONS":
+                    ok = answer.status_code == 204 and named == expected
+                elif method in expected:
+                    ok = answer.status_code != 405
+                else:
+                    ok = answer.status_code == 405 and named == expected
+                if not ok:
+                    wrong.append((method, path, answer.status_code, allow))
+    assert not wrong, "\n".join(map(str, wrong))
