@@ -133,6 +133,12 @@ class _StoreGauges:
                                 value=self._stats.outbox_pending)
         yield GaugeMetricFamily("herald_outbox_lag_seconds", "Age of the oldest unpublished transition (outbox lag)",
                                 value=self._stats.outbox_oldest_age_s)
+        yield GaugeMetricFamily("herald_webhook_fan_out_waiting",
+                                "Job events waiting for their tenant's share of the webhook fan-out",
+                                value=self._stats.fan_out_waiting)
+        yield GaugeMetricFamily("herald_webhook_fan_out_lag_seconds",
+                                "How long the oldest job event waiting for its tenant's fan-out share has waited",
+                                value=self._stats.fan_out_waiting_age_s)
 
 
 def multiprocess_dir() -> str | None:

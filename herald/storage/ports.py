@@ -115,6 +115,8 @@ class StoreStats:
     oldest_queued_age_s: float
     outbox_pending: int
     outbox_oldest_age_s: float
+    fan_out_waiting: int = 0  # job events waiting for their tenant's share of the webhook fan-out
+    fan_out_waiting_age_s: float = 0.0  # how long the oldest of them has waited
 
 
 class JobStore(Protocol):

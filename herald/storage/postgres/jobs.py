@@ -157,7 +157,9 @@ _STATS = (
     + f"SELECT {NOW_SQL} AS now,"
     " (SELECT MIN(since) FROM queued) AS queued_since,"
     " (SELECT COUNT(*) FROM outbox WHERE seq <> ALL($1::bigint[])) AS outbox_pending,"
-    " (SELECT MIN(created_at) FROM outbox WHERE seq <> ALL($1::bigint[])) AS outbox_since"
+    " (SELECT MIN(created_at) FROM outbox WHERE seq <> ALL($1::bigint[])) AS outbox_since,"
+    " (SELECT COUNT(*) FROM webhook_fan_out_waiting) AS fan_out_waiting,"
+    " (SELECT MIN(created_at) FROM webhook_fan_out_waiting) AS fan_out_since"
 )
 
 _QUEUED_AGES = (
@@ -537,6 +539,8 @@ class PgJobStore(CommitListeners):
             oldest_queued_age_s=_age(record["now"], record["queued_since"]),
             outbox_pending=int(record["outbox_pending"]),
             outbox_oldest_age_s=_age(record["now"], record["outbox_since"]),
+            fan_out_waiting=int(record["fan_out_waiting"]),
+            fan_out_waiting_age_s=_age(record["now"], record["fan_out_since"]),
         )
 
     async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:

@@ -444,10 +444,13 @@ class SqliteJobStore(CommitListeners):
         deleting = list(self._deleting)
         outbox = self._db.read(f"SELECT COUNT(*) AS n, MIN(created_at) AS t FROM outbox"
                                f" WHERE seq NOT IN ({','.join('?' * len(deleting))})", deleting)[0]
+        waiting = self._db.read("SELECT COUNT(*) AS n, MIN(created_at) AS t FROM webhook_fan_out_waiting")[0]
         return StoreStats(
             oldest_queued_age_s=max(0.0, ts - queued) if queued is not None else 0.0,
             outbox_pending=int(outbox["n"]),
             outbox_oldest_age_s=max(0.0, ts - outbox["t"]) if outbox["t"] is not None else 0.0,
+            fan_out_waiting=int(waiting["n"]),
+            fan_out_waiting_age_s=max(0.0, ts - waiting["t"]) if waiting["t"] is not None else 0.0,
         )
 
     async def queued_ages(self, kinds: Sequence[str]) -> dict[str, float]:
