@@ -8,12 +8,23 @@
 -- (p_progress_interval: PROGRESS_INTERVAL_S), and tests/store_contract/test_rulebook.py
 -- holds its decisions to the rulebook's, case by case. Besides how many deliveries are
 -- pending, it says which targets got one (touched_tenants and touched_targets, pairwise): the
--- leasing fan-out claims among those alone. Every event given is placed: the share
--- (herald_webhook_fan_out_touching) is taken before.
-CREATE OR REPLACE FUNCTION herald_webhook_place_events(
+-- leasing fan-out claims among those alone.
+--
+-- Each tenant's events are placed up to its share (herald.delivery_rules.share_fan_out, in
+-- herald_webhook_share_fan_out), counted on the receivers found here. A batch from the stream
+-- (p_draining false) puts the rest, and every event of a tenant that has some waiting already,
+-- to wait in webhook_fan_out_waiting, behind that tenant's earlier ones. A tenant's events must
+-- not pass its waiting ones: a batch that puts a tenant's first events to wait holds the
+-- tenant's share lock exclusively until it commits, and every other batch takes it shared
+-- before it looks for waiting events (so batches that put nothing to wait never wait for each
+-- other). A drain (p_draining: one tenant's oldest waiting events, under its drain lock) places
+-- the first of them up to the share and leaves the rest where they are. placed: how many of the
+-- events given were placed (the first ones of each tenant).
+CREATE OR REPLACE FUNCTION herald_webhook_fan_out_touching(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
-    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION,
-    OUT pending INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
+    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
+    p_draining BOOLEAN,
+    OUT pending INTEGER, OUT placed INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
 ) LANGUAGE plpgsql SET enable_seqscan = off AS $$
 #variable_conflict use_column
 DECLARE
@@ -35,8 +46,14 @@ DECLARE
     last_progress DOUBLE PRECISION;
     new_status TEXT;
     due DOUBLE PRECISION;
+    costs INTEGER[];
+    goes BOOLEAN[];
+    over TEXT[];
+    waits TEXT[];
+    who TEXT;
 BEGIN
     pending := 0;
+    placed := coalesce(cardinality(p_tenants), 0);
     touched_tenants := '{}';
     touched_targets := '{}';
     -- Endpoints that take part are held against deletion and API disabling until commit
@@ -63,6 +80,50 @@ BEGIN
           JOIN jobs j ON j.id = ev.job_id
          WHERE ev.type <> 'job.progress' AND j.callback_url IS NOT NULL AND j.callback_url <> ''
       ) r;
+
+    -- The share. At most a share of receivers in all: no tenant is over it, and only a tenant
+    -- with events waiting already holds anything back.
+    IF cardinality(t_ords) > p_share OR NOT p_draining THEN
+        costs := array_fill(0, ARRAY[placed]);
+        FOREACH o IN ARRAY t_ords LOOP
+            costs[o] := costs[o] + 1;
+        END LOOP;
+        goes := CASE WHEN cardinality(t_ords) > p_share
+                     THEN herald_webhook_share_fan_out(p_tenants, costs, '{}', p_share)
+                     ELSE array_fill(TRUE, ARRAY[placed]) END;
+        IF NOT p_draining THEN
+            SELECT coalesce(array_agg(DISTINCT p_tenants[k]), '{}') INTO over
+              FROM generate_subscripts(p_tenants, 1) AS k WHERE NOT goes[k];
+            FOR who IN SELECT DISTINCT t FROM unnest(p_tenants) AS t ORDER BY 1 LOOP
+                IF who = ANY(over) THEN
+                    PERFORM pg_advisory_xact_lock({share_lock}, hashtext(who));
+                ELSE
+                    PERFORM pg_advisory_xact_lock_shared({share_lock}, hashtext(who));
+                END IF;
+            END LOOP;
+            SELECT coalesce(array_agg(x.t), '{}') INTO waits
+              FROM (SELECT DISTINCT t FROM unnest(p_tenants) AS t) x
+             WHERE EXISTS (SELECT 1 FROM webhook_fan_out_waiting w WHERE w.tenant = x.t);
+            IF cardinality(waits) > 0 THEN
+                goes := herald_webhook_share_fan_out(p_tenants, costs, waits, p_share);
+            END IF;
+            INSERT INTO webhook_fan_out_waiting (tenant, job_id, version, type, kind, event_id, body, created_at)
+            SELECT p_tenants[k], p_job_ids[k], p_versions[k], p_types[k], p_kinds[k], p_event_ids[k], p_bodies[k],
+                   {now}
+              FROM generate_subscripts(p_tenants, 1) AS k WHERE NOT goes[k] ORDER BY k;
+        END IF;
+        IF FALSE = ANY(goes) THEN
+            placed := 0;
+            FOR k IN 1 .. cardinality(goes) LOOP
+                placed := placed + goes[k]::INTEGER;
+            END LOOP;
+            SELECT coalesce(array_agg(x.o ORDER BY x.n), '{}'), coalesce(array_agg(x.tg ORDER BY x.n), '{}'),
+                   coalesce(array_agg(x.ep ORDER BY x.n), '{}'), coalesce(array_agg(x.u ORDER BY x.n), '{}')
+              INTO t_ords, t_targets, t_endpoints, t_urls
+              FROM unnest(t_ords, t_targets, t_endpoints, t_urls) WITH ORDINALITY AS x(o, tg, ep, u, n)
+             WHERE goes[x.o];
+        END IF;
+    END IF;
     IF cardinality(t_ords) = 0 THEN
         RETURN;
     END IF;
@@ -136,22 +197,6 @@ BEGIN
     END LOOP;
 END $$;
 
--- How many deliveries each event would make: its matching enabled endpoints, and its job's
--- callback URL (every type but progress), as herald_webhook_place_events finds its receivers.
-CREATE OR REPLACE FUNCTION herald_webhook_fan_out_costs(
-    p_tenants TEXT[], p_job_ids TEXT[], p_types TEXT[], p_kinds TEXT[]
-) RETURNS INTEGER[] LANGUAGE sql STABLE AS $$
-    SELECT coalesce(array_agg(
-        (SELECT count(*) FROM webhook_endpoints e
-          WHERE e.tenant = ev.tenant AND e.status = 'enabled' AND ev.type = ANY(e.event_types)
-            AND (e.kinds IS NULL OR ev.kind = ANY(e.kinds)))::INTEGER
-        + (SELECT count(*) FROM jobs j
-            WHERE j.id = ev.job_id AND ev.type <> 'job.progress' AND j.callback_url IS NOT NULL
-              AND j.callback_url <> '')::INTEGER
-        ORDER BY ev.ord), '{}')
-      FROM unnest(p_tenants, p_job_ids, p_types, p_kinds) WITH ORDINALITY AS ev(tenant, job_id, type, kind, ord)
-$$;
-
 -- herald.delivery_rules.share_fan_out, element for element (tests/store_contract holds the two
 -- to the same answers): which events are fanned out now (TRUE) and which wait.
 CREATE OR REPLACE FUNCTION herald_webhook_share_fan_out(
@@ -176,75 +221,15 @@ BEGIN
     RETURN goes;
 END $$;
 
--- The fan-out of a batch, each tenant's events up to its share (herald.delivery_rules.share_fan_out):
--- the rest, and every event of a tenant that has some waiting already, are put to wait in
--- webhook_fan_out_waiting, behind that tenant's earlier ones. A tenant's events must not pass
--- its waiting ones: a batch that puts a tenant's first events to wait holds the tenant's share
--- lock exclusively until it commits, and every other batch takes it shared before it looks for
--- waiting events (so batches that wait for nothing never wait for each other). Returns what
--- herald_webhook_place_events does for the events placed now, and how many wait.
-CREATE OR REPLACE FUNCTION herald_webhook_fan_out_touching(
-    p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
-    p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
-    OUT pending INTEGER, OUT waiting INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
-) LANGUAGE plpgsql AS $$
-DECLARE
-    costs INTEGER[];
-    over TEXT[];
-    waits TEXT[];
-    goes BOOLEAN[];
-    who TEXT;
-    now_idx INTEGER[];
-BEGIN
-    costs := herald_webhook_fan_out_costs(p_tenants, p_job_ids, p_types, p_kinds);
-    goes := herald_webhook_share_fan_out(p_tenants, costs, '{}', p_share);
-    SELECT coalesce(array_agg(DISTINCT p_tenants[i]), '{}') INTO over
-      FROM generate_subscripts(p_tenants, 1) AS i WHERE NOT goes[i];
-    FOR who IN SELECT DISTINCT t FROM unnest(p_tenants) AS t ORDER BY 1 LOOP
-        IF who = ANY(over) THEN
-            PERFORM pg_advisory_xact_lock({share_lock}, hashtext(who));
-        ELSE
-            PERFORM pg_advisory_xact_lock_shared({share_lock}, hashtext(who));
-        END IF;
-    END LOOP;
-    SELECT coalesce(array_agg(x.t), '{}') INTO waits
-      FROM (SELECT DISTINCT t FROM unnest(p_tenants) AS t) x
-     WHERE EXISTS (SELECT 1 FROM webhook_fan_out_waiting w WHERE w.tenant = x.t);
-    IF cardinality(waits) > 0 THEN
-        goes := herald_webhook_share_fan_out(p_tenants, costs, waits, p_share);
-    END IF;
-    INSERT INTO webhook_fan_out_waiting (tenant, job_id, version, type, kind, event_id, body, created_at)
-    SELECT p_tenants[i], p_job_ids[i], p_versions[i], p_types[i], p_kinds[i], p_event_ids[i], p_bodies[i], {now}
-      FROM generate_subscripts(p_tenants, 1) AS i WHERE NOT goes[i] ORDER BY i;
-    GET DIAGNOSTICS waiting = ROW_COUNT;
-    IF waiting = 0 THEN
-        SELECT f.pending, f.touched_tenants, f.touched_targets INTO pending, touched_tenants, touched_targets
-          FROM herald_webhook_place_events(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids,
-                                           p_bodies, p_progress_interval) f;
-        RETURN;
-    END IF;
-    SELECT coalesce(array_agg(i ORDER BY i), '{}') INTO now_idx FROM generate_subscripts(p_tenants, 1) AS i WHERE goes[i];
-    SELECT f.pending, f.touched_tenants, f.touched_targets INTO pending, touched_tenants, touched_targets
-      FROM herald_webhook_place_events(
-          ARRAY(SELECT p_tenants[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          ARRAY(SELECT p_job_ids[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          ARRAY(SELECT p_versions[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          ARRAY(SELECT p_types[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          ARRAY(SELECT p_kinds[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          ARRAY(SELECT p_event_ids[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          ARRAY(SELECT p_bodies[i] FROM unnest(now_idx) WITH ORDINALITY AS x(i, o) ORDER BY o),
-          p_progress_interval) f;
-END $$;
-
 -- The fan-out alone (a notifier with a backlog leases nothing as it fans out).
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
     OUT pending INTEGER, OUT waiting INTEGER
 ) LANGUAGE sql AS $$
-    SELECT f.pending, f.waiting FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types,
-                                                                     p_kinds, p_event_ids, p_bodies,
-                                                                     p_progress_interval, p_share) f
+    SELECT f.pending, cardinality(p_tenants) - f.placed
+      FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids, p_bodies,
+                                           p_progress_interval, p_share, FALSE) f
 $$;
 
 -- The fan-out, then in the same transaction the claim (herald_webhook_claim_among, with the
@@ -269,9 +254,10 @@ DECLARE
     only_tenants TEXT[];
     only_targets TEXT[];
 BEGIN
-    SELECT f.pending, f.waiting, f.touched_tenants, f.touched_targets INTO n, w, only_tenants, only_targets
+    SELECT f.pending, cardinality(p_tenants) - f.placed, f.touched_tenants, f.touched_targets
+      INTO n, w, only_tenants, only_targets
       FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids,
-                                           p_bodies, p_progress_interval, p_share) f;
+                                           p_bodies, p_progress_interval, p_share, FALSE) f;
     IF n > 0 AND p_limit > 0 THEN
         RETURN QUERY
         SELECT n, w, c.delivery, c.send_url, c.body, c.key_algorithms, c.key_secrets, c.key_public_keys,
@@ -306,9 +292,8 @@ DECLARE
     w_kinds TEXT[];
     w_event_ids TEXT[];
     w_bodies BYTEA[];
-    goes BOOLEAN[];
     n INTEGER;
-    placed INTEGER;
+    made INTEGER;
 BEGIN
     events := 0;
     pending := 0;
@@ -331,14 +316,11 @@ BEGIN
           FROM (SELECT * FROM webhook_fan_out_waiting x WHERE x.tenant = who ORDER BY x.seq LIMIT p_share) w;
         CONTINUE WHEN seqs IS NULL;  -- drained by another notifier meanwhile
         taken := taken + 1;
-        goes := herald_webhook_share_fan_out(w_tenants, herald_webhook_fan_out_costs(w_tenants, w_jobs, w_types, w_kinds),
-                                             '{}', p_share);
-        n := coalesce(array_position(goes, FALSE) - 1, cardinality(goes));  -- one tenant's: TRUE, then FALSE
-        SELECT f.pending INTO placed
-          FROM herald_webhook_place_events(w_tenants[1:n], w_jobs[1:n], w_versions[1:n], w_types[1:n], w_kinds[1:n],
-                                           w_event_ids[1:n], w_bodies[1:n], p_progress_interval) f;
+        SELECT f.pending, f.placed INTO made, n
+          FROM herald_webhook_fan_out_touching(w_tenants, w_jobs, w_versions, w_types, w_kinds, w_event_ids, w_bodies,
+                                               p_progress_interval, p_share, TRUE) f;
         DELETE FROM webhook_fan_out_waiting w WHERE w.seq = ANY(seqs[1:n]);
         events := events + n;
-        pending := pending + coalesce(placed, 0);
+        pending := pending + coalesce(made, 0);
     END LOOP;
 END $$;
