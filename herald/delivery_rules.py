@@ -57,6 +57,10 @@ KEY_TIME_STEP_S = 1e-6
 # default limits (100 endpoints) gets five events' worth, another tenant's batch waits for
 # at most that much of its writes (bench/RESULTS.md, "fan-out shared among tenants").
 FAN_OUT_SHARE = 512
+# Deliveries one fan-out transaction adds in all, whatever the number of tenants in its batch:
+# PostgreSQL's takes an advisory lock per job and target it places, and its lock table holds
+# about 64 per connection (max_locks_per_transaction) for every transaction at once.
+FAN_OUT_BATCH = 4 * FAN_OUT_SHARE
 # Tenants whose waiting events one drain transaction places, each up to its share: the others'
 # turn comes next, those waiting longest first, and a transaction writes at most this many shares.
 DRAIN_TENANTS = 2
@@ -135,28 +139,28 @@ def place(
 
 
 def share_fan_out(costs: Sequence[tuple[str, int]], waiting: Collection[str] = (),
-                  share: int = FAN_OUT_SHARE) -> list[bool]:
+                  share: int = FAN_OUT_SHARE, batch: int = FAN_OUT_BATCH) -> list[bool]:
     """Which of a batch's events (``costs``: tenant and deliveries, in stream order) are fanned
-    out now (True) and which wait in the store behind the tenant's earlier ones (False).
-    ``waiting``: the tenants that already have events waiting; theirs all wait, so that a
-    tenant's events are fanned out in the order they came."""
+    out now (True) and which wait in the store behind the tenant's earlier ones (False): each
+    tenant's up to ``share`` deliveries (its first event always, if the batch has room), all of
+    them up to ``batch`` (the first event always). ``waiting``: the tenants that already have
+    events waiting; theirs all wait, so that a tenant's events are fanned out in the order
+    they came."""
     spent: dict[str, int] = {}
     late = set(waiting)
+    total = 0
     now: list[bool] = []
     for tenant, cost in costs:
         used = spent.get(tenant)
-        if tenant not in late and (used is None or used + cost <= share):
+        if (tenant not in late and (used is None or used + cost <= share)
+                and (total == 0 or total + cost <= batch)):
             spent[tenant] = (used or 0) + cost
+            total += cost
             now.append(True)
         else:
             late.add(tenant)
             now.append(False)
     return now
-
-
-def over_share(costs: Sequence[tuple[str, int]], share: int = FAN_OUT_SHARE) -> set[str]:
-    """The tenants some of whose events in ``costs`` would wait even if none had waited before."""
-    return {tenant for (tenant, _cost), now in zip(costs, share_fan_out(costs, (), share), strict=True) if not now}
 
 
 # ----- settlement (after an attempt) -------------------------------------------------------

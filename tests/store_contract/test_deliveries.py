@@ -31,6 +31,7 @@ from herald.deliveries import (
 from herald.delivery_rules import (
     DRAIN_TENANTS,
     ENDPOINT_DISABLE_AFTER_S,
+    FAN_OUT_BATCH,
     FAN_OUT_SHARE,
     PROGRESS_INTERVAL_S,
     share_fan_out,
@@ -237,17 +238,22 @@ async def test_the_share_rule_is_the_same_in_both_stores(stores: Stores) -> None
     """PostgreSQL decides the share in plpgsql (``herald_webhook_share_fan_out``), next to the
     data; it must answer as ``delivery_rules.share_fan_out`` does, case by case."""
     rng = random.Random(7)
-    cases = [([], [], [], 10), ([("a", 600)], [], [], 512), ([("a", 5), ("a", 5), ("b", 11)], ["b"], [], 10)]
-    for _ in range(200):
-        batch = [(rng.choice("abc"), rng.choice((0, 1, 3, 8, 100))) for _ in range(rng.randint(1, 40))]
-        cases.append((batch, rng.sample("abc", rng.randint(0, 2)), [], rng.choice((1, 8, 100, 512))))
-    for batch, waiting, _, share in cases:
-        expected = share_fan_out(batch, waiting, share)
+    cases = [([], [], 10, 40), ([("a", 600)], [], 512, 2048), ([("a", 5), ("a", 5), ("b", 11)], ["b"], 10, 40),
+             ([("a", 300), ("b", 300), ("c", 300)], [], 512, 700)]
+    for _ in range(300):
+        batch = [(rng.choice("abcd"), rng.choice((0, 1, 3, 8, 100))) for _ in range(rng.randint(1, 40))]
+        share = rng.choice((1, 8, 100, 512))
+        cases.append((batch, rng.sample("abcd", rng.randint(0, 2)), share, share * rng.choice((1, 2, 4))))
+    for batch, waiting, share, total in cases:
+        expected = share_fan_out(batch, waiting, share, total)
         if stores.backend == "postgres":
-            [row] = await stores.sql("SELECT herald_webhook_share_fan_out($1::TEXT[], $2::INTEGER[], $3::TEXT[], $4)"
-                                     " AS goes", [t for t, _ in batch], [c for _, c in batch], waiting, share)
-            assert list(row["goes"]) == expected, (batch, waiting, share)
-        # Each tenant's events placed now are a first run, within its share (or one event).
+            [row] = await stores.sql("SELECT herald_webhook_share_fan_out($1::TEXT[], $2::INTEGER[], $3::TEXT[], $4, $5)"
+                                     " AS goes", [t for t, _ in batch], [c for _, c in batch], waiting, share, total)
+            assert list(row["goes"]) == expected, (batch, waiting, share, total)
+        # Each tenant's events placed now are a first run, within its share (or one event), and
+        # all placed now within the batch's room (or one event that makes any).
+        placed = [c for (_, c), go in zip(batch, expected) if go]
+        assert sum(placed) <= total or len([c for c in placed if c]) == 1
         for tenant in {t for t, _ in batch}:
             mine = [(c, go) for (t, c), go in zip(batch, expected) if t == tenant]
             goes = [go for _, go in mine]
@@ -255,6 +261,24 @@ async def test_the_share_rule_is_the_same_in_both_stores(stores: Stores) -> None
             assert tenant not in waiting or not any(goes)
             spent = sum(c for c, go in mine if go)
             assert spent <= share or goes.count(True) == 1
+
+
+async def test_one_fan_out_adds_at_most_a_batch_whatever_the_number_of_tenants(stores: Stores) -> None:
+    """Many tenants each within their share still make one transaction at most
+    ``FAN_OUT_BATCH`` deliveries (PostgreSQL locks each job and target it places); the tenants
+    past it wait, and the drain places them."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    per_event = 100
+    tenants = [f"t{n}" for n in range(2 * FAN_OUT_BATCH // per_event)]
+    for tenant in tenants:
+        for n in range(per_event):
+            await endpoint(webhooks, tenant=tenant, url=f"https://{tenant}.example/{n}")
+    fanned = await queue.fan_out([event(f"{tenant}-j", 1, tenant=tenant) for tenant in tenants])
+    assert fanned.pending == FAN_OUT_BATCH // per_event * per_event
+    assert fanned.waiting == len(tenants) - FAN_OUT_BATCH // per_event
+    while (await queue.drain_waiting()).events:
+        pass
+    assert await stores.count("webhook_deliveries") == len(tenants) * per_event
 
 
 # ----- order per job and target --------------------------------------------------------------

@@ -104,6 +104,7 @@ from herald import delivery_rules as rules
 from herald.delivery_rules import (
     DRAIN_TENANTS,
     ENDPOINT_DISABLE_AFTER_S,
+    FAN_OUT_BATCH,
     FAN_OUT_SHARE,
     PROGRESS_INTERVAL_S,
     RESPONSE_KEEP_BYTES,
@@ -153,7 +154,7 @@ def _fan_out_args(events: Sequence[JobEvent]) -> tuple[Any, ...]:
         [e.tenant for e in events], [e.job_id for e in events], [e.version for e in events],
         [e.type for e in events], [e.kind for e in events], [event_id(e) for e in events],
         [_payload_encoder.encode(WebhookPayload(type=e.type, timestamp=e.at, data=e.data)) for e in events],
-        PROGRESS_INTERVAL_S, FAN_OUT_SHARE,
+        PROGRESS_INTERVAL_S, FAN_OUT_SHARE, FAN_OUT_BATCH,
     )
 
 
@@ -501,7 +502,7 @@ class PgDeliveryQueue:
 
         async def call() -> asyncpg.Record:
             return await self.db.pool.fetchrow(
-                "SELECT * FROM herald_webhook_fan_out($1, $2, $3, $4, $5, $6, $7, $8, $9)", *args)
+                "SELECT * FROM herald_webhook_fan_out($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)", *args)
 
         row = await _retrying(call)
         return FannedOut(int(row["pending"]), waiting=int(row["waiting"]))
@@ -523,7 +524,7 @@ class PgDeliveryQueue:
         async def call() -> list[asyncpg.Record]:
             return list(await self.db.pool.fetch(
                 "SELECT * FROM herald_webhook_fan_out_leasing($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12,"
-                " $13, $14, $15, $16, $17, $18, $19)", *args))
+                " $13, $14, $15, $16, $17, $18, $19, $20)", *args))
 
         rows = await _retrying(call)
         claimed = [await self._claimed(row) for row in rows if row["delivery"] is not None]

@@ -10,8 +10,9 @@
 -- pending, it says which targets got one (touched_tenants and touched_targets, pairwise): the
 -- leasing fan-out claims among those alone.
 --
--- Each tenant's events are placed up to its share (herald.delivery_rules.share_fan_out, in
--- herald_webhook_share_fan_out), counted on the receivers found here. A batch from the stream
+-- Each tenant's events are placed up to its share, and all of them up to p_batch
+-- (herald.delivery_rules.share_fan_out, in herald_webhook_share_fan_out), counted on the
+-- receivers found here. A batch from the stream
 -- (p_draining false) puts the rest, and every event of a tenant that has some waiting already,
 -- to wait in webhook_fan_out_waiting, behind that tenant's earlier ones. A tenant's events must
 -- not pass its waiting ones: a batch that puts a tenant's first events to wait holds the
@@ -23,7 +24,7 @@
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out_touching(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
-    p_draining BOOLEAN,
+    p_batch INTEGER, p_draining BOOLEAN,
     OUT pending INTEGER, OUT placed INTEGER, OUT touched_tenants TEXT[], OUT touched_targets TEXT[]
 ) LANGUAGE plpgsql SET enable_seqscan = off AS $$
 #variable_conflict use_column
@@ -89,7 +90,7 @@ BEGIN
             costs[o] := costs[o] + 1;
         END LOOP;
         goes := CASE WHEN cardinality(t_ords) > p_share
-                     THEN herald_webhook_share_fan_out(p_tenants, costs, '{}', p_share)
+                     THEN herald_webhook_share_fan_out(p_tenants, costs, '{}', p_share, p_batch)
                      ELSE array_fill(TRUE, ARRAY[placed]) END;
         IF NOT p_draining THEN
             SELECT coalesce(array_agg(DISTINCT p_tenants[k]), '{}') INTO over
@@ -105,7 +106,7 @@ BEGIN
               FROM (SELECT DISTINCT t FROM unnest(p_tenants) AS t) x
              WHERE EXISTS (SELECT 1 FROM webhook_fan_out_waiting w WHERE w.tenant = x.t);
             IF cardinality(waits) > 0 THEN
-                goes := herald_webhook_share_fan_out(p_tenants, costs, waits, p_share);
+                goes := herald_webhook_share_fan_out(p_tenants, costs, waits, p_share, p_batch);
             END IF;
             INSERT INTO webhook_fan_out_waiting (tenant, job_id, version, type, kind, event_id, body, created_at)
             SELECT p_tenants[k], p_job_ids[k], p_versions[k], p_types[k], p_kinds[k], p_event_ids[k], p_bodies[k],
@@ -200,18 +201,21 @@ END $$;
 -- herald.delivery_rules.share_fan_out, element for element (tests/store_contract holds the two
 -- to the same answers): which events are fanned out now (TRUE) and which wait.
 CREATE OR REPLACE FUNCTION herald_webhook_share_fan_out(
-    p_tenants TEXT[], p_costs INTEGER[], p_waiting TEXT[], p_share INTEGER
+    p_tenants TEXT[], p_costs INTEGER[], p_waiting TEXT[], p_share INTEGER, p_batch INTEGER
 ) RETURNS BOOLEAN[] LANGUAGE plpgsql IMMUTABLE AS $$
 DECLARE
     spent JSONB := '{}';
     late TEXT[] := p_waiting;
     goes BOOLEAN[] := '{}';
     used INTEGER;
+    total INTEGER := 0;
 BEGIN
     FOR i IN 1 .. coalesce(cardinality(p_tenants), 0) LOOP
         used := (spent ->> p_tenants[i])::INTEGER;
-        IF NOT (p_tenants[i] = ANY(late)) AND (used IS NULL OR used + p_costs[i] <= p_share) THEN
+        IF NOT (p_tenants[i] = ANY(late)) AND (used IS NULL OR used + p_costs[i] <= p_share)
+           AND (total = 0 OR total + p_costs[i] <= p_batch) THEN
             spent := spent || jsonb_build_object(p_tenants[i], coalesce(used, 0) + p_costs[i]);
+            total := total + p_costs[i];
             goes := goes || TRUE;
         ELSE
             late := late || p_tenants[i];
@@ -225,11 +229,11 @@ END $$;
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
-    OUT pending INTEGER, OUT waiting INTEGER
+    p_batch INTEGER, OUT pending INTEGER, OUT waiting INTEGER
 ) LANGUAGE sql AS $$
     SELECT f.pending, cardinality(p_tenants) - f.placed
       FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids, p_bodies,
-                                           p_progress_interval, p_share, FALSE) f
+                                           p_progress_interval, p_share, p_batch, FALSE) f
 $$;
 
 -- The fan-out, then in the same transaction the claim (herald_webhook_claim_among, with the
@@ -241,7 +245,7 @@ $$;
 CREATE OR REPLACE FUNCTION herald_webhook_fan_out_leasing(
     p_tenants TEXT[], p_job_ids TEXT[], p_versions INTEGER[], p_types TEXT[], p_kinds TEXT[],
     p_event_ids TEXT[], p_bodies BYTEA[], p_progress_interval DOUBLE PRECISION, p_share INTEGER,
-    p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
+    p_batch INTEGER, p_owner TEXT, p_lease_s DOUBLE PRECISION, p_per_target INTEGER, p_limit INTEGER,
     p_busy_targets TEXT[], p_busy_counts INTEGER[],
     p_per_tenant INTEGER, p_busy_tenants TEXT[], p_tenant_counts INTEGER[], p_held TEXT[]
 ) RETURNS TABLE (pending INTEGER, waiting INTEGER, delivery webhook_deliveries, send_url TEXT, body BYTEA,
@@ -257,7 +261,7 @@ BEGIN
     SELECT f.pending, cardinality(p_tenants) - f.placed, f.touched_tenants, f.touched_targets
       INTO n, w, only_tenants, only_targets
       FROM herald_webhook_fan_out_touching(p_tenants, p_job_ids, p_versions, p_types, p_kinds, p_event_ids,
-                                           p_bodies, p_progress_interval, p_share, FALSE) f;
+                                           p_bodies, p_progress_interval, p_share, p_batch, FALSE) f;
     IF n > 0 AND p_limit > 0 THEN
         RETURN QUERY
         SELECT n, w, c.delivery, c.send_url, c.body, c.key_algorithms, c.key_secrets, c.key_public_keys,
@@ -318,7 +322,7 @@ BEGIN
         taken := taken + 1;
         SELECT f.pending, f.placed INTO made, n
           FROM herald_webhook_fan_out_touching(w_tenants, w_jobs, w_versions, w_types, w_kinds, w_event_ids, w_bodies,
-                                               p_progress_interval, p_share, TRUE) f;
+                                               p_progress_interval, p_share, p_share, TRUE) f;
         DELETE FROM webhook_fan_out_waiting w WHERE w.seq = ANY(seqs[1:n]);
         events := events + n;
         pending := pending + coalesce(made, 0);
