@@ -69,6 +69,11 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
             raise SettingsError(f"{name}: a key of tenant {tenant!r} starts with {ISSUED_KEY_PREFIX!r} or "
                                 f"{PORTAL_TOKEN_PREFIX!r}, as the keys the admin API issues and portal sessions "
                                 "do: choose another")
+        if key in keys:
+            # Last wins would drop a tenant without a word; never the key in the message.
+            who = (f"tenant {tenant!r} has the same key twice" if keys[key] == tenant
+                   else f"tenants {keys[key]!r} and {tenant!r} have the same key")
+            raise SettingsError(f"{name}: a key is repeated ({who}): each key belongs to one tenant, once")
         keys[key] = tenant
     if not keys:
         raise SettingsError(f"{name} is set but holds no key")

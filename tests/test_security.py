@@ -500,6 +500,20 @@ def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("api_keys", ["alpha:shared-key-7f3a,beta:shared-key-7f3a",
+                                      "alpha:shared-key-7f3a,alpha:shared-key-7f3a"])
+def test_a_key_given_twice_stops_the_gateway_naming_the_variable(api_keys: str, tmp_path: Path) -> None:
+    """One key for two tenants was {key: tenant}, last wins: a tenant dropped without a word."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS=api_keys, HERALD_DATA_DIR=str(tmp_path),
+               HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT="9")
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "gateway"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "HERALD_API_KEYS" in run.stderr and "repeated" in run.stderr and "'alpha'" in run.stderr, run.stderr
+    assert "shared-key-7f3a" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 def test_the_admin_api_refuses_a_tenant_id_with_a_trailing_newline(target: Target) -> None:
     admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
     for bad in ("acme2\n", "acme2\r\n", "a.b", "A"):
