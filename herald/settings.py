@@ -49,6 +49,15 @@ def _number(cast: Callable[[str], float], floor: float | None = None) -> Env:
 _TENANT_ID = re.compile(TENANT_ID_PATTERN)
 
 
+def bearer_key_problem(key: str) -> str | None:
+    """Why ``key`` cannot be a bearer token, or None; never the key itself. A header carries
+    ASCII, and a token is one word: a key with a space or a letter like 'é' could be set but
+    never sent (a client cannot encode it, a gateway would wait for it in vain)."""
+    if not all("!" <= c <= "~" for c in key):
+        return "must be printable ASCII without spaces (a bearer token is one word that a header can carry)"
+    return None
+
+
 def _api_keys(name: str, raw: str) -> dict[str, str]:
     """``tenant:key,tenant:key`` -> {key: tenant}."""
     keys: dict[str, str] = {}
@@ -69,6 +78,8 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
             raise SettingsError(f"{name}: a key of tenant {tenant!r} starts with {ISSUED_KEY_PREFIX!r} or "
                                 f"{PORTAL_TOKEN_PREFIX!r}, as the keys the admin API issues and portal sessions "
                                 "do: choose another")
+        if problem := bearer_key_problem(key):
+            raise SettingsError(f"{name}: a key of tenant {tenant!r} {problem}")
         if key in keys:
             # Last wins would drop a tenant without a word; never the key in the message.
             who = (f"tenant {tenant!r} has the same key twice" if keys[key] == tenant
@@ -83,9 +94,15 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
 def _admin_key(name: str, raw: str) -> str:
     if len(raw) < 32:
         raise SettingsError(f"{name} must be at least 32 characters")
-    if any(c.isspace() for c in raw) or not raw.isprintable():
-        # A bearer token is one word: a key with spaces could be set but never sent.
-        raise SettingsError(f"{name} must be printable and hold no spaces")
+    if problem := bearer_key_problem(raw):
+        raise SettingsError(f"{name} {problem}")
+    return raw
+
+
+def _client_key(name: str, raw: str) -> str:
+    """The key the client commands send (``HERALD_API_KEY``)."""
+    if problem := bearer_key_problem(raw):
+        raise SettingsError(f"{name} {problem}")
     return raw
 
 
@@ -191,7 +208,7 @@ class Settings:
     api_keys: Annotated[Mapping[str, str], Env(_api_keys)] = field(default_factory=dict, repr=False)
     # What the client commands (`herald submit|status|…`, `herald tenants|keys`) talk to, and with which key.
     url: Annotated[str, TEXT] = "http://127.0.0.1:8000"
-    api_key: Annotated[str, TEXT] = field(default=DEV_KEY, repr=False)
+    api_key: Annotated[str, Env(_client_key)] = field(default=DEV_KEY, repr=False)
     retention_s: Annotated[float, NUMBER] = 86400.0
     heartbeat_timeout_s: Annotated[float, NUMBER] = 30.0
     max_attempts: Annotated[int, AT_LEAST_ONE] = 3

@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from herald.settings import DEV_KEY as DEFAULT_KEY, Settings, SettingsError
+from herald.settings import DEV_KEY as DEFAULT_KEY, Settings, SettingsError, bearer_key_problem
 
 DEFAULT_URL = Settings().url
 
@@ -24,7 +24,7 @@ Handler = Callable[[argparse.Namespace], int]
 def add_client_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help=f"Herald's base URL (HERALD_URL, default {DEFAULT_URL})")
-    common.add_argument("--key", help=f"API key (HERALD_API_KEY, default {DEFAULT_KEY})")
+    common.add_argument("--key", type=_bearer_key, help=f"API key (HERALD_API_KEY, default {DEFAULT_KEY})")
 
     submit = sub.add_parser("submit", help="start a job and print its status")
     kinds = submit.add_subparsers(dest="kind", required=True)
@@ -58,6 +58,13 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     download.add_argument("id")
     download.add_argument("-o", "--output", help="file or directory (default: the name the server gives, here)")
     download.set_defaults(handler=_guarded(_download))
+
+
+def _bearer_key(value: str) -> str:
+    """``--key``, refused as ``HERALD_API_KEY`` is (never echoed: argparse would print it)."""
+    if problem := bearer_key_problem(value):
+        raise argparse.ArgumentTypeError(problem)
+    return value
 
 
 # ----- plumbing -----------------------------------------------------------------------------

@@ -482,10 +482,37 @@ def test_api_keys_shaped_like_issued_keys_or_portal_sessions_are_refused(key: st
     assert "HERALD_API_KEYS" in str(refused.value) and key[4:] not in str(refused.value)
 
 
-@pytest.mark.parametrize("admin_key", [" " * 40, "an admin key with spaces in it, forty chars", "tab\t" * 10, "short"])
+@pytest.mark.parametrize("admin_key", [" " * 40, "an admin key with spaces in it, forty chars", "tab\t" * 10, "short",
+                                       "é" * 40, "an-admin-key-with-a-letter-no-header-carries-ü"])
 def test_admin_keys_that_could_never_be_sent_are_refused(admin_key: str) -> None:
     with pytest.raises(SettingsError, match="HERALD_ADMIN_KEY"):
         Settings.from_env({"HERALD_ADMIN_KEY": admin_key})
+
+
+@pytest.mark.parametrize("key", ["k é", "dév-key", "key\u00a0nbsp", "ключ"])
+def test_keys_no_header_can_carry_are_refused_naming_the_variable(key: str) -> None:
+    """A key a client cannot encode (non-ASCII) or send as one word (a space) could be set, and
+    never match: refused at start, as the admin key with them is, never echoing the key."""
+    for variable, value in (("HERALD_API_KEYS", f"acme:{key}"), ("HERALD_API_KEY", key)):
+        with pytest.raises(SettingsError) as refused:
+            Settings.from_env({variable: value})
+        assert variable in str(refused.value) and "ASCII" in str(refused.value) and key not in str(refused.value)
+
+
+def test_the_cli_refuses_such_keys_with_exit_2_not_a_traceback(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_URL="http://127.0.0.1:9", HERALD_DATA_DIR=str(tmp_path))
+    runs = {
+        "HERALD_ADMIN_KEY": (["tenants", "list"], {"HERALD_ADMIN_KEY": "é" * 40}),
+        "HERALD_API_KEY": (["status", "some-job"], {"HERALD_API_KEY": "dév-key"}),
+        "--key": (["status", "some-job", "--key", "dév-key"], {}),
+    }
+    for name, (argv, extra) in runs.items():
+        run = subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env={**env, **extra},
+                             capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2, (name, run.stderr[-2000:])
+        assert name in run.stderr and "ASCII" in run.stderr and "Traceback" not in run.stderr, (name, run.stderr)
+        assert "dév-key" not in run.stderr and "é" * 40 not in run.stderr, run.stderr
 
 
 def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -> None:
