@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
@@ -37,7 +38,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     common.add_argument("--url", help="Herald's base URL (HERALD_URL, default http://127.0.0.1:8000)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     limits = argparse.ArgumentParser(add_help=False)
-    limits.add_argument("--rate-limit", type=float, metavar="N", help="job starts per second (burst: twice that)")
+    limits.add_argument("--rate-limit", type=_finite, metavar="N", help="job starts per second (burst: twice that)")
     limits.add_argument("--max-running", type=int, metavar="N", help="jobs running at once (0: no cap)")
     limits.add_argument("--max-endpoints", type=int, metavar="N", help="webhook endpoints")
     limits.add_argument("--max-streams", type=int, metavar="N", help="event streams and long polls held at once")
@@ -78,6 +79,17 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     audit = sub.add_parser("audit", parents=[common], help="the admin API's audit log, newest first")
     audit.add_argument("--limit", type=int, default=50, metavar="N", help="entries to show (default 50)")
     audit.set_defaults(handler=_admin(_audit))
+
+
+def _finite(value: str) -> float:
+    """A number JSON can carry: ``inf``, ``nan`` or ``1e309`` would go out as null, "the default"."""
+    try:
+        number = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {value!r}") from None
+    if not math.isfinite(number):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {value!r}")
+    return number
 
 
 def _rfc3339(value: str) -> str:

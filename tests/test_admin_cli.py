@@ -193,6 +193,33 @@ def test_cli_failures_are_clear_and_exit_non_zero(herald: Deployment) -> None:
     assert bad_time.returncode == 2 and "RFC 3339" in bad_time.stderr
 
 
+def test_limits_json_cannot_carry_are_refused_before_any_request(herald: Deployment) -> None:
+    """JSON has no inf or nan: msgspec sent them as null, which the API reads as "the default",
+    so `--rate-limit inf` reset the limit and exited 0. Refused before sending, naming the option."""
+    env = admin_env(herald)
+    tenant, never = new_tenant(), new_tenant()
+    assert herald_cli("tenants", "create", tenant, "--rate-limit", "7", env=env).returncode == 0
+    for value in ("inf", "nan", "1e309"):
+        done = herald_cli("tenants", "update", tenant, "--rate-limit", value, "--json", env=env)
+        assert done.returncode == 2 and "--rate-limit" in done.stderr and "finite" in done.stderr, done.stderr
+        assert done.stdout == ""
+    created = herald_cli("tenants", "create", never, "--rate-limit", "inf", env=env)
+    assert created.returncode == 2 and "--rate-limit" in created.stderr, created.stderr
+
+    with HeraldAdmin(herald.url(), ADMIN_KEY) as admin:
+        for value in (float("inf"), float("-inf"), float("nan"), float("1e309")):
+            with pytest.raises(ValueError, match="rate_limit"):
+                admin.update_tenant(tenant, limits={"rate_limit": value})
+            with pytest.raises(ValueError, match="rate_limit"):
+                admin.create_tenant(never, {"rate_limit": value})
+        with pytest.raises(ValueError, match="rate_limit"):
+            admin.update_tenant(tenant, limits=client_models.TenantLimits(
+                rate_limit=float("inf"), max_running=1, max_endpoints=1, max_streams=1))
+        assert admin.get_tenant(tenant).limits.rate_limit == 7  # nothing was sent
+        with pytest.raises(NotFound):
+            admin.get_tenant(never)
+
+
 def _env_key_id(herald: Deployment, tenant: str) -> str:
     with HeraldAdmin(herald.url(), ADMIN_KEY) as admin:
         (key,) = list(admin.list_keys(tenant))

@@ -4,6 +4,7 @@ flow that emits every item, page after page."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
@@ -43,7 +44,13 @@ def key_id(key: ApiKey | str) -> str:
 
 
 def _limits(limits: LimitsArg) -> dict[str, Any]:
-    return msgspec.structs.asdict(limits) if isinstance(limits, TenantLimits) else dict(limits)
+    body = msgspec.structs.asdict(limits) if isinstance(limits, TenantLimits) else dict(limits)
+    for name, value in body.items():
+        # JSON has no inf or nan: msgspec would send null, which resets the limit to the default.
+        if isinstance(value, float) and not math.isfinite(value):
+            raise ValueError(f"limits[{name!r}] must be a finite number, not {value} "
+                             "(None goes back to the deployment's default)")
+    return body
 
 
 def _rfc3339(at: datetime | str) -> str:
