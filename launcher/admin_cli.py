@@ -38,7 +38,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     common.add_argument("--url", help="Herald's base URL (HERALD_URL, default http://127.0.0.1:8000)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
     limits = argparse.ArgumentParser(add_help=False)
-    limits.add_argument("--rate-limit", type=_finite, metavar="N", help="job starts per second (burst: twice that)")
+    limits.add_argument("--rate-limit", type=_finite, metavar="N", help="job starts per second (burst: twice that; 0: no limit)")
     limits.add_argument("--max-running", type=int, metavar="N", help="jobs running at once (0: no cap)")
     limits.add_argument("--max-endpoints", type=int, metavar="N", help="webhook endpoints")
     limits.add_argument("--max-streams", type=int, metavar="N", help="event streams and long polls held at once")
@@ -203,8 +203,9 @@ def _limits(args: argparse.Namespace) -> dict[str, float] | None:
 # ----- rendering ----------------------------------------------------------------------------
 
 
-def _cap(value: float) -> str:
-    return f"{value:g}"
+def _cap(value: float, zero: str | None = None) -> str:
+    """A limit as the table shows it; ``zero``: what 0 means where it is no limit at all."""
+    return zero if zero is not None and value == 0 else f"{value:g}"
 
 
 def _when(value: str | None, never: str = "-") -> str:
@@ -220,9 +221,10 @@ def _when(value: str | None, never: str = "-") -> str:
 def _tenant_rows(tenants: Iterable[Tenant]) -> Iterable[list[str]]:
     for t in tenants:
         limits = t.limits
-        yield [t.id, t.source, "disabled" if t.disabled else "enabled", _cap(limits.rate_limit),
-               _cap(limits.max_running) if limits.max_running else "no cap", _cap(limits.max_endpoints),
-               _cap(limits.max_streams), _when(t.created_at)]
+        # A rate or a running cap of 0 is no limit; no endpoints or streams at all is 0 (README).
+        yield [t.id, t.source, "disabled" if t.disabled else "enabled", _cap(limits.rate_limit, "no limit"),
+               _cap(limits.max_running, "no cap"), _cap(limits.max_endpoints), _cap(limits.max_streams),
+               _when(t.created_at)]
 
 
 TENANT_COLUMNS = ("ID", "SOURCE", "STATE", "STARTS/S", "RUNNING", "ENDPOINTS", "STREAMS", "CREATED (UTC)")

@@ -193,6 +193,19 @@ def test_cli_failures_are_clear_and_exit_non_zero(herald: Deployment) -> None:
     assert bad_time.returncode == 2 and "RFC 3339" in bad_time.stderr
 
 
+def test_the_tenants_table_shows_a_limit_of_0_as_what_it_means(herald: Deployment) -> None:
+    """rate_limit and max_running of 0 are no limit; max_endpoints and max_streams of 0 allow none."""
+    env = admin_env(herald)
+    tenant = new_tenant()
+    created = herald_cli("tenants", "create", tenant, "--rate-limit", "0", "--max-running", "0",
+                         "--max-endpoints", "0", "--max-streams", "0", env=env)
+    assert created.returncode == 0, created.stderr
+    listed = herald_cli("tenants", "list", env=env)
+    for table in (created.stdout, listed.stdout):
+        row = next(line for line in table.splitlines() if line.startswith(tenant))
+        assert row.split()[:9] == [tenant, "api", "enabled", "no", "limit", "no", "cap", "0", "0"], row
+
+
 def test_limits_json_cannot_carry_are_refused_before_any_request(herald: Deployment) -> None:
     """JSON has no inf or nan: msgspec sent them as null, which the API reads as "the default",
     so `--rate-limit inf` reset the limit and exited 0. Refused before sending, naming the option."""
