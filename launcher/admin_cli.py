@@ -47,12 +47,12 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     verbs = tenants.add_subparsers(dest="action", required=True)
     create = verbs.add_parser("create", parents=[common, limits],
                               help="add a tenant (limits not given: the deployment's defaults)")
-    create.add_argument("id", help="^[a-z0-9][a-z0-9_-]{0,62}$")
+    create.add_argument("id", type=_an_id, help="^[a-z0-9][a-z0-9_-]{0,62}$")
     create.set_defaults(handler=_admin(_tenants_create))
     verbs.add_parser("list", parents=[common], help="every tenant with its limits").set_defaults(
         handler=_admin(_tenants_list))
     update = verbs.add_parser("update", parents=[common, limits], help="change limits, disable or enable")
-    update.add_argument("id")
+    update.add_argument("id", type=_an_id)
     state = update.add_mutually_exclusive_group()
     state.add_argument("--disable", dest="disabled", action="store_const", const=True,
                        help="its keys and portal sessions get 401; its running jobs finish")
@@ -62,7 +62,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     keys = sub.add_parser("keys", help="create, list and revoke tenants' API keys (admin API, HERALD_ADMIN_KEY)")
     verbs = keys.add_subparsers(dest="action", required=True)
     create = verbs.add_parser("create", parents=[common], help="a new key for a tenant, printed this once")
-    create.add_argument("tenant")
+    create.add_argument("tenant", type=_an_id)
     create.add_argument("--name", required=True, help="what the key is for (1..100 characters)")
     create.add_argument("--scope", dest="scopes", action="append", choices=ALL_SCOPES,
                         help="repeat for several (default: all)")
@@ -70,15 +70,22 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
                         help="e.g. 2027-01-31T00:00:00Z (default: never)")
     create.set_defaults(handler=_admin(_keys_create))
     listing = verbs.add_parser("list", parents=[common], help="a tenant's keys, with when each was last used")
-    listing.add_argument("tenant")
+    listing.add_argument("tenant", type=_an_id)
     listing.set_defaults(handler=_admin(_keys_list))
     revoke = verbs.add_parser("revoke", parents=[common], help="revoke a key: 401 everywhere within 2 s")
-    revoke.add_argument("key_id")
+    revoke.add_argument("key_id", type=_an_id)
     revoke.set_defaults(handler=_admin(_keys_revoke))
 
     audit = sub.add_parser("audit", parents=[common], help="the admin API's audit log, newest first")
     audit.add_argument("--limit", type=int, default=50, metavar="N", help="entries to show (default 50)")
     audit.set_defaults(handler=_admin(_audit))
+
+
+def _an_id(value: str) -> str:
+    """A tenant or key id: not empty, which would drop out of the request's path."""
+    if not value:
+        raise argparse.ArgumentTypeError("must not be empty")
+    return value
 
 
 def _finite(value: str) -> float:

@@ -233,6 +233,37 @@ def test_limits_json_cannot_carry_are_refused_before_any_request(herald: Deploym
             admin.get_tenant(never)
 
 
+def test_an_empty_or_dot_id_is_named_not_sent_to_another_route(herald: Deployment) -> None:
+    """'' dropped out of the path (`keys list ''` asked GET /admin/tenants//keys: 404 "no tenant
+    'keys'"; `keys create ''` a 405) and '..' was folded away by the URL: each answered for
+    another route. The CLI and HeraldAdmin refuse an empty id naming the argument; a dot is sent as an id."""
+    env = admin_env(herald)
+    for argv, argument in ((["keys", "list", ""], "tenant"), (["keys", "create", "", "--name", "x"], "tenant"),
+                           (["tenants", "update", "", "--disable"], "id"), (["tenants", "create", ""], "id"),
+                           (["keys", "revoke", ""], "key_id")):
+        done = herald_cli(*argv, env=env)
+        assert done.returncode == 2 and f"argument {argument}: must not be empty" in done.stderr, (argv, done.stderr)
+
+    with HeraldAdmin(herald.url(), ADMIN_KEY) as admin:
+        for call, argument in ((lambda: admin.get_tenant(""), "tenant"),
+                               (lambda: admin.update_tenant("", disabled=True), "tenant"),
+                               (lambda: admin.create_key("", "x"), "tenant"),
+                               (lambda: list(admin.list_keys("")), "tenant"),
+                               (lambda: admin.revoke_key(""), "key")):
+            with pytest.raises(ValueError, match=f"^{argument} is empty"):
+                call()
+        for dots in (".", ".."):
+            with pytest.raises(NotFound) as missing:
+                admin.get_tenant(dots)
+            assert f"no tenant {dots!r}" in str(missing.value)  # that tenant, not an unknown route
+            with pytest.raises(NotFound) as missing:
+                list(admin.list_keys(dots))
+            assert f"no tenant {dots!r}" in str(missing.value)
+            with pytest.raises(NotFound) as missing:
+                admin.revoke_key(dots)
+            assert f"no key {dots!r}" in str(missing.value), missing.value
+
+
 def _env_key_id(herald: Deployment, tenant: str) -> str:
     with HeraldAdmin(herald.url(), ADMIN_KEY) as admin:
         (key,) = list(admin.list_keys(tenant))

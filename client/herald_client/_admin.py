@@ -36,11 +36,20 @@ AUDIT = "/admin/audit"
 
 
 def tenant_id(tenant: Tenant | str) -> str:
-    return quote(tenant.id if isinstance(tenant, Tenant) else tenant, safe="")
+    return _path_segment(tenant.id if isinstance(tenant, Tenant) else tenant, "tenant")
 
 
 def key_id(key: ApiKey | str) -> str:
-    return quote(key.id if isinstance(key, ApiKey) else key, safe="")
+    return _path_segment(key.id if isinstance(key, ApiKey) else key, "key")
+
+
+def _path_segment(value: str, argument: str) -> str:
+    """``value`` as one path segment, or a ValueError naming ``argument``. Empty, it would drop
+    out of the path (``/admin/tenants//keys``) and '.' or '..' would be folded away by the URL
+    (``/admin/keys``): another route's answer, a 404 or 405 that names the wrong thing."""
+    if not value:
+        raise ValueError(f"{argument} is empty: give its id")
+    return quote(value, safe="").replace(".", "%2E")
 
 
 def _limits(limits: LimitsArg) -> dict[str, Any]:
