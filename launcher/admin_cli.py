@@ -77,7 +77,7 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     revoke.set_defaults(handler=_admin(_keys_revoke))
 
     audit = sub.add_parser("audit", parents=[common], help="the admin API's audit log, newest first")
-    audit.add_argument("--limit", type=int, default=50, metavar="N", help="entries to show (default 50)")
+    audit.add_argument("--limit", type=_positive, default=50, metavar="N", help="entries to show (default 50)")
     audit.set_defaults(handler=_admin(_audit))
 
 
@@ -86,6 +86,16 @@ def _an_id(value: str) -> str:
     if not value:
         raise argparse.ArgumentTypeError("must not be empty")
     return value
+
+
+def _positive(value: str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {value!r}") from None
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value!r}")
+    return number
 
 
 def _finite(value: str) -> float:
@@ -308,7 +318,7 @@ def _keys_revoke(admin: HeraldAdmin, args: argparse.Namespace, out: Output) -> i
 
 
 def _audit(admin: HeraldAdmin, args: argparse.Namespace, out: Output) -> int:
-    entries: list[AuditEntry] = list(itertools.islice(admin.audit(), max(0, args.limit)))
+    entries: list[AuditEntry] = list(itertools.islice(admin.audit(), args.limit))
     if out.as_json:
         out.json(entries)
     else:

@@ -264,6 +264,15 @@ def test_an_empty_or_dot_id_is_named_not_sent_to_another_route(herald: Deploymen
             assert f"no key {dots!r}" in str(missing.value), missing.value
 
 
+def test_audit_refuses_a_limit_below_1() -> None:
+    """`--limit -5` printed an empty table and exited 0, as if the log were empty."""
+    env = {"HERALD_URL": f"http://127.0.0.1:{free_port()}", "HERALD_ADMIN_KEY": ADMIN_KEY}
+    for limit in ("-5", "0", "ten"):
+        done = herald_cli("audit", "--limit", limit, env=env)
+        assert done.returncode == 2 and "argument --limit" in done.stderr and done.stdout == "", (limit, done.stderr)
+    assert "must be at least 1" in herald_cli("audit", "--limit=-5", env=env).stderr
+
+
 def _env_key_id(herald: Deployment, tenant: str) -> str:
     with HeraldAdmin(herald.url(), ADMIN_KEY) as admin:
         (key,) = list(admin.list_keys(tenant))
