@@ -8,7 +8,9 @@ several at once, never sees a package half installed or half removed.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -68,6 +70,17 @@ def _finished(http: httpx.Client, job_id: str) -> dict:
                       timeout=30, what=f"job {job_id} finished")
 
 
+def _readme_example() -> tuple[dict, dict]:
+    """The body the example's README posts, and the answer it shows (``# {...}`` comment lines;
+    a ``...`` closing the top list leaves out the rest of it)."""
+    text = (EXAMPLE / "README.md").read_text()
+    body = re.search(r"POST localhost:8000/wordfreq .*?-d '(\{.*?\})'", text, re.DOTALL)
+    shown = re.search(r'^# (\{"words".*\n(?:#  .*\n)*)', text, re.MULTILINE)
+    assert body and shown, "the README's example request or answer moved"
+    answer = "".join(line.lstrip("#").strip() for line in shown.group(1).splitlines())
+    return json.loads(body.group(1)), json.loads(re.sub(r",\s*\.\.\.\s*\]", "]", answer))
+
+
 def test_the_example_kind_runs_under_herald_up(up: str) -> None:
     text = "Alpha beta beta gamma, gamma gamma; the and of.\n" * 1000
     with httpx.Client(base_url=up, headers=AUTH, timeout=10) as http:
@@ -85,6 +98,12 @@ def test_the_example_kind_runs_under_herald_up(up: str) -> None:
         }
         assert httpx.get(up + job["links"]["result"]).json() == result.json()  # the signed URL, no key
 
+        # The README's example answers what the README shows ("on" and "with" are stopwords too).
+        body, shown = _readme_example()
+        readme_job = _finished(http, http.post("/wordfreq", json=body).json()["id"])
+        answer = http.get(readme_job["result"]).json()
+        assert {**answer, "top": answer["top"][:len(shown["top"])]} == shown
+
         # The kind's own problem type, and validation from its Struct.
         failed = _finished(http, http.post("/wordfreq", json={"text": "the and of"}).json()["id"])
         assert failed["state"] == "failed"
@@ -100,4 +119,4 @@ def test_the_example_kind_runs_under_herald_up(up: str) -> None:
     assert {"text", "top", "stopwords"} <= set(spec["components"]["schemas"]["WordFreqParams"]["properties"])
     metrics = httpx.get(up + "/metrics").text
     assert 'herald_kind_queue_oldest_age_seconds{kind="wordfreq"}' in metrics
-    assert 'herald_jobs_finished_total{kind="wordfreq",state="succeeded"} 1.0' in metrics
+    assert 'herald_jobs_finished_total{kind="wordfreq",state="succeeded"} 2.0' in metrics
