@@ -52,17 +52,12 @@ GATEWAYS = 2
 WORKERS = 2
 NOTIFIERS = 2
 POSTGRES_DEFAULT_PORT = 5432
-SIGNING_KEY_FILE = "signing.key"
+OLD_SIGNING_KEY_FILE = "signing.key"  # an older Herald's, in plaintext: removed at start
 POSTGRES_PASSWORD_FILE = "postgres.password"
 
 
 def cluster_root(settings: Settings) -> Path:
     return settings.data_dir / "cluster"
-
-
-def load_or_create_signing_key(root: Path) -> str:
-    """One URL-signing key for every gateway (SPEC §6), generated once and kept 0600."""
-    return load_or_create(root / SIGNING_KEY_FILE)
 
 
 def _port_is_free(port: int, host: str = "127.0.0.1") -> bool:
@@ -245,8 +240,10 @@ class ClusterSupervisor(Supervisor):
     def plan_children(self, url: str) -> None:
         assert self.database_url is not None, "start_postgres first"
         private_dir(self.root)
-        signing_key = (",".join(self.settings.signing_secrets) if self.settings.signing_secrets
-                       else load_or_create_signing_key(self.root))
+        # The URL-signing key (SPEC §6) is the store's: generated once in PostgreSQL, sealed under
+        # HERALD_SECRET_KEY, the same for both gateways, as on separate machines; no file holds it.
+        # A HERALD_SIGNING_KEY of the operator's reaches the children in self.env.
+        (self.root / OLD_SIGNING_KEY_FILE).unlink(missing_ok=True)
         # No shared metrics directory: each process is its own, as on separate machines.
         self.env.pop(MULTIPROC_ENV, None)
         self.env.pop("HERALD_METRICS_PORT", None)
@@ -256,7 +253,6 @@ class ClusterSupervisor(Supervisor):
             "HERALD_NATS_REPLICAS": str(self.nats_replicas),
             "HERALD_DATABASE_URL": self.database_url,
             "HERALD_RESULT_STORE": "nats",
-            "HERALD_SIGNING_KEY": signing_key,
             # One key seals the store's secrets for every process, as on separate machines.
             "HERALD_SECRET_KEY": (",".join(self.settings.secret_keys) if self.settings.secret_keys
                                   else load_or_create_key_file(self.root / KEY_FILE)),

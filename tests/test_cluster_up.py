@@ -154,6 +154,17 @@ async def postgres_answers(url: str) -> int:
         await conn.close()
 
 
+OLD_SIGNING_KEY = "an-older-heralds-plaintext-url-signing-key"
+
+
+async def stored_signing_keys(url: str) -> list[str]:
+    conn = await asyncpg.connect(url, timeout=10)
+    try:
+        return [r["value"] for r in await conn.fetch("SELECT value FROM herald_secrets WHERE name = 'url-signing'")]
+    finally:
+        await conn.close()
+
+
 @pytest.fixture()
 def cluster_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Output, dict[str, int], Path]]:
     ports = {
@@ -168,6 +179,9 @@ def cluster_up(tmp_path: Path) -> Iterator[tuple[subprocess.Popen[bytes], Output
         HERALD_NATS_PORT=str(ports["nats"]),
         HERALD_LOG_LEVEL="warning",
     )
+    # An older Herald kept the URL-signing key here in plaintext: it is removed at start.
+    (tmp_path / "var" / "cluster").mkdir(mode=0o700, parents=True)
+    (tmp_path / "var" / "cluster" / "signing.key").write_text(OLD_SIGNING_KEY + "\n")
     log = open(tmp_path / "up.stderr", "wb")  # noqa: SIM115  (closed below)
     process = subprocess.Popen(
         [sys.executable, "-m", "launcher.cli", "up", "--cluster", "--postgres-port", str(ports["postgres"])],
@@ -232,10 +246,11 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         assert env["HERALD_DATABASE_URL"] == database_url
         assert env["HERALD_RESULT_STORE"] == "nats"
         assert not [key for key in env if key.startswith("HERALD_NATS_ROUTE_")]  # the nats-servers' alone
-    key_file = root / "var" / "cluster" / "signing.key"
-    assert {env["HERALD_SIGNING_KEY"] for env in seen.values()} == {key_file.read_text().strip()}
-    assert stat.S_IMODE(key_file.stat().st_mode) == 0o600
-    # One secret key seals the store for all six (SPEC §12), kept owner-only like the signing key.
+    # The URL-signing key is the store's (SPEC §12: no plaintext secret at rest): no child is
+    # handed one, and no file holds it, an older Herald's plaintext one removed.
+    assert not [name for name, env in seen.items() if "HERALD_SIGNING_KEY" in env]
+    assert not list((root / "var").rglob("signing.key"))
+    # One secret key seals the store for all six (SPEC §12), kept owner-only.
     secret_file = root / "var" / "cluster" / "secret.key"
     assert {env["HERALD_SECRET_KEY"] for env in seen.values()} == {secret_file.read_text().strip()}
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
@@ -355,6 +370,13 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
             running.append(started_job.json()["id"])
         wait_until(lambda: all(httpx.get(f"{base}/jobs/{j}", headers=dev, timeout=5).json()["state"] == "running"
                                for j in running), timeout=30, interval=0.2, what="the reports running")
+        # A link signed at one gateway opens at the other, without a key: one signing key, the
+        # store's, sealed under the cluster's secret key (one row, never the plaintext).
+        link = httpx.get(f"{base}/jobs/{running[0]}", headers=dev, timeout=5).json()["links"]["output"]
+        with httpx.stream("GET", f"http://127.0.0.1:{ports['http'] + 1}{link}", timeout=10) as opened:
+            assert opened.status_code == 200, opened.read()
+        (sealed,) = asyncio.run(stored_signing_keys(database_url))
+        assert OLD_SIGNING_KEY not in sealed and len(bytes.fromhex(sealed)) > 32
     stderr_before_stop = len(stderr.read_bytes())
     tree = descendants(supervisor)
     assert sum("nats-server" in " ".join(p.cmdline()) for p in tree if alive(p)) == 3
