@@ -373,6 +373,14 @@ def test_errors_carry_the_problem_fields(herald: Deployment) -> None:
         assert {e.field for e in invalid.value.errors} == {"title", "pages", "colour"}
     with HeraldClient(herald.url(), "not-a-key") as stranger, pytest.raises(Unauthorized):
         stranger.status("00000000-0000-4000-8000-000000000000")
+    # A job id is one path segment: '..' is an id no job has, not a way to another route, and
+    # an empty one is refused before anything is sent.
+    with HeraldClient(herald.url(), KEY) as client:
+        for odd in ("..", "../webhooks", "a/b", "?x=1"):
+            with pytest.raises(NotFound):
+                client.status(odd)
+        with pytest.raises(ValueError, match="^job is empty"):
+            client.status("")
     nowhere = f"http://127.0.0.1:{free_port()}"
     with HeraldClient(nowhere, KEY, policy=Policy(retry=Backoff(initial=0.01), attempts=3)) as client:
         with pytest.raises(HeraldConnectionError) as unreachable:

@@ -8,12 +8,13 @@ import math
 from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Any, TypeVar
-from urllib.parse import quote, urlencode
+from urllib.parse import urlencode
 
 import msgspec
 
 from herald_client import _core
 from herald_client._core import Context, Emit, Flow
+from herald_client._shared import path_segment
 from herald_client.models import (
     ApiKey,
     AuditList,
@@ -36,20 +37,11 @@ AUDIT = "/admin/audit"
 
 
 def tenant_id(tenant: Tenant | str) -> str:
-    return _path_segment(tenant.id if isinstance(tenant, Tenant) else tenant, "tenant")
+    return path_segment(tenant.id if isinstance(tenant, Tenant) else tenant, "tenant")
 
 
 def key_id(key: ApiKey | str) -> str:
-    return _path_segment(key.id if isinstance(key, ApiKey) else key, "key")
-
-
-def _path_segment(value: str, argument: str) -> str:
-    """``value`` as one path segment, or a ValueError naming ``argument``. Empty, it would drop
-    out of the path (``/admin/tenants//keys``) and '.' or '..' would be folded away by the URL
-    (``/admin/keys``): another route's answer, a 404 or 405 that names the wrong thing."""
-    if not value:
-        raise ValueError(f"{argument} is empty: give its id")
-    return quote(value, safe="").replace(".", "%2E")
+    return path_segment(key.id if isinstance(key, ApiKey) else key, "key")
 
 
 def _limits(limits: LimitsArg) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import enum
 import uuid
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 import msgspec
@@ -24,7 +25,17 @@ IdempotencyKey = str | None | _Auto
 
 
 def job_id(job: JobStatus | str) -> str:
-    return job.id if isinstance(job, JobStatus) else job
+    """The job's id as one path segment of ``/jobs/{id}`` (``path_segment``)."""
+    return path_segment(job.id if isinstance(job, JobStatus) else job, "job")
+
+
+def path_segment(value: str, argument: str) -> str:
+    """``value`` as one path segment, or a ValueError naming ``argument``. Empty, it would drop
+    out of the path (``/admin/tenants//keys``) and '.' or '..' would be folded away by the URL
+    (``/jobs/..`` is ``/``): another route's answer, a 404 or 405 that names the wrong thing."""
+    if not value:
+        raise ValueError(f"{argument} is empty: give its id")
+    return quote(value, safe="").replace(".", "%2E")
 
 
 def collection_path(kind: str, collections: Mapping[str, str]) -> str:
