@@ -31,6 +31,7 @@ from herald_client import (
     AsyncHeraldClient,
     Backoff,
     Conflict,
+    HeraldAdmin,
     HeraldClient,
     HeraldConnectionError,
     IdempotencyKeyMismatch,
@@ -381,6 +382,12 @@ def test_errors_carry_the_problem_fields(herald: Deployment) -> None:
                 client.status(odd)
         with pytest.raises(ValueError, match="^job is empty"):
             client.status("")
+    # A key no Authorization header can carry is refused where it is given, not at a request.
+    for odd_key in ("dév-key", "k y", "", "line\nbreak"):
+        with pytest.raises(ValueError, match="printable ASCII"):
+            HeraldClient(herald.url(), odd_key)
+        with pytest.raises(ValueError, match="printable ASCII"):
+            HeraldAdmin(herald.url(), odd_key)
     nowhere = f"http://127.0.0.1:{free_port()}"
     with HeraldClient(nowhere, KEY, policy=Policy(retry=Backoff(initial=0.01), attempts=3)) as client:
         with pytest.raises(HeraldConnectionError) as unreachable:

@@ -44,6 +44,7 @@ from herald_client._core import Call, Context, Emit, Failure, Flow, Open, Read, 
 from herald_client._shared import (
     AUTO,
     IdempotencyKey,
+    bearer,
     collection_path,
     describe,
     encode_params,
@@ -70,7 +71,7 @@ class _Driver:
     def __init__(self, url: str, key: str, *, timeout: float, policy: Policy, http: httpx.AsyncClient | None,
                  rng: random.Random | None) -> None:
         self._base = url.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {key}"}
+        self._headers = bearer(key)
         self._timeout = httpx.Timeout(timeout)
         self._stream_timeout = httpx.Timeout(timeout, read=policy.stream_read_timeout)
         self._ctx = Context(policy=policy, rng=rng or random.Random())

@@ -29,6 +29,14 @@ def job_id(job: JobStatus | str) -> str:
     return path_segment(job.id if isinstance(job, JobStatus) else job, "job")
 
 
+def bearer(key: str) -> dict[str, str]:
+    """The Authorization header for ``key``, or a ValueError: a key an HTTP header cannot carry
+    (not printable ASCII, or with a space) failed only at the first request, in httpx's encoder."""
+    if not key or not key.isascii() or not key.isprintable() or " " in key:
+        raise ValueError("the key must be printable ASCII without spaces (as Herald's keys are)")
+    return {"Authorization": f"Bearer {key}"}
+
+
 def path_segment(value: str, argument: str) -> str:
     """``value`` as one path segment, or a ValueError naming ``argument``. Empty, it would drop
     out of the path (``/admin/tenants//keys``) and '.' or '..' would be folded away by the URL
