@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
+from nats.aio.client import Client as NATS
 from litestar.exceptions import HTTPException
 from litestar.openapi import OpenAPIConfig
 from litestar.openapi.spec import Components, SecurityScheme
@@ -46,9 +47,10 @@ log = logging.getLogger("herald.gateway")
 MAX_BODY_BYTES = 1024 * 1024
 
 
-async def _connect_nats(svc: Services, owner: TaskOwner) -> None:
+async def _connect_nats(svc: Services, owner: TaskOwner, stop: asyncio.Event) -> None:
     """Connect (retrying until NATS is there), create the topology (retrying until it is
-    there), then start the relay and the sweeper and attach the hub.
+    there), then start the relay and the sweeper and attach the hub. ``stop`` (the gateway
+    is stopping) ends it at any of these steps, at once.
 
     Until then the gateway still accepts jobs: the outbox keeps them; /readyz says 503.
     """
@@ -58,26 +60,28 @@ async def _connect_nats(svc: Services, owner: TaskOwner) -> None:
         svc.hub.resync()
         svc.watch.resync()
 
-    while True:
-        try:
-            nc = await jetstream.connect(svc.settings, name="herald-gateway", reconnected=reconnected)
-            break
-        except Exception as exc:
-            log.warning("NATS not reachable yet, retrying: %s", exc)
-            await asyncio.sleep(0.5)
+    nc = await jetstream.connect_until_ready(svc.settings, "herald-gateway", stop=stop, reconnected=reconnected)
+    if nc is None:
+        return
     js = nc.jetstream()
-    while True:
-        try:
-            await jetstream.ensure_topology(js, svc.settings)
-            if svc.settings.effective_result_store == "nats":
-                svc.results = await open_result_store(svc.settings, js)
-            break
-        except Exception:  # a cluster without a JetStream leader yet, a node restarting
-            log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
-            await asyncio.sleep(1.0)
-    if owner.closing:  # the gateway began stopping while NATS was connecting (a port taken, a signal)
-        with contextlib.suppress(Exception):
-            await nc.close()
+    try:
+        while not stop.is_set():
+            try:
+                await jetstream.until_stopped(jetstream.ensure_topology(js, svc.settings), stop)
+                if svc.settings.effective_result_store == "nats":
+                    svc.results = await jetstream.until_stopped(open_result_store(svc.settings, js), stop)
+                break
+            except jetstream.Stopped:
+                break
+            except Exception:  # a cluster without a JetStream leader yet, a node restarting
+                log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=1.0)
+    except BaseException:
+        await _close_quietly(nc)
+        raise
+    if stop.is_set() or owner.closing:  # the gateway began stopping while NATS was connecting (a port taken, a signal)
+        await _close_quietly(nc)
         return
     # Retention deletes results, so the sweeper starts once the result store is reachable.
     owner.spawn(run_sweeper(svc.store, svc.results, svc.settings, functools.partial(purge_output, js)), "sweeper")
@@ -91,6 +95,11 @@ async def _connect_nats(svc: Services, owner: TaskOwner) -> None:
     log.info("NATS connected, streams ready")
 
 
+async def _close_quietly(nc: NATS) -> None:
+    with contextlib.suppress(Exception):
+        await nc.close()
+
+
 async def _open_store(svc: Services, owner: TaskOwner) -> None:
     """Open (or wait for) the store, load the URL signing key, then start what needs both."""
     await svc.store.open()
@@ -98,7 +107,8 @@ async def _open_store(svc: Services, owner: TaskOwner) -> None:
         svc.signer.set_keys((await svc.store.signing_key(),))
     await svc.directory.refresh(force=True)
     owner.spawn(svc.directory.run(), "tenant-directory")
-    owner.spawn(_connect_nats(svc, owner), "nats-connect")
+    connecting = asyncio.Event()  # set: stop connecting (the gateway is stopping)
+    owner.spawn(_connect_nats(svc, owner, connecting), "nats-connect", stop=connecting.set)
 
 
 def create_app(settings: Settings) -> Litestar:

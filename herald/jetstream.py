@@ -7,7 +7,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import unquote, urlsplit
 
 from nats.aio.client import Client as NATS
@@ -21,6 +21,7 @@ from nats.js.api import (
     StorageType,
     StreamConfig,
 )
+from nats.errors import AuthorizationError
 from nats.js.errors import BadRequestError, NotFoundError
 
 from herald.constants import (
@@ -39,10 +40,12 @@ from herald.constants import (
 )
 from herald.kinds import KindDeclaration, declared_kinds
 from herald.natsclient import Client
-from herald.settings import Settings
+from herald.settings import Settings, redact_url
 from herald.storage.results import ensure_result_buckets, retry_nats
 
 log = logging.getLogger("herald.nats")
+
+T = TypeVar("T")
 
 
 def auth_options(settings: Settings) -> dict[str, Any]:
@@ -61,44 +64,140 @@ def auth_options(settings: Settings) -> dict[str, Any]:
     return {}
 
 
+# The first connect gives up after this many retries of each server (nats-py's
+# max_reconnect_attempts while connecting: 0 or -1 would retry a refused port for ever, and a
+# cancellation of that loop can be lost inside it). Once connected, reconnects never stop.
+FIRST_CONNECT_RETRIES = 1
+RETRY_FIRST_S = 0.5  # connect_until_ready's wait after a failed first connect, doubling ...
+RETRY_MAX_S = 2.0  # ... up to this
+CANCEL_AGAIN_S = 0.25  # until_stopped: how often a cancellation that was not taken is repeated ...
+GIVE_UP_CANCEL_S = 5.0  # ... and for how long, at most
+
+
+class NatsConnectError(Exception):
+    """No server of HERALD_NATS_URL accepted the first connection: unreachable, or it refused
+    the credentials (``authorization``). The message names the setting and the URL (without
+    its password)."""
+
+    def __init__(self, settings: Settings, failures: list[BaseException]) -> None:
+        self.authorization = any(_refused_authorization(f) for f in failures)
+        where = (f"{redact_url(settings.nats_url)} (HERALD_NATS_URL)" if settings.nats_url
+                 else f"{settings.effective_nats_url} (HERALD_NATS_PORT; HERALD_NATS_URL is unset)")
+        if self.authorization:
+            how = "HERALD_NATS_CREDS" if settings.nats_creds is not None else "the user and password in HERALD_NATS_URL"
+            self.reason = f"refused authorization: check {how}"
+        else:
+            self.reason = f"is not reachable: {failures[-1] if failures else 'no server answered'}"
+        super().__init__(f"NATS at {where} {self.reason}")
+
+
+def _refused_authorization(exc: BaseException) -> bool:
+    # nats-py raises a server's -ERR during the first connect as a plain nats.errors.Error.
+    text = str(exc).lower()
+    return isinstance(exc, AuthorizationError) or "authorization" in text
+
+
+class Stopped(Exception):
+    """``until_stopped``: the stop event was set before the work ended."""
+
+
+async def until_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
+    """``work``'s result, unless ``stop`` is set first: then ``work`` is cancelled, and
+    ``Stopped`` raised once it has ended. So does a cancellation of the caller (re-raised).
+
+    The cancellation is repeated until ``work`` ends (at most GIVE_UP_CANCEL_S): nats-py's
+    connect can swallow one (Python 3.11's ``asyncio.wait_for`` returns its result when it
+    completes at the moment it is cancelled, and nats-py then tries the next server)."""
+    task = asyncio.ensure_future(work)
+    waiter = asyncio.ensure_future(stop.wait())
+    done: set[asyncio.Future[Any]] = set()
+    try:
+        done, _ = await asyncio.wait((task, waiter), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        if not task.done():  # stop was set, or the caller is being cancelled
+            await _cancel_until_ended(task)
+    if task not in done:
+        raise Stopped
+    return task.result()
+
+
+async def _cancel_until_ended(task: asyncio.Future[Any]) -> None:
+    loop = asyncio.get_running_loop()
+    give_up = loop.time() + GIVE_UP_CANCEL_S
+    while not task.done() and loop.time() < give_up:
+        task.cancel()
+        await asyncio.wait((task,), timeout=CANCEL_AGAIN_S)
+    if not task.done():
+        log.error("a NATS call did not end when cancelled; leaving it behind")
+    # Its outcome no longer matters; retrieved so that asyncio does not log it as unseen.
+    task.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+
 async def connect(
     settings: Settings, name: str, *, reconnected: Callable[[], Awaitable[None]] | None = None
 ) -> NATS:
-    """Connect and keep reconnecting forever: NATS restarts must not kill a component.
+    """Connect, then keep reconnecting forever: NATS restarts must not kill a component.
 
     ``servers`` lists every URL of HERALD_NATS_URL (comma-separated for a cluster): the
     first connection goes to any one that answers, and a reconnect moves to any live
-    server, the ones the cluster announces included; ``reconnected`` runs after each."""
+    server, the ones the cluster announces included; ``reconnected`` runs after each.
+
+    The first connection is tried a bounded number of times (each server twice): if none
+    accepts it, ``NatsConnectError`` says why (unreachable, or authorization refused) and
+    the half-made client is closed, as it is when the call is cancelled."""
+    failures: list[BaseException] = []
+    connected = False
 
     async def on_error(exc: Exception) -> None:
-        log.warning("nats error: %s", exc)
+        if connected:
+            log.warning("nats error: %s", exc)
+        else:
+            failures.append(exc)  # said once, by NatsConnectError, if no server accepts
 
     nc = Client()  # nats-py's, with writes coalesced over a few turns of the loop (herald/natsclient.py)
-    await nc.connect(
-        servers=settings.nats_servers,
-        **auth_options(settings),
-        name=name,
-        max_reconnect_attempts=-1,
-        reconnect_time_wait=0.25,  # type: ignore[arg-type]  # a float works; nats-py's annotation says int
-        connect_timeout=2,
-        allow_reconnect=True,
-        error_cb=on_error,
-        reconnected_cb=reconnected,
-        pending_size=64 * 1024 * 1024,
-    )
+    try:
+        await nc.connect(
+            servers=settings.nats_servers,
+            **auth_options(settings),
+            name=name,
+            max_reconnect_attempts=FIRST_CONNECT_RETRIES,
+            reconnect_time_wait=0.25,  # type: ignore[arg-type]  # a float works; nats-py's annotation says int
+            connect_timeout=2,
+            allow_reconnect=True,
+            error_cb=on_error,
+            reconnected_cb=reconnected,
+            pending_size=64 * 1024 * 1024,
+        )
+    except BaseException as exc:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(nc.close(), timeout=2)
+        if isinstance(exc, Exception):
+            raise NatsConnectError(settings, failures or [exc]) from exc
+        raise
+    # nats-py reads the option at each reconnect: from now on it never gives up.
+    nc.options["max_reconnect_attempts"] = -1
+    connected = True
     return nc
 
 
-async def connect_until_ready(settings: Settings, name: str, *, stop: asyncio.Event) -> NATS | None:
-    """``connect``, retrying until NATS answers (a process may start before it); None if
-    ``stop`` is set first."""
+async def connect_until_ready(
+    settings: Settings, name: str, *, stop: asyncio.Event,
+    reconnected: Callable[[], Awaitable[None]] | None = None,
+) -> NATS | None:
+    """``connect``, retrying until NATS answers (a process may start before it); None as
+    soon as ``stop`` is set, whatever the attempt under way was doing."""
+    delay = RETRY_FIRST_S
     while not stop.is_set():
         try:
-            return await connect(settings, name)
+            return await until_stopped(connect(settings, name, reconnected=reconnected), stop)
+        except Stopped:
+            return None
         except Exception as exc:
-            log.warning("NATS not reachable yet, retrying: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), timeout=0.5)
+            log.warning("%s; retrying in %g s", exc, delay)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=delay)
+        delay = min(2 * delay, RETRY_MAX_S)
     return None
 
 

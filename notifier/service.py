@@ -125,7 +125,10 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         # Tenants' limits as they change at run time (SPEC §12, §13).
         directory = await owner.enter_async_context(running_directory(settings, storage, nc))
         js = nc.jetstream()
-        await jetstream.ensure_topology(js, settings)
+        try:
+            await jetstream.until_stopped(jetstream.ensure_topology(js, settings), stop)
+        except jetstream.Stopped:
+            return
         events = PullStream(nc, EVENTS_STREAM, NOTIFIER_CONSUMER, batch=FETCH_BATCH, expires_s=PULL_EXPIRES_S)
         log.info("notifier ready", extra={"owner": scheduler.owner})
         owner.spawn(_consume(events, scheduler, stop, notices), "event-consumer")

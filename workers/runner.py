@@ -444,7 +444,10 @@ async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSour
         directory = await owner.enter_async_context(running_directory(settings, storage, nc))
         limits = limits if limits is not None else directory
         js = nc.jetstream()
-        await jetstream.ensure_topology(js, settings)
+        try:
+            await jetstream.until_stopped(jetstream.ensure_topology(js, settings), stop)
+        except jetstream.Stopped:
+            return
         relay = Relay(store, nc, sweep_interval_s=settings.sweep_interval_s)
         # Unwound in reverse: the loop stops, then its last pass sends what the last runs and the
         # shutdown's hand-backs committed.

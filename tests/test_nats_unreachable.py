@@ -1,0 +1,198 @@
+"""NATS that is not there, or refuses Herald's credentials (SPEC §1, §9).
+
+A first connection that no server accepts ends (``NatsConnectError``, naming
+HERALD_NATS_URL and why: unreachable, or authorization refused) instead of being retried
+inside nats-py for ever; the components retry it themselves until NATS is there, and stop at
+once on SIGTERM whatever the attempt under way was doing. Once connected, reconnects never
+stop (NATS restarts must not kill a component: test_faults.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from herald import jetstream
+from herald.settings import Settings
+from launcher.supervisor import find_nats_server
+from tests.harness import Deployment, NatsServer, free_port, wait_until
+
+# Well under the 20 s after which a stopping component gives up and exits 3
+# (launcher/cli.py, HERALD_WORKER_GRACE_S + STOP_DEADLINE_S), with room for a loaded machine.
+STOP_S = 8.0
+PASSWORD = "right-password"
+
+
+@pytest.fixture
+def password_nats(tmp_path: Path) -> Iterator[int]:
+    """A nats-server that takes only user ``herald`` with PASSWORD; yields its port."""
+    binary = find_nats_server()
+    assert binary
+    port = free_port()
+    process = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "--user", "herald", "--pass", PASSWORD],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+    def listening() -> bool:
+        assert process.poll() is None, f"nats-server exited with {process.returncode}"
+        with socket.socket() as sock:
+            return sock.connect_ex(("127.0.0.1", port)) == 0
+
+    try:
+        wait_until(listening, timeout=10, what="nats-server with a password listening")
+        yield port
+    finally:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+# ----- the first connection ends, and says why -------------------------------------------------
+
+
+async def test_a_first_connect_to_a_port_nobody_listens_on_fails_naming_herald_nats_url(tmp_path: Path) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"
+    started = time.monotonic()
+    with pytest.raises(jetstream.NatsConnectError) as raised:
+        # nats-py with max_reconnect_attempts=-1 never returned from here
+        await asyncio.wait_for(jetstream.connect(Settings(data_dir=tmp_path, nats_url=url), "test"), timeout=15)
+    assert time.monotonic() - started < 10
+    assert not raised.value.authorization
+    assert f"NATS at {url} (HERALD_NATS_URL) is not reachable" in str(raised.value)
+
+
+async def test_a_wrong_password_fails_the_first_connect_as_authorization_refused(
+        tmp_path: Path, password_nats: int) -> None:
+    url = f"nats://herald:wrong-password@127.0.0.1:{password_nats}"
+    with pytest.raises(jetstream.NatsConnectError) as raised:
+        await asyncio.wait_for(jetstream.connect(Settings(data_dir=tmp_path, nats_url=url), "test"), timeout=15)
+    assert raised.value.authorization
+    message = str(raised.value)
+    assert "refused authorization" in message and "HERALD_NATS_URL" in message
+    assert "wrong-password" not in message  # the URL is named without its password
+    # The right one connects, through the same call.
+    right = f"nats://herald:{PASSWORD}@127.0.0.1:{password_nats}"
+    nc = await asyncio.wait_for(jetstream.connect(Settings(data_dir=tmp_path, nats_url=right), "test"), timeout=15)
+    await nc.close()
+
+
+async def test_once_connected_reconnects_never_give_up(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The first connect's bound is for the first connect only: a NATS that is away for many
+    failed reconnects is still found again when it comes back."""
+    server = NatsServer(tmp_path / "nats")
+    server.start()
+    try:
+        nc = await jetstream.connect(Settings(data_dir=tmp_path, nats_url=server.url), "test")
+        try:
+            assert nc.options["max_reconnect_attempts"] == -1
+            caplog.set_level(logging.WARNING, logger="herald.nats")
+            server.stop()
+            more_than_the_first_connects = 3 * (jetstream.FIRST_CONNECT_RETRIES + 1)
+
+            def failed_reconnects() -> int:
+                return sum("nats error" in r.getMessage() for r in caplog.records)
+
+            deadline = time.monotonic() + 30
+            while failed_reconnects() < more_than_the_first_connects:
+                assert time.monotonic() < deadline, "nats-py did not try to reconnect"
+                await asyncio.sleep(0.05)
+            assert not nc.is_closed
+            server.start()
+            deadline = time.monotonic() + 30
+            while not nc.is_connected:
+                assert not nc.is_closed and time.monotonic() < deadline, "the client gave up reconnecting"
+                await asyncio.sleep(0.05)
+            await asyncio.wait_for(nc.flush(), timeout=10)
+        finally:
+            await nc.close()
+    finally:
+        server.stop()
+
+
+# ----- a stop ends the wait at once ------------------------------------------------------------
+
+
+async def test_connect_until_ready_returns_none_as_soon_as_stop_is_set(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.WARNING, logger="herald.nats")
+    stop = asyncio.Event()
+    settings = Settings(data_dir=tmp_path, nats_url=f"nats://127.0.0.1:{free_port()}")
+    waiting = asyncio.create_task(jetstream.connect_until_ready(settings, "test", stop=stop))
+    try:
+        deadline = time.monotonic() + 15
+        while not any(r.name == "herald.nats" for r in caplog.records):
+            assert time.monotonic() < deadline and not waiting.done(), "no word of the unreachable NATS"
+            await asyncio.sleep(0.02)
+        stop.set()
+        assert await asyncio.wait_for(asyncio.shield(waiting), timeout=2) is None
+        assert any("HERALD_NATS_URL" in r.getMessage() and "not reachable" in r.getMessage() for r in caplog.records)
+    finally:
+        if not waiting.done():
+            waiting.cancel()
+            await asyncio.wait({waiting}, timeout=20)
+
+
+async def test_until_stopped_ends_work_that_swallows_a_cancellation() -> None:
+    """What nats-py's connect does when a cancellation meets Python 3.11's ``asyncio.wait_for``
+    just as the socket's connect fails: the cancellation is lost and it tries the next server.
+    A stop must end it anyway."""
+    cancels: list[float] = []
+
+    async def obstinate() -> str:
+        while True:
+            try:
+                await asyncio.sleep(3600)
+            except asyncio.CancelledError:
+                cancels.append(time.monotonic())
+                if len(cancels) == 1:
+                    continue  # lost, as in the race
+                raise
+
+    stop = asyncio.Event()
+    work = asyncio.create_task(jetstream.until_stopped(obstinate(), stop))
+    await asyncio.sleep(0)
+    stop.set()
+    with pytest.raises(jetstream.Stopped):
+        await asyncio.wait_for(work, timeout=3)
+    assert len(cancels) == 2
+
+
+# ----- the processes: SIGTERM stops them promptly, exit 0, NATS never reached --------------------
+
+
+@pytest.mark.parametrize("command", ["worker", "notifier", "gateway"])
+def test_sigterm_stops_a_component_that_never_reached_nats(tmp_path: Path, command: str) -> None:
+    deployment = Deployment(tmp_path)  # its nats-server is never started: nothing listens on its port
+    try:
+        process = deployment._spawn(command, [command], deployment.env(HERALD_HTTP_PORT=str(free_port())))
+
+        def tried_nats() -> bool:
+            assert process.poll() is None, deployment.log_text(command)[-3000:]
+            return any(e.get("logger") == "herald.nats" for e in deployment.log_events(command))
+
+        wait_until(tried_nats, timeout=60, what=f"{command} trying to reach NATS")
+        process.send_signal(signal.SIGTERM)
+        try:
+            code = process.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{command} still running {STOP_S:g} s after SIGTERM; its log ends:\n"
+                                 f"{deployment.log_text(command)[-3000:]}") from None
+        log = deployment.log_text(command)
+        # uvicorn ends a gateway's clean stop by raising the SIGTERM again (launcher/supervisor.py, unclean)
+        assert code == 0 or (command == "gateway" and code == -signal.SIGTERM), log[-3000:]
+        assert "shutdown took longer" not in log
+        complaints = [str(e.get("event")) for e in deployment.log_events(command) if e.get("logger") == "herald.nats"]
+        assert any("HERALD_NATS_URL" in c and "is not reachable" in c for c in complaints), complaints
+    finally:
+        deployment.stop()
+
