@@ -163,8 +163,9 @@ class ClusterSupervisor(Supervisor):
         # Our own cluster has three nodes; an external one is the operator's to size.
         return CLUSTER_SIZE if self.nodes else self.settings.nats_replicas
 
-    def ensure_topology(self, url: str) -> None:
-        """Wait for a JetStream meta leader, then create the streams and consumers (R3)."""
+    def ensure_topology(self, url: str) -> bool:
+        """Wait for a JetStream meta leader, then create the streams and consumers (R3); False
+        if a signal asked to stop first."""
         import nats
 
         settings = self.settings.with_changes(nats_url=url, nats_replicas=self.nats_replicas)
@@ -190,6 +191,7 @@ class ClusterSupervisor(Supervisor):
                     await asyncio.sleep(0.5)
 
         asyncio.run(ensure())
+        return not self.stopping.is_set()
 
     # ----- PostgreSQL ---------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ and are restarted with backoff if they exit on their own.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import os
 import secrets
@@ -31,6 +32,7 @@ from herald.keyfiles import load_or_create, private_dir, write_private
 from herald.settings import DEV_KEY, DEV_TENANT, Settings
 
 STOP_TIMEOUT_S = 15.0
+NATS_WAIT_S = 10.0  # how long `herald up` waits for NATS to accept its first connection
 ADMIN_KEY_FILE = "admin.key"
 NATS_CONF_FILE = "nats-server.conf"  # generated at each start, 0600: it holds a bcrypt hash of the NATS password
 NATS_USER = "herald"
@@ -101,14 +103,17 @@ def _die_with_parent() -> None:
             pass
 
 
-def _wait_for_port(port: int, deadline_s: float, alive: subprocess.Popen[bytes]) -> bool:
+def _wait_for_port(port: int, deadline_s: float, alive: subprocess.Popen[bytes],
+                   stopping: threading.Event | None = None) -> bool:
+    """Until something listens on ``port``: False if ``alive`` exits, the deadline passes or ``stopping`` is set."""
+    stopping = stopping or threading.Event()
     end = time.monotonic() + deadline_s
-    while time.monotonic() < end and alive.poll() is None:
+    while time.monotonic() < end and alive.poll() is None and not stopping.is_set():
         with socket.socket() as sock:
             sock.settimeout(0.2)
             if sock.connect_ex(("127.0.0.1", port)) == 0:
                 return True
-        time.sleep(0.05)
+        stopping.wait(0.05)
     return False
 
 
@@ -179,30 +184,71 @@ class Supervisor:
         self.nats = Child("nats-server", argv)
         self.spawn(self.nats)
         assert self.nats.process is not None
-        if not _wait_for_port(self.settings.nats_port, 15, self.nats.process):
+        if not _wait_for_port(self.settings.nats_port, 15, self.nats.process, self.stopping) and not self.stopping.is_set():
             raise SupervisorError(f"nats-server did not start listening on 127.0.0.1:{self.settings.nats_port}")
         # Every child gets it through HERALD_NATS_URL (its environment is readable by this
         # user only); jetstream.connect hands it to every server it talks to.
         return f"nats://{user}:{password}@127.0.0.1:{self.settings.nats_port}"
 
-    def ensure_topology(self, url: str) -> None:
-        async def ensure() -> None:
-            settings = self.settings.with_changes(nats_url=url)
-            deadline = time.monotonic() + 20
-            while True:
-                try:
-                    nc = await jetstream.connect(settings, name="herald-up")
-                    try:
-                        await jetstream.ensure_topology(nc.jetstream(), settings)
-                    finally:
-                        await nc.close()
-                    return
-                except Exception:
-                    if time.monotonic() > deadline:
-                        raise
-                    await asyncio.sleep(0.2)
+    def ensure_topology(self, url: str) -> bool:
+        """Connect to NATS and create the streams and consumers; False if a signal asked to
+        stop first (at any moment: the connect under way is abandoned). NATS that does not
+        answer within NATS_WAIT_S, or refuses the credentials, is a ``SupervisorError`` that
+        names HERALD_NATS_URL (or the port of the nats-server started here)."""
 
-        asyncio.run(ensure())
+        async def ensure() -> bool:
+            stop = asyncio.Event()
+            watch = asyncio.create_task(self._watch_stopping(stop))
+            try:
+                return await self._ensure_topology(self.settings.with_changes(nats_url=url), stop)
+            finally:
+                watch.cancel()
+
+        if self.stopping.is_set():
+            return False
+        return asyncio.run(ensure())
+
+    async def _watch_stopping(self, stop: asyncio.Event) -> None:
+        """``stopping`` (set by the signal handler) as an asyncio event of this loop."""
+        while not self.stopping.is_set():
+            await asyncio.sleep(0.05)
+        stop.set()
+
+    async def _ensure_topology(self, settings: Settings, stop: asyncio.Event) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + NATS_WAIT_S
+        waiting = False
+        while True:
+            try:
+                nc = await jetstream.until_stopped(jetstream.connect(settings, name="herald-up"), stop)
+            except jetstream.Stopped:
+                return False
+            except jetstream.NatsConnectError as exc:
+                message = (str(exc) if self.settings.nats_url else  # else the one started here, with its generated password
+                           f"the nats-server started on 127.0.0.1:{self.settings.nats_port} {exc.reason}")
+                if exc.authorization:
+                    raise SupervisorError(message) from None
+                if loop.time() >= deadline:
+                    raise SupervisorError(f"{message} (gave up after {NATS_WAIT_S:g} s)") from None
+                if not waiting:
+                    print(f"herald: {message}; waiting up to {NATS_WAIT_S:g} s", file=sys.stderr, flush=True)
+                    waiting = True
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), timeout=0.5)
+                continue
+            try:
+                await jetstream.until_stopped(jetstream.ensure_topology(nc.jetstream(), settings), stop)
+                return True
+            except jetstream.Stopped:
+                return False
+            except Exception as exc:  # noqa: BLE001  (no JetStream leader yet, say: until the deadline)
+                if loop.time() >= deadline:
+                    raise SupervisorError(f"creating the JetStream streams failed: {exc}") from None
+            finally:
+                with contextlib.suppress(Exception):
+                    await nc.close()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), timeout=0.2)
 
     def plan_children(self, url: str) -> None:
         self.env["HERALD_NATS_URL"] = url
@@ -328,15 +374,15 @@ def run_up(settings: Settings) -> int:
         if settings.http_host in ("127.0.0.1", "localhost"):
             _require_free_port(settings.http_port, "HERALD_HTTP_PORT or --port")
         url = supervisor.start_nats()
-        supervisor.ensure_topology(url)
-        supervisor.plan_children(url)
-        for child in supervisor.children:
-            supervisor.spawn(child)
-        if supervisor.wait_ready():
-            print(supervisor.banner(), flush=True)
-        elif not supervisor.stopping.is_set():
-            print("herald: the gateway did not become healthy within 30 s; see the log above", file=sys.stderr)
-        supervisor.supervise()
+        if supervisor.ensure_topology(url):  # else Ctrl-C while NATS was starting or answering
+            supervisor.plan_children(url)
+            for child in supervisor.children:
+                supervisor.spawn(child)
+            if supervisor.wait_ready():
+                print(supervisor.banner(), flush=True)
+            elif not supervisor.stopping.is_set():
+                print("herald: the gateway did not become healthy within 30 s; see the log above", file=sys.stderr)
+            supervisor.supervise()
         status = 0
     except SupervisorError as exc:
         print(f"herald: {exc}", file=sys.stderr)

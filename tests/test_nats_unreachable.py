@@ -10,10 +10,13 @@ stop (NATS restarts must not kill a component: test_faults.py).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,6 +25,7 @@ import pytest
 
 from herald import jetstream
 from herald.settings import Settings
+from launcher import supervisor
 from launcher.supervisor import find_nats_server
 from tests.harness import Deployment, NatsServer, free_port, wait_until
 
@@ -196,3 +200,78 @@ def test_sigterm_stops_a_component_that_never_reached_nats(tmp_path: Path, comma
     finally:
         deployment.stop()
 
+
+# ----- herald up with an external NATS that is not there, or refuses it ----------------------------
+
+# herald up gives up on NATS after supervisor.NATS_WAIT_S (10 s); its own start (imports) takes
+# seconds on a loaded machine.
+UP_GIVES_UP_S = 40.0
+
+
+@contextlib.contextmanager
+def herald_up(tmp_path: Path, nats_url: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``herald up`` with HERALD_NATS_URL, in a session of its own (as a terminal runs it);
+    its process group is killed at the end if it is still there."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_NATS_URL=nats_url, HERALD_HTTP_PORT=str(free_port()), HERALD_DATA_DIR=str(tmp_path / "var"),
+               HERALD_LOG_LEVEL="warning")
+    output = tmp_path / "up.log"
+    with open(output, "wb") as log:
+        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=log, stderr=log,
+                                   start_new_session=True)
+    try:
+        yield process, output
+    finally:
+        if process.poll() is None:
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _ended(process: subprocess.Popen[bytes], output: Path, within: float) -> int:
+    try:
+        return process.wait(within)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"herald up still running after {within:g} s; it said:\n"
+                             f"{output.read_text(errors='replace')[-3000:]}") from None
+
+
+def test_herald_up_gives_up_on_an_unreachable_nats_url_and_says_so(tmp_path: Path) -> None:
+    url = f"nats://127.0.0.1:{free_port()}"  # nothing listens there
+    with herald_up(tmp_path, url) as (process, output):
+        code = _ended(process, output, UP_GIVES_UP_S)
+        said = output.read_text(errors="replace")
+        assert code == 2, said
+        assert f"herald: NATS at {url} (HERALD_NATS_URL) is not reachable" in said
+        assert f"gave up after {supervisor.NATS_WAIT_S:g} s" in said
+        assert "Herald is up" not in said
+
+
+def test_herald_up_with_a_wrong_nats_password_exits_at_once_saying_authorization(
+        tmp_path: Path, password_nats: int) -> None:
+    url = f"nats://herald:wrong-password@127.0.0.1:{password_nats}"
+    with herald_up(tmp_path, url) as (process, output):
+        code = _ended(process, output, UP_GIVES_UP_S)
+        said = output.read_text(errors="replace")
+        assert code == 2, said
+        assert (f"herald: NATS at nats://herald:***@127.0.0.1:{password_nats} (HERALD_NATS_URL) refused authorization"
+                in said)
+        assert "wrong-password" not in said
+        assert "gave up after" not in said  # not waited out: a wrong password does not come right
+
+
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_herald_up_stops_cleanly_while_it_waits_for_nats(tmp_path: Path, how: str) -> None:
+    """Ctrl-C (SIGINT to the process group) or SIGTERM to its pid alone, while ``herald up``
+    is still trying to reach NATS: a prompt clean stop, exit 0 (SPEC §1)."""
+    with herald_up(tmp_path, f"nats://127.0.0.1:{free_port()}") as (process, output):
+        def trying() -> bool:
+            assert process.poll() is None, output.read_text(errors="replace")
+            return "nats" in output.read_text(errors="replace").lower()
+
+        wait_until(trying, timeout=60, what="herald up trying to reach NATS")
+        if how == "ctrl-c":
+            os.killpg(process.pid, signal.SIGINT)
+        else:
+            process.send_signal(signal.SIGTERM)
+        code = _ended(process, output, STOP_S)
+        assert code == 0, output.read_text(errors="replace")
