@@ -9,7 +9,6 @@ Restarts and shutdown are the single-machine supervisor's (``launcher.supervisor
 
 from __future__ import annotations
 
-import asyncio
 import os
 import secrets
 import signal
@@ -20,7 +19,6 @@ import time
 import urllib.request
 from pathlib import Path
 
-from herald import jetstream
 from herald.keyfiles import load_or_create, private_dir
 from herald.metrics import MULTIPROC_ENV
 from herald.sealing import KEY_FILE, load_or_create_key_file
@@ -103,6 +101,9 @@ class ClusterSupervisor(Supervisor):
     """``herald up --cluster``: the single-machine supervisor's restarts and shutdown, for
     three NATS nodes, one PostgreSQL and six Herald processes, each with its own env."""
 
+    nats_wait_s = 30.0  # three nodes electing a JetStream meta leader
+    own_nats = "the NATS cluster started here"
+
     def __init__(self, settings: Settings, *, postgres_port: int | None = None) -> None:
         super().__init__(settings)
         self.root = cluster_root(settings)
@@ -150,7 +151,9 @@ class ClusterSupervisor(Supervisor):
             self.spawn(child)
         for node, child in zip(self.nodes, self.nats_children, strict=True):
             assert child.process is not None
-            if not _wait_for_port(node.client_port, 15, child.process):
+            if not _wait_for_port(node.client_port, 15, child.process, self.stopping):
+                if self.stopping.is_set():
+                    break
                 raise SupervisorError(
                     f"nats-server {node.name} did not start listening on 127.0.0.1:{node.client_port}; "
                     f"see {self.child_logs[child.name]}"
@@ -163,35 +166,11 @@ class ClusterSupervisor(Supervisor):
         # Our own cluster has three nodes; an external one is the operator's to size.
         return CLUSTER_SIZE if self.nodes else self.settings.nats_replicas
 
-    def ensure_topology(self, url: str) -> bool:
-        """Wait for a JetStream meta leader, then create the streams and consumers (R3); False
-        if a signal asked to stop first."""
-        import nats
-
-        settings = self.settings.with_changes(nats_url=url, nats_replicas=self.nats_replicas)
-        servers = [u.strip() for u in url.split(",") if u.strip()]
-
-        async def ensure() -> None:
-            deadline = time.monotonic() + 30
-            while not self.stopping.is_set():
-                try:
-                    nc = await nats.connect(servers=servers, connect_timeout=2, allow_reconnect=False,
-                                            max_reconnect_attempts=0, name="herald-up-cluster",
-                                            **jetstream.auth_options(settings))
-                    try:
-                        js = nc.jetstream(timeout=5)
-                        await js.account_info()  # answers only once the cluster has a meta leader
-                        await jetstream.ensure_topology(js, settings)
-                    finally:
-                        await nc.close()
-                    return
-                except Exception as exc:  # noqa: BLE001  (not up yet: retry until the deadline)
-                    if time.monotonic() > deadline:
-                        raise SupervisorError(f"JetStream on the NATS cluster did not become available: {exc}") from exc
-                    await asyncio.sleep(0.5)
-
-        asyncio.run(ensure())
-        return not self.stopping.is_set()
+    def topology_settings(self, url: str) -> Settings:
+        """The streams and consumers (R3 on our own cluster) are made as ``herald up`` makes
+        them (``Supervisor.ensure_topology``); JetStream answers once the cluster has elected a
+        meta leader, which ``jetstream.ensure_topology`` waits for."""
+        return self.settings.with_changes(nats_url=url, nats_replicas=self.nats_replicas)
 
     # ----- PostgreSQL ---------------------------------------------------------------------
 
@@ -365,9 +344,9 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
             for port in (settings.http_port, settings.http_port + 1):
                 _require_free_port(port, "HERALD_HTTP_PORT or --port (the cluster's gateways use it and the next)")
         url = supervisor.start_nats()
-        supervisor.start_postgres()
-        supervisor.ensure_topology(url)
-        if not supervisor.stopping.is_set():  # else Ctrl-C while NATS or PostgreSQL were starting
+        if not supervisor.stopping.is_set():
+            supervisor.start_postgres()
+        if supervisor.ensure_topology(url):  # else Ctrl-C while NATS or PostgreSQL were starting
             supervisor.plan_children(url)
             for child in supervisor.children:
                 supervisor.spawn(child)

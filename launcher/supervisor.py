@@ -29,7 +29,7 @@ import bcrypt
 from herald import jetstream
 from herald.metrics import MULTIPROC_ENV, mark_process_dead
 from herald.keyfiles import load_or_create, private_dir, write_private
-from herald.settings import DEV_KEY, DEV_TENANT, Settings
+from herald.settings import DEV_KEY, DEV_TENANT, Settings, redact_url
 
 STOP_TIMEOUT_S = 15.0
 NATS_WAIT_S = 10.0  # how long `herald up` waits for NATS to accept its first connection
@@ -137,6 +137,9 @@ class Child:
 
 
 class Supervisor:
+    nats_wait_s = NATS_WAIT_S  # how long NATS may take to accept the first connection
+    own_nats = "the nats-server started here"  # what is waited for when HERALD_NATS_URL is unset
+
     def __init__(self, settings: Settings) -> None:
         self.settings = settings
         self.stopping = threading.Event()
@@ -193,20 +196,23 @@ class Supervisor:
     def ensure_topology(self, url: str) -> bool:
         """Connect to NATS and create the streams and consumers; False if a signal asked to
         stop first (at any moment: the connect under way is abandoned). NATS that does not
-        answer within NATS_WAIT_S, or refuses the credentials, is a ``SupervisorError`` that
-        names HERALD_NATS_URL (or the port of the nats-server started here)."""
+        answer within ``nats_wait_s``, or refuses the credentials, is a ``SupervisorError``
+        that names HERALD_NATS_URL (or says it is the nats-server started here)."""
 
         async def ensure() -> bool:
             stop = asyncio.Event()
             watch = asyncio.create_task(self._watch_stopping(stop))
             try:
-                return await self._ensure_topology(self.settings.with_changes(nats_url=url), stop)
+                return await self._ensure_topology(self.topology_settings(url), stop)
             finally:
                 watch.cancel()
 
         if self.stopping.is_set():
             return False
         return asyncio.run(ensure())
+
+    def topology_settings(self, url: str) -> Settings:
+        return self.settings.with_changes(nats_url=url)
 
     async def _watch_stopping(self, stop: asyncio.Event) -> None:
         """``stopping`` (set by the signal handler) as an asyncio event of this loop."""
@@ -216,7 +222,7 @@ class Supervisor:
 
     async def _ensure_topology(self, settings: Settings, stop: asyncio.Event) -> bool:
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + NATS_WAIT_S
+        deadline = loop.time() + self.nats_wait_s
         waiting = False
         while True:
             try:
@@ -225,13 +231,13 @@ class Supervisor:
                 return False
             except jetstream.NatsConnectError as exc:
                 message = (str(exc) if self.settings.nats_url else  # else the one started here, with its generated password
-                           f"the nats-server started on 127.0.0.1:{self.settings.nats_port} {exc.reason}")
+                           f"{self.own_nats} ({redact_url(settings.effective_nats_url)}) {exc.reason}")
                 if exc.authorization:
                     raise SupervisorError(message) from None
                 if loop.time() >= deadline:
-                    raise SupervisorError(f"{message} (gave up after {NATS_WAIT_S:g} s)") from None
+                    raise SupervisorError(f"{message} (gave up after {self.nats_wait_s:g} s)") from None
                 if not waiting:
-                    print(f"herald: {message}; waiting up to {NATS_WAIT_S:g} s", file=sys.stderr, flush=True)
+                    print(f"herald: {message}; waiting up to {self.nats_wait_s:g} s", file=sys.stderr, flush=True)
                     waiting = True
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), timeout=0.5)
@@ -243,7 +249,7 @@ class Supervisor:
                 return False
             except Exception as exc:  # noqa: BLE001  (no JetStream leader yet, say: until the deadline)
                 if loop.time() >= deadline:
-                    raise SupervisorError(f"creating the JetStream streams failed: {exc}") from None
+                    raise SupervisorError(f"JetStream did not become available: creating its streams failed: {exc}") from None
             finally:
                 with contextlib.suppress(Exception):
                     await nc.close()

@@ -209,16 +209,16 @@ UP_GIVES_UP_S = 40.0
 
 
 @contextlib.contextmanager
-def herald_up(tmp_path: Path, nats_url: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
-    """``herald up`` with HERALD_NATS_URL, in a session of its own (as a terminal runs it);
-    its process group is killed at the end if it is still there."""
+def herald_up(tmp_path: Path, nats_url: str, *args: str, **extra: str) -> Iterator[tuple[subprocess.Popen[bytes], Path]]:
+    """``herald up *args`` with HERALD_NATS_URL, in a session of its own (as a terminal runs
+    it); its process group is killed at the end if it is still there."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
     env.update(HERALD_NATS_URL=nats_url, HERALD_HTTP_PORT=str(free_port()), HERALD_DATA_DIR=str(tmp_path / "var"),
-               HERALD_LOG_LEVEL="warning")
+               HERALD_LOG_LEVEL="warning", **extra)
     output = tmp_path / "up.log"
     with open(output, "wb") as log:
-        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=log, stderr=log,
-                                   start_new_session=True)
+        process = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", *args], env=env, stdout=log,
+                                   stderr=log, start_new_session=True)
     try:
         yield process, output
     finally:
@@ -259,11 +259,21 @@ def test_herald_up_with_a_wrong_nats_password_exits_at_once_saying_authorization
         assert "gave up after" not in said  # not waited out: a wrong password does not come right
 
 
+# herald up --cluster with an external NATS and PostgreSQL starts neither (PostgreSQL is not
+# reached before NATS is): nothing listens on either port.
+def _cluster(*args: str) -> tuple[tuple[str, ...], dict[str, str]]:
+    return ("--cluster", *args), {"HERALD_DATABASE_URL": f"postgresql://herald:pw@127.0.0.1:{free_port()}/herald",
+                                  "HERALD_SECRET_KEY": "tests-secret-key-of-at-least-32-characters"}
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["up", "up-cluster"])
 @pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
-def test_herald_up_stops_cleanly_while_it_waits_for_nats(tmp_path: Path, how: str) -> None:
+def test_herald_up_stops_cleanly_while_it_waits_for_nats(tmp_path: Path, how: str, cluster: bool) -> None:
     """Ctrl-C (SIGINT to the process group) or SIGTERM to its pid alone, while ``herald up``
-    is still trying to reach NATS: a prompt clean stop, exit 0 (SPEC §1)."""
-    with herald_up(tmp_path, f"nats://127.0.0.1:{free_port()}") as (process, output):
+    (or ``herald up --cluster``) is still trying to reach NATS: a prompt clean stop, exit 0
+    (SPEC §1, §11)."""
+    args, extra = _cluster() if cluster else ((), {})
+    with herald_up(tmp_path, f"nats://127.0.0.1:{free_port()}", *args, **extra) as (process, output):
         def trying() -> bool:
             assert process.poll() is None, output.read_text(errors="replace")
             return "nats" in output.read_text(errors="replace").lower()
@@ -275,3 +285,15 @@ def test_herald_up_stops_cleanly_while_it_waits_for_nats(tmp_path: Path, how: st
             process.send_signal(signal.SIGTERM)
         code = _ended(process, output, STOP_S)
         assert code == 0, output.read_text(errors="replace")
+
+
+def test_herald_up_cluster_with_a_wrong_nats_password_exits_at_once_saying_authorization(
+        tmp_path: Path, password_nats: int) -> None:
+    args, extra = _cluster()
+    with herald_up(tmp_path, f"nats://herald:wrong-password@127.0.0.1:{password_nats}", *args, **extra) as (
+            process, output):
+        code = _ended(process, output, UP_GIVES_UP_S)
+        said = output.read_text(errors="replace")
+        assert code == 2, said
+        assert f"nats://herald:***@127.0.0.1:{password_nats} (HERALD_NATS_URL) refused authorization" in said
+        assert "wrong-password" not in said
