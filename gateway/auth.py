@@ -64,7 +64,13 @@ def _principal(token: str, svc: Services) -> Principal | None:
 
 def note_stream_owner(request: Request, svc: Services, tenant: str, key_id: str | None = None) -> None:
     """Who this request is for, so that a stream it opens ends when that no longer holds
-    (``gateway.sse``): the key that authenticated it, or only the tenant of a signed link."""
+    (``gateway.sse``): the key that authenticated it, or only the tenant of a signed link.
+
+    A signed link (no key) of a disabled tenant is refused here, with the 401 its keys get
+    (SPEC §12), before anything is read or counted for it: a valid signature names a tenant,
+    it does not outrank the tenant being disabled."""
+    if key_id is None and svc.directory.disabled(tenant):
+        raise Unauthorized("this signed link's tenant is disabled")
     request.state[STREAM_OWNER] = StreamOwner(svc.directory, tenant, key_id)
 
 

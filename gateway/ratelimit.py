@@ -68,6 +68,22 @@ class TenantLimits:
         if self._held[tenant] <= 0:
             del self._held[tenant]
 
+    def stream_slot(self, tenant: str) -> Callable[[], None]:
+        """``open_stream``, and the one call that closes it (calling it again does nothing).
+        A streamed response takes it and calls it when it ends, however it ends
+        (``gateway.sse.EventStream``): a count closed only where its stream's body ran was
+        never closed for a body that never started."""
+        self.open_stream(tenant)
+        open_ = True
+
+        def close() -> None:
+            nonlocal open_
+            if open_:
+                open_ = False
+                self.close_stream(tenant)
+
+        return close
+
 
 class BacklogGuard:
     """Back-pressure: while a tenant's oldest queued job of a kind is older than the bound,

@@ -8,7 +8,12 @@ and logged; it reconnects with Last-Event-ID and misses nothing.
 A stream lasts only while whoever opened it may (SPEC §12): the request's authentication
 leaves a ``StreamOwner`` in ``request.state`` (``gateway.auth``), and the tenant directory
 ends the stream once that key is revoked or expires, or its tenant is disabled. The
-client's reconnect then gets the 401 any request with that key gets.
+client's reconnect then gets the 401 any request with that key gets; so does a stream whose
+key stopped holding between the route's check and the answer's start.
+
+The response owns the stream's slot in the tenant's ``max_streams`` (``slot``, from
+``TenantLimits.stream_slot``): it gives it back when it ends, whichever way it ends, also
+when its body never starts (a refusal, a HEAD, a client already gone).
 """
 
 from __future__ import annotations
@@ -17,18 +22,21 @@ import asyncio
 import contextlib
 import itertools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import msgspec
 from litestar import Request
 from litestar.response import Stream
 from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import HTTPResponseBodyEvent, Receive, Send
 
+from gateway.problems import PROBLEM_MEDIA_TYPE
 from herald.directory import StreamOwner
 from herald.metrics import metrics
 from schemas import JobEvent
+from schemas.problems import UNAUTHORIZED
 
 log = logging.getLogger("herald.sse")
 
@@ -41,6 +49,13 @@ STREAM_OWNER = "stream_owner"  # the request.state entry: a herald.directory.Str
 
 RETRY_FRAME = f"retry: {RETRY_MS}\n\n".encode()
 KEEPALIVE_FRAME = b": keep-alive\n\n"
+
+_NO_LONGER_HOLDS = msgspec.json.encode(UNAUTHORIZED.problem(
+    "this key was revoked or has expired, or its tenant was disabled"))
+_NO_LONGER_HOLDS_HEADERS = [
+    (b"content-type", PROBLEM_MEDIA_TYPE.encode()), (b"content-length", str(len(_NO_LONGER_HOLDS)).encode()),
+    (b"cache-control", b"no-store"), (b"www-authenticate", b'Bearer realm="herald"'),
+]
 
 
 def frame(event_id: str | None, event_type: str, data: bytes) -> bytes:
@@ -102,18 +117,35 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
     task, and one small task waits for the client's disconnect and cancels it.
     """
 
-    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "owner")
+    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "owner", "slot")
     owner: StreamOwner | None  # set by EventStream: whom the stream was opened for
+    slot: Callable[[], None] | None  # set by EventStream: gives the tenant's held-stream slot back
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.owner = self.slot = None
+
+    async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
+        try:
+            owner = self.owner
+            if owner is not None and not owner.directory.stream_allowed(owner.tenant, owner.key_id):
+                # Revoked (or its tenant disabled) between the route's check and now: the 401 the
+                # reconnect would get. Never a 200 with an empty body, which EventSource retries.
+                await send({"type": "http.response.start", "status": 401, "headers": _NO_LONGER_HOLDS_HEADERS})
+                await send({"type": "http.response.body", "body": _NO_LONGER_HOLDS, "more_body": False})
+                return
+            await super().__call__(scope, receive, send)
+        finally:
+            slot, self.slot = self.slot, None
+            if slot is not None:
+                slot()
 
     async def send_body(self, send: Send, receive: Receive) -> None:
         task = asyncio.current_task()
         assert task is not None
         self._task, self._sends, self._in_send, self._seen, self._strikes = task, 0, False, -1, 0
         self._ended_by: str | None = None
-        owner: StreamOwner | None = getattr(self, "owner", None)
-        if owner is not None and not owner.directory.stream_allowed(owner.tenant, owner.key_id):
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
-            return  # revoked between the request's authentication and now
+        owner = self.owner
         held = owner.directory.hold_stream(owner, lambda: self._end("revoked")) if owner is not None else None
         listener = asyncio.ensure_future(self._until_disconnect(receive))
         _watchdog.add(self)
@@ -171,8 +203,12 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
 class EventStream(Stream):
     """``text/event-stream`` with bounded sends and the SSE headers."""
 
-    def __init__(self, iterator: AsyncIterator[bytes], **kwargs: Any) -> None:
+    def __init__(self, iterator: AsyncIterator[bytes], *, slot: Callable[[], None] | None = None,
+                 **kwargs: Any) -> None:
+        """``slot``: the tenant's held-stream slot this stream takes (``TenantLimits.stream_slot``);
+        the response gives it back when it ends, however it ends."""
         super().__init__(iterator, media_type="text/event-stream", headers=dict(SSE_HEADERS), **kwargs)
+        self.slot = slot
 
     def to_asgi_response(  # type: ignore[override]
         self,
@@ -203,4 +239,5 @@ class EventStream(Stream):
             status_code=self.status_code or status_code,
         )
         response.owner = request.state.get(STREAM_OWNER)
+        response.slot, self.slot = self.slot, None
         return response

@@ -1,4 +1,5 @@
-"""The bound on every SSE send: a client that cannot take an event in time is dropped, others are not.
+"""The bound on every SSE send: a client that cannot take an event in time is dropped, others are not;
+and the tenant's held-stream slot is given back once, however a stream ends.
 
 The slow-reader test in test_streams.py fills the stream's queue first; this one drives the
 streaming response directly with a send that never completes, so the send bound itself
@@ -10,13 +11,20 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 from prometheus_client import REGISTRY
 
 from gateway import sse
+from gateway.ratelimit import TenantLimits
+from herald.directory import Directory, StreamOwner
 from herald.metrics import metrics
+from herald.settings import Settings
+from herald.storage import build_storage
+from herald.tenants import DirectorySnapshot, TenantRow
+from tests.harness import SECRET_KEY
 
 
 def _dropped() -> float:
@@ -65,3 +73,56 @@ async def test_sends_that_complete_are_never_cut(monkeypatch: pytest.MonkeyPatch
     await asyncio.wait_for(response.send_body(send, _never_disconnects), timeout=5)  # type: ignore[arg-type]
     assert len(sent) == 11 and sent[-1] == b"", "every chunk, then the end of the body"
     assert _dropped() == before
+
+
+def _owned_by(tenant: str, *, disabled: bool, tmp_path: Path) -> tuple[StreamOwner, TenantLimits]:
+    """A stream owner (a signed link of ``tenant``) and the held-stream count, over a real
+    tenant directory that holds the tenant as given."""
+    settings = Settings(data_dir=tmp_path, secret_keys=(SECRET_KEY,))
+    storage = build_storage(settings)
+    directory = Directory(settings, storage.tenants, storage.sealer)
+    directory.install(DirectorySnapshot(version=1, tenants=[TenantRow(tenant, 0.0, disabled, {})], keys=[]))
+    return StreamOwner(directory, tenant, None), TenantLimits(directory)
+
+
+async def _answer(response: sse._BoundedStreamingResponse, send: Any = None) -> list[dict[str, Any]]:
+    sent: list[dict[str, Any]] = []
+
+    async def collect(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "method": "GET"}
+    await asyncio.wait_for(response(scope, _never_disconnects, send or collect), timeout=5)  # type: ignore[arg-type]
+    return sent
+
+
+@pytest.mark.parametrize("disabled", [True, False])
+async def test_every_stream_gives_its_slot_back_once_however_it_ends(tmp_path: Path, disabled: bool) -> None:
+    """The slot a route took for a stream (``max_streams``) is given back by the response, also
+    when its body never starts: refused at its start because its owner no longer holds (a 401,
+    never a 200 with an empty body, which EventSource retries), or a send that fails."""
+    owner, limiter = _owned_by("t1", disabled=disabled, tmp_path=tmp_path)
+    response = sse._BoundedStreamingResponse(iterator=_chunks(3), media_type="text/event-stream")
+    response.owner, response.slot = owner, limiter.stream_slot("t1")
+    assert limiter.held("t1") == 1
+    sent = await _answer(response)
+    assert limiter.held("t1") == 0, "given back"
+    if disabled:
+        assert [m["type"] for m in sent] == ["http.response.start", "http.response.body"]
+        assert sent[0]["status"] == 401 and (b"www-authenticate", b'Bearer realm="herald"') in sent[0]["headers"]
+    else:
+        assert sent[0]["status"] == 200 and [m["body"] for m in sent[1:]] == [b"data: 0\n\n", b"data: 1\n\n",
+                                                                              b"data: 2\n\n", b""]
+    other = limiter.stream_slot("t1")  # a second stream: its slot is its own
+    other()
+    other()
+    assert limiter.held("t1") == 0, "a slot is given back once, however often it is called"
+
+    async def broken(message: dict[str, Any]) -> None:
+        raise OSError("the connection broke")
+
+    response = sse._BoundedStreamingResponse(iterator=_chunks(3), media_type="text/event-stream")
+    response.owner, response.slot = owner, limiter.stream_slot("t1")
+    with pytest.raises(OSError):
+        await _answer(response, broken)
+    assert limiter.held("t1") == 0

@@ -475,6 +475,52 @@ def test_streams_end_when_their_key_is_revoked_or_expires_or_their_tenant_is_dis
     assert by_kept.ended.wait(PROPAGATION_S + 1) and by_link.ended.wait(PROPAGATION_S + 1)
 
 
+def test_a_disabled_tenants_signed_links_are_refused_and_take_no_stream_slot(fresh: Deployment) -> None:
+    """A signed link names a tenant; while that tenant is disabled it gets the 401 the tenant's
+    keys get (SPEC §12), every form of it, and holds nothing: after the tenant is enabled again
+    its one stream slot (max_streams 1) is free for every kind of held stream. (The link was
+    answered 200 with an empty body, which EventSource retries every 3 s, and each such answer
+    kept a slot for good: every stream and held poll of the tenant got 429 until a restart.)"""
+    base = fresh.start_gateway()  # no worker: the job stays queued, so a stream of it would stay open
+    new_tenant(base, "linked", max_streams=1)
+    key = new_key(base, "linked")["key"]
+    with keyed(base, key) as http:
+        job = http.post("/reports", json=REPORT).json()
+        links = {
+            "events": job["links"]["events"],
+            "output": job["links"]["output"],
+            "tenant events": http.post("/events/link").json()["url"],
+            "deliveries": http.post("/webhooks/events/link").json()["url"],
+        }
+    sse, feed = {"Accept": "text/event-stream"}, {"Accept": "application/json"}
+    with admin(base) as http:
+        assert http.patch("/admin/tenants/linked", json={"disabled": True}).status_code == 200
+    status_within(base, key, 401)
+    with httpx.Client(base_url=base, timeout=10, verify=TLS) as anonymous:
+        for name, link in links.items():
+            for method, headers in (("GET", sse), ("HEAD", sse), ("GET", feed), ("GET", {})):
+                refused = anonymous.request(method, link, headers=headers)
+                assert refused.status_code == 401, (name, method, headers, refused.status_code, refused.text)
+                assert refused.headers["www-authenticate"].startswith("Bearer")
+                assert refused.headers["content-type"].startswith("application/problem+json")
+                if method == "GET":
+                    assert "disabled" in refused.json()["detail"]
+    with admin(base) as http:
+        assert http.patch("/admin/tenants/linked", json={"disabled": False}).status_code == 200
+    status_within(base, key, 200)
+
+    def opens(url: str, headers: dict[str, str]) -> bool:
+        with httpx.stream("GET", url, headers=headers, timeout=10, verify=TLS) as answer:
+            return answer.status_code == 200  # and closes it: the slot is free once the gateway has seen that
+
+    bearer = {"Authorization": f"Bearer {key}"}
+    for url, headers in ((f"{base}/events", {**bearer, **sse}), (f"{base}/jobs/{job['id']}/events", {**bearer, **sse}),
+                         (base + links["events"], sse), (f"{base}/events?wait=1&after=999999", {**bearer, **feed}),
+                         (f"{base}/jobs/{job['id']}/output", {**bearer, **sse})):
+        # Polled: the previous one's slot is given back once the gateway has seen it close.
+        wait_until(lambda: opens(url, headers), timeout=10, interval=0.1, what=f"{url} opening (not 429)")
+
+
 class HeldPoll:
     """A long poll answered in a thread of its own: ``answered`` is set with its ``response``."""
 

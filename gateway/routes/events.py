@@ -99,8 +99,8 @@ async def _job_opening(svc: Services, job_id: str, resume: int | None) -> tuple[
     return frames, current.version, current.terminal
 
 
-async def _job_stream(svc: Services, tenant: str, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
-    """The stream's body; it closes the tenant's held-stream slot (``open_stream``) when it ends."""
+async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
+    """The stream's body (its response holds the tenant's held-stream slot: ``EventStream``)."""
     subscriber = svc.hub.subscribe_job(job_id)
     svc.metrics.sse_streams.inc()
     try:
@@ -137,7 +137,6 @@ async def _job_stream(svc: Services, tenant: str, job_id: str, resume: int | Non
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
-        svc.limiter.close_stream(tenant)
 
 
 @get("/jobs/{job_id:str}/events", operation_id="job_events", tags=["events"],
@@ -159,8 +158,7 @@ async def job_events(
     resume = _resume_point(request, last_event_id)
     if job.terminal and resume == job.version:
         return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
-    svc.limiter.open_stream(job.tenant)
-    return EventStream(_job_stream(svc, job.tenant, job.id, resume))
+    return EventStream(_job_stream(svc, job.id, resume), slot=svc.limiter.stream_slot(job.tenant))
 
 
 # ----- the tenant's stream and feed ------------------------------------------------------
@@ -179,7 +177,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
 
 
 async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: int | None) -> AsyncIterator[bytes]:
-    """The stream's body; it closes the tenant's held-stream slot (``open_stream``) when it ends."""
+    """The stream's body (its response holds the tenant's held-stream slot: ``EventStream``)."""
     subscriber = svc.hub.subscribe_tenant(tenant)
     svc.metrics.sse_streams.inc()
     try:
@@ -233,7 +231,6 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
-        svc.limiter.close_stream(tenant)
 
 
 async def _feed(
@@ -303,8 +300,7 @@ async def tenant_events(
     resume = _resume_point(request, last_event_id)
     if resume == UNREPLAYABLE:
         resume = None  # the tenant stream sends no snapshot: it goes live from now
-    svc.limiter.open_stream(tenant)
-    return EventStream(_tenant_stream(svc, tenant, kind, resume))
+    return EventStream(_tenant_stream(svc, tenant, kind, resume), slot=svc.limiter.stream_slot(tenant))
 
 
 @post("/events/link", operation_id="events_link", tags=["events"], status_code=200,

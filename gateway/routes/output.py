@@ -119,7 +119,7 @@ async def _terminal_frame(svc: Services, job_id: str) -> bytes | None:
 
 
 async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resume: int) -> AsyncIterator[bytes]:
-    """The SSE body; it closes the tenant's held-stream slot (``open_stream``) when it ends."""
+    """The SSE body (its response holds the tenant's held-stream slot: ``EventStream``)."""
     subscriber = svc.hub.subscribe_output(job.id)
     svc.metrics.sse_streams.inc()
     try:
@@ -161,7 +161,6 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
-        svc.limiter.close_stream(job.tenant)
 
 
 async def _ndjson(js: JetStreamContext, job: JobRow, after: int) -> AsyncIterator[bytes]:
@@ -214,5 +213,4 @@ async def job_output(
         return EventStream(_retry_later())
     if resume is not None and job.terminal and resume >= (await last_mark(js, job.tenant, job.id)).n:
         return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
-    svc.limiter.open_stream(job.tenant)
-    return EventStream(_output_stream(svc, js, job, resume or 0))
+    return EventStream(_output_stream(svc, js, job, resume or 0), slot=svc.limiter.stream_slot(job.tenant))

@@ -277,7 +277,6 @@ async def _notice_stream(svc: Services, tenant: str) -> AsyncIterator[bytes]:
     finally:
         svc.metrics.sse_streams.dec()
         svc.watch.unwatch(watcher)
-        svc.limiter.close_stream(tenant)
 
 
 # ----- the API --------------------------------------------------------------------------
@@ -513,8 +512,7 @@ class WebhooksController(Controller):
         once on every (re)connect. Hints, not data: read the deliveries again on each."""
         svc = services(request)
         owner = _webhook_events_tenant(request, svc)
-        svc.limiter.open_stream(owner)
-        return EventStream(_notice_stream(svc, owner))
+        return EventStream(_notice_stream(svc, owner), slot=svc.limiter.stream_slot(owner))
 
     @post("/events/link", operation_id="webhook_events_link", status_code=200,
           summary="A signed URL for GET /webhooks/events (for EventSource, which cannot send a key)",
