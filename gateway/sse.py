@@ -41,6 +41,10 @@ from schemas.problems import UNAUTHORIZED
 log = logging.getLogger("herald.sse")
 
 SEND_TIMEOUT_S = 10.0
+# How long a stream that was told to end may go on before it is told again: a cancel can be
+# lost (Python 3.11's asyncio.wait_for, inside nats-py's requests, returns the result when a
+# cancel lands in the turn its answer arrives), and a stream that lost it would wait forever.
+RECANCEL_S = 1.0
 KEEPALIVE_S = 15.0
 RETRY_MS = 3000
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
@@ -114,10 +118,13 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
 
     Plain asyncio instead of Litestar's anyio task group per response (a group, its cancel
     scopes and two task handles for every held stream): the stream runs in the request's own
-    task, and one small task waits for the client's disconnect and cancels it.
+    task, and one small task waits for the client's disconnect and cancels it. A stream
+    ended so is cancelled again every ``RECANCEL_S`` until its body has stopped: one cancel
+    can be swallowed on its way (see ``RECANCEL_S``).
     """
 
-    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "owner", "slot")
+    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "_cancels", "_stopping", "owner",
+                 "slot")
     owner: StreamOwner | None  # set by EventStream: whom the stream was opened for
     slot: Callable[[], None] | None  # set by EventStream: gives the tenant's held-stream slot back
 
@@ -145,6 +152,7 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
         assert task is not None
         self._task, self._sends, self._in_send, self._seen, self._strikes = task, 0, False, -1, 0
         self._ended_by: str | None = None
+        self._cancels, self._stopping = 0, False  # our cancels of the task; the body is past its loop
         owner = self.owner
         held = owner.directory.hold_stream(owner, lambda: self._end("revoked")) if owner is not None else None
         listener = asyncio.ensure_future(self._until_disconnect(receive))
@@ -160,13 +168,16 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
                 del chunk, body  # an idle stream keeps no copy of what it sent last
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
+            self._stopping = True
             if self._ended_by is None:
                 raise  # cancelled from outside (the server stopping): not ours to swallow
-            task.uncancel()
             if self._ended_by == "revoked":  # a clean end: the client reconnects, and learns why
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
+            self._stopping = True
+            for _ in range(self._cancels):  # each of ours, also one that was swallowed on its way
+                task.uncancel()
             if held is not None and owner is not None:
                 owner.directory.release_stream(held)
             _watchdog.discard(self)
@@ -195,9 +206,16 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
                 self._end("send_timeout")
 
     def _end(self, reason: str) -> None:
-        if self._ended_by is None:
+        if self._ended_by is None and not self._stopping:
             self._ended_by = reason
+            self._cancel()
+
+    def _cancel(self) -> None:
+        """Cancel the stream's task, and again every ``RECANCEL_S`` until its body stopped."""
+        if not self._stopping:
+            self._cancels += 1
             self._task.cancel()
+            asyncio.get_running_loop().call_later(RECANCEL_S, self._cancel)
 
 
 class EventStream(Stream):

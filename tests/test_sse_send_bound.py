@@ -126,3 +126,42 @@ async def test_every_stream_gives_its_slot_back_once_however_it_ends(tmp_path: P
     with pytest.raises(OSError):
         await _answer(response, broken)
     assert limiter.held("t1") == 0
+
+
+async def test_a_disconnect_ends_the_stream_even_when_its_cancel_is_swallowed_on_the_way() -> None:
+    """Python 3.11's ``asyncio.wait_for`` (nats-py's requests use it) returns the result when a
+    cancel lands in the turn its answer arrives: the cancel is lost. A stream that lost the one
+    cancel its client's disconnect sent went on waiting for events forever, holding its slot
+    in max_streams (an output stream of a queued job, read from JetStream as its client left)."""
+    loop = asyncio.get_running_loop()
+    answer: asyncio.Future[None] = loop.create_future()  # a NATS request's answer
+    asking = asyncio.Event()
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"retry: 3000\n\n"
+        asking.set()
+        await asyncio.wait_for(answer, 10)  # the cancel lands here, and is lost
+        await asyncio.Event().wait()  # then it waits for the next event, as every stream does
+
+    requested = False
+
+    async def receive() -> dict[str, Any]:
+        nonlocal requested
+        if not requested:
+            requested = True
+            return {"type": "http.request", "body": b"", "more_body": False}
+        await asking.wait()
+        answer.set_result(None)  # the answer arrives in the same turn as the client leaves
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        pass
+
+    response = sse._BoundedStreamingResponse(iterator=body(), media_type="text/event-stream")
+    stream = asyncio.ensure_future(response.send_body(send, receive))  # type: ignore[arg-type]
+    done, _ = await asyncio.wait({stream}, timeout=3)  # told again within RECANCEL_S (1 s)
+    if not done:
+        stream.cancel()
+    assert done, "the stream went on after its client had left"
+    await stream
+    assert stream.cancelling() == 0, "every cancel of the stream's own is taken back"
