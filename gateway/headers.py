@@ -7,6 +7,10 @@
   and the connection closed: httptools would otherwise keep collecting it without bound.
 * A head httptools cannot parse at all is answered ``400`` as problem+json, as every
   other error is (``HttpProtocol.send_400_response``).
+* A response can abort its connection (``connection_abort(scope)``): a stream that drops a
+  reader who stopped reading (``gateway.sse``) must not leave its socket open with megabytes
+  queued, which is what ending the response does (uvicorn closes the transport, and a close
+  waits for the write buffer to drain; the kernel then keeps sending what it holds).
 
 Header names go out lower-cased (uvicorn's httptools protocol writes them so). Names are
 case-insensitive (RFC 9110 §5.1); the gateway ran h11 only to keep their case, at ~15 % of
@@ -21,7 +25,10 @@ names every method of a route where the framework's names only its first handler
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Mapping
+import contextlib
+import socket
+import struct
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import msgspec
@@ -33,6 +40,7 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.problems import PROBLEM_MEDIA_TYPE, allow
 from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE
 
+ABORT_EXTENSION = "herald.abort"  # scope["extensions"][ABORT_EXTENSION]["abort"]: reset the connection now
 MAX_HEADER_BYTES = 16 * 1024
 # Raw bytes count separators, the request line and line ends that the scope does not, so
 # the cap on an unfinished head is looser; it bounds memory, ``edge`` enforces the limit.
@@ -48,6 +56,13 @@ _TOO_LARGE_RAW = (
     + b"".join(name + b": " + value + b"\r\n" for name, value in _TOO_LARGE_HEADERS)
     + b"connection: close\r\n\r\n" + _TOO_LARGE_BODY
 )
+
+
+def connection_abort(scope: Mapping[str, Any]) -> Callable[[], None] | None:
+    """What resets the request's connection at once (``HttpProtocol`` puts it in the scope);
+    None under another server."""
+    extension = (scope.get("extensions") or {}).get(ABORT_EXTENSION)
+    return extension.get("abort") if isinstance(extension, dict) else None
 
 
 async def _refuse_large_head(send: Send) -> None:
@@ -138,6 +153,17 @@ class HttpProtocol(HttpToolsProtocol):
         self._in_head = True
         self._head_bytes = 0
         super().on_message_begin()
+        self.scope["extensions"] = {ABORT_EXTENSION: {"abort": self.abort_connection}}  # type: ignore[typeddict-unknown-key]
+
+    def abort_connection(self) -> None:
+        """Reset the connection now: what is queued for it is dropped, here and in the kernel
+        (a lingering close with a zero timeout sends RST), and the app's ``receive`` answers
+        ``http.disconnect`` from the next turn of the loop on."""
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        self.transport.abort()
 
     def on_headers_complete(self) -> None:
         self._in_head = False

@@ -81,12 +81,15 @@ class Inbox(Generic[T]):
     queues are short unless a reader falls behind. Subclasses decide what ``offer`` takes.
     """
 
-    __slots__ = ("key", "items", "overflowed", "_maxsize", "_offered", "_waiter", "_active")
+    __slots__ = ("key", "items", "overflowed", "on_drop", "_maxsize", "_offered", "_waiter", "_active")
 
     def __init__(self, key: str, maxsize: int) -> None:
         self.key = key
         self.items: list[T | bytes] = []
         self.overflowed = False  # its queue was full: the stream ends at the next item it takes
+        # Called once its queue overflowed (counted): ends its stream now, also one stuck in a
+        # send to a reader that stopped reading (gateway.sse.drop_handle).
+        self.on_drop: Callable[[], None] | None = None
         self._maxsize = maxsize
         self._offered = 0  # the position of the newest item queued: older ones are copies
         self._waiter: asyncio.Future[None] | None = None
@@ -296,6 +299,8 @@ class Hub:
         self.unsubscribe(subscriber)
         self._metrics.sse_dropped.labels(reason="queue_full").inc()
         log.warning("slow SSE client dropped", extra={"stream": subscriber.key})
+        if subscriber.on_drop is not None:
+            subscriber.on_drop()
 
     def publish(self, event: JobEvent) -> None:
         """Wake everything that waits on this event's job or tenant. Duplicates are fine."""
@@ -334,6 +339,8 @@ class Hub:
                 self.unsubscribe(subscriber)
                 self._metrics.sse_dropped.labels(reason="queue_full").inc()
                 log.warning("slow SSE client dropped", extra={"stream": subscriber.key, "job_id": item.event.job_id})
+                if subscriber.on_drop is not None:
+                    subscriber.on_drop()
 
     def resync(self) -> None:
         """After a NATS reconnect some events may be missed: make every waiter re-read the store."""

@@ -3,7 +3,10 @@
 Litestar's ``Stream`` awaits each send for as long as the client takes; a client that
 stops reading would hold its stream (and its queue) forever. ``EventStream`` bounds every
 send: a client that cannot take one event within ``SEND_TIMEOUT_S`` is dropped, counted
-and logged; it reconnects with Last-Event-ID and misses nothing.
+and logged; so is one whose queue in the hub overflows (the hub counts it and ends the
+stream through ``drop_handle``). A dropped client's connection is reset (what is queued
+for it is thrown away), not closed: a close waits for the client to read it all, and one
+that stopped reading never does. It reconnects with Last-Event-ID and misses nothing.
 
 A stream lasts only while whoever opened it may (SPEC §12): the request's authentication
 leaves a ``StreamOwner`` in ``request.state`` (``gateway.auth``), and the tenant directory
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
+import functools
 import itertools
 import logging
 from collections.abc import AsyncIterator, Callable
@@ -32,6 +37,7 @@ from litestar.response.base import ASGIResponse
 from litestar.response.streaming import ASGIStreamingResponse
 from litestar.types import HTTPResponseBodyEvent, Receive, Send
 
+from gateway.headers import connection_abort
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from herald.directory import StreamOwner
 from herald.metrics import metrics
@@ -45,6 +51,9 @@ SEND_TIMEOUT_S = 10.0
 # lost (Python 3.11's asyncio.wait_for, inside nats-py's requests, returns the result when a
 # cancel lands in the turn its answer arrives), and a stream that lost it would wait forever.
 RECANCEL_S = 1.0
+# How long a dropped reader's reset connection may take to be seen gone by the server, which
+# otherwise logs an error for a response that ended without completing.
+ABORT_WAIT_S = 1.0
 KEEPALIVE_S = 15.0
 RETRY_MS = 3000
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no", "Connection": "keep-alive"}
@@ -60,6 +69,11 @@ _NO_LONGER_HOLDS_HEADERS = [
     (b"content-type", PROBLEM_MEDIA_TYPE.encode()), (b"content-length", str(len(_NO_LONGER_HOLDS)).encode()),
     (b"cache-control", b"no-store"), (b"www-authenticate", b'Bearer realm="herald"'),
 ]
+
+
+class Dropped(Exception):
+    """Raised by a stream's body whose queue in the hub overflowed (the hub counted it): its
+    reader stopped reading, and the response resets its connection."""
 
 
 def frame(event_id: str | None, event_type: str, data: bytes) -> bytes:
@@ -110,6 +124,16 @@ class _Watchdog:
 
 
 _watchdog = _Watchdog()
+_streaming: contextvars.ContextVar[_BoundedStreamingResponse | None] = contextvars.ContextVar(
+    "herald_sse_response", default=None)
+
+
+def drop_handle() -> Callable[[], None] | None:
+    """In a stream's body: what drops its reader at once, for the hub to call when the stream's
+    queue overflows (the hub counts it), so that a reader stuck in a send is not left to the
+    send bound (counted a second time). None outside a response (a body driven directly)."""
+    response = _streaming.get()
+    return None if response is None else functools.partial(response.end, "queue_full")
 
 
 class _BoundedStreamingResponse(ASGIStreamingResponse):
@@ -123,17 +147,19 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
     can be swallowed on its way (see ``RECANCEL_S``).
     """
 
-    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "_cancels", "_stopping", "owner",
-                 "slot")
+    __slots__ = ("_task", "_sends", "_in_send", "_seen", "_strikes", "_ended_by", "_cancels", "_stopping", "_abort",
+                 "owner", "slot")
     owner: StreamOwner | None  # set by EventStream: whom the stream was opened for
     slot: Callable[[], None] | None  # set by EventStream: gives the tenant's held-stream slot back
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.owner = self.slot = None
+        self._abort: Callable[[], None] | None = None
 
     async def __call__(self, scope: Any, receive: Receive, send: Send) -> None:
         try:
+            self._abort = connection_abort(scope)
             owner = self.owner
             if owner is not None and not owner.directory.stream_allowed(owner.tenant, owner.key_id):
                 # Revoked (or its tenant disabled) between the route's check and now: the 401 the
@@ -154,10 +180,11 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
         self._ended_by: str | None = None
         self._cancels, self._stopping = 0, False  # our cancels of the task; the body is past its loop
         owner = self.owner
-        held = owner.directory.hold_stream(owner, lambda: self._end("revoked")) if owner is not None else None
+        held = owner.directory.hold_stream(owner, lambda: self.end("revoked")) if owner is not None else None
         listener = asyncio.ensure_future(self._until_disconnect(receive))
         _watchdog.add(self)
         iterator = self.iterator
+        streaming = _streaming.set(self)  # for drop_handle, in the body (it runs in this task)
         try:
             async for chunk in iterator:
                 body = chunk if isinstance(chunk, bytes) else chunk.encode()
@@ -167,6 +194,9 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
                 self._in_send = False
                 del chunk, body  # an idle stream keeps no copy of what it sent last
             await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except Dropped:
+            self._stopping = True
+            self._ended_by = self._ended_by or "queue_full"
         except asyncio.CancelledError:
             self._stopping = True
             if self._ended_by is None:
@@ -181,10 +211,15 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
             if held is not None and owner is not None:
                 owner.directory.release_stream(held)
             _watchdog.discard(self)
-            listener.cancel()
             if self._ended_by == "send_timeout":
                 metrics().sse_dropped.labels(reason="send_timeout").inc()
                 log.warning("SSE client too slow, dropped")
+            if self._ended_by in ("send_timeout", "queue_full") and self._abort is not None:
+                self._abort()  # reset: nothing more is written, nothing queued is kept (here or in the kernel)
+                # Once the server has seen the connection go, the unfinished response is no error to it.
+                await asyncio.wait((listener,), timeout=ABORT_WAIT_S)
+            listener.cancel()
+            _streaming.reset(streaming)
             aclose = getattr(iterator, "aclose", None)
             if aclose is not None:
                 await aclose()  # its own clean-up (unsubscribe, gauges) now, not when collected
@@ -192,7 +227,7 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
     async def _until_disconnect(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
             pass
-        self._end("disconnect")
+        self.end("disconnect")
 
     def watch(self) -> None:
         """A watchdog tick: the same send in flight over three ticks is stuck."""
@@ -203,9 +238,11 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
         else:
             self._strikes += 1
             if self._strikes >= 3:
-                self._end("send_timeout")
+                self.end("send_timeout")
 
-    def _end(self, reason: str) -> None:
+    def end(self, reason: str) -> None:
+        """End the stream: ``disconnect``, ``revoked`` (a clean end), or its reader dropped
+        (``send_timeout``, ``queue_full``: its connection is reset)."""
         if self._ended_by is None and not self._stopping:
             self._ended_by = reason
             self._cancel()

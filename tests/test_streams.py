@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import threading
@@ -429,9 +430,59 @@ def test_a_client_that_stops_reading_is_dropped_and_others_are_not(fresh: Deploy
         assert versions == list(range(1, len(versions) + 1)) and versions[-1] >= 100
     wait_until(lambda: b'herald_sse_dropped_total{reason="queue_full"} 1.0' in httpx.get(base + "/metrics").content,
                timeout=30, what="the slow stream dropped, once")
-    slow.settimeout(10)
-    drained = b""
-    while chunk := slow.recv(1 << 20):  # the server closed it: the reader finds the end
-        drained += chunk
-    assert drained.startswith(b"HTTP/1.1 200")
-    slow.close()
+    _assert_reset_not_left_open(fresh, slow)
+    metrics = httpx.get(base + "/metrics").content
+    assert b'reason="send_timeout"' not in metrics, "dropped once, for its full queue, not again by the send bound"
+
+
+TCP_CLOSE = 7  # tcpi_state of a connection that was reset (an open one is 1, ESTABLISHED)
+
+
+def _tcp_state(sock: Any) -> int:
+    import socket
+
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 8)[0]  # type: ignore[no-any-return]
+
+
+def _assert_reset_not_left_open(deployment: Deployment, slow: Any) -> None:
+    """A dropped reader's connection is reset by the gateway, though the reader never reads:
+    not closed, which waits for the client to take the megabytes queued for it, so that the
+    socket stayed open (and out of max_streams' count) for as long as the client liked. And
+    the gateway logs no error for a response it ended on purpose."""
+    try:
+        wait_until(lambda: _tcp_state(slow) == TCP_CLOSE, timeout=5, what="the dropped reader's connection reset")
+        slow.settimeout(10)
+        received = b""
+        with contextlib.suppress(ConnectionResetError):
+            while chunk := slow.recv(1 << 20):  # what reached the reader before the reset, then the reset
+                received += chunk
+        assert received.startswith(b"HTTP/1.1 200")
+    finally:
+        slow.close()
+    log = deployment.log_text("gateway")
+    assert "without completing response" not in log and "Exception in ASGI application" not in log
+
+
+@pytest.mark.slow
+def test_a_reader_that_stops_reading_its_output_is_dropped_by_the_send_bound_and_reset(fresh: Deployment) -> None:
+    """A finished job's output is replayed from JetStream, not queued in the hub: a reader that
+    never reads blocks the gateway's send once the kernel holds all it will (about 4 MB), and
+    the send bound (10-15 s) drops it and resets its connection."""
+    import socket
+
+    fresh.env_overrides.update(HERALD_KINDS="tests.kinds_fixture:EMIT")
+    base = fresh.start_gateway()
+    port = fresh.ports["gateway"]
+    fresh.start_worker()
+    with client(base) as http:
+        job = http.post("/emits", json={"sizes": [60_000] * 150}).json()  # 9 MB of output
+        wait_for_state(http, job["id"], {"succeeded"}, timeout=60)
+    slow = socket.socket()  # a tiny receive window, and it never reads
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
+    slow.connect(("127.0.0.1", port))
+    slow.sendall(f"GET /jobs/{job['id']}/output HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['acme']}\r\n"
+                 "Accept: text/event-stream\r\n\r\n".encode())
+    wait_until(lambda: b'herald_sse_dropped_total{reason="send_timeout"} 1.0' in httpx.get(base + "/metrics").content,
+               timeout=40, interval=0.2, what="the stuck output stream dropped by the send bound")
+    _assert_reset_not_left_open(fresh, slow)
+    assert b"herald_sse_streams 0.0" in httpx.get(base + "/metrics").content

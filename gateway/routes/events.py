@@ -27,7 +27,7 @@ from gateway.problems import InvalidRequest, InvalidSignature, NotFound, Unautho
 from gateway.render import EVENTS_PURPOSE, NO_STORE
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
-from gateway.sse import RETRY_FRAME, EventStream, job_frame, tenant_frame
+from gateway.sse import RETRY_FRAME, Dropped, EventStream, drop_handle, job_frame, tenant_frame
 from herald.jobs import JobRow
 from schemas import FieldError
 from schemas.events import EventFeed, EventLink, FeedEvent
@@ -102,6 +102,7 @@ async def _job_opening(svc: Services, job_id: str, resume: int | None) -> tuple[
 async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIterator[bytes]:
     """The stream's body (its response holds the tenant's held-stream slot: ``EventStream``)."""
     subscriber = svc.hub.subscribe_job(job_id)
+    subscriber.on_drop = drop_handle()
     svc.metrics.sse_streams.inc()
     try:
         yield RETRY_FRAME
@@ -121,7 +122,7 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
                 yield item  # the hub's keep-alive
                 continue
             if subscriber.overflowed:
-                return  # dropped as a slow consumer; it resumes with Last-Event-ID
+                raise Dropped  # a slow consumer (counted); it resumes with Last-Event-ID
             if item is RESYNC or item.event.version > last + 1:
                 svc.metrics.sse_gap_reads.labels(stream="job").inc()
                 batch = await svc.store.job_events(job_id, last)
@@ -179,6 +180,7 @@ def _tenant_for_feed(request: Request, svc: Services) -> str:
 async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: int | None) -> AsyncIterator[bytes]:
     """The stream's body (its response holds the tenant's held-stream slot: ``EventStream``)."""
     subscriber = svc.hub.subscribe_tenant(tenant)
+    subscriber.on_drop = drop_handle()
     svc.metrics.sse_streams.inc()
     try:
         yield RETRY_FRAME
@@ -200,13 +202,12 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
             # tenant's events arrive in bursts, and a send per event was a write per event.
             taken, subscriber.items = subscriber.items, []
             frames: list[bytes] = []
-            gap = dropped = False
+            gap = False
             for n, item in enumerate(taken):
                 if isinstance(item, bytes):
                     frames.append(item)  # the hub's keep-alive
                 elif subscriber.overflowed:
-                    dropped = True
-                    break
+                    raise Dropped  # a slow consumer (counted); it resumes with Last-Event-ID
                 elif item is RESYNC or item.event.seq > last + 1:
                     gap = True
                     subscriber.items[:0] = taken[n + 1:]  # after the read: copies then, or further on
@@ -226,8 +227,6 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
             if frames:
                 yield b"".join(frames)
             del frames
-            if dropped:
-                return
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)

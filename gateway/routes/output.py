@@ -31,7 +31,7 @@ from gateway.render import OUTPUT_PURPOSE
 from gateway.routes.events import MAX_CURSOR_LENGTH
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
-from gateway.sse import RETRY_FRAME, EventStream, frame
+from gateway.sse import RETRY_FRAME, Dropped, EventStream, drop_handle, frame
 from herald.jobs import JobRow
 from herald.output import Chunk, last_mark, replay
 from herald.tenants import SCOPE_JOBS_READ
@@ -121,6 +121,7 @@ async def _terminal_frame(svc: Services, job_id: str) -> bytes | None:
 async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resume: int) -> AsyncIterator[bytes]:
     """The SSE body (its response holds the tenant's held-stream slot: ``EventStream``)."""
     subscriber = svc.hub.subscribe_output(job.id)
+    subscriber.on_drop = drop_handle()
     svc.metrics.sse_streams.inc()
     try:
         yield RETRY_FRAME
@@ -137,7 +138,7 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
                 yield item  # the hub's keep-alive
                 continue
             if subscriber.overflowed:
-                return  # dropped as a slow reader; it resumes with Last-Event-ID
+                raise Dropped  # a slow reader (counted); it resumes with Last-Event-ID
             if isinstance(item, LiveChunk):
                 if item.n <= last:
                     continue  # already sent (replay overlap, or a copy)
