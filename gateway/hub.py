@@ -319,8 +319,7 @@ class Hub:
             order.add(event)
         output_streams = self._output_subs.get(event.job_id)
         if output_streams and event.type in TERMINAL_EVENT_TYPES:
-            # An output stream's last event carries no id: the browser's Last-Event-ID stays
-            # the last chunk's number, whose resume is then answered 204.
+            # Without an id: each output stream gives it its own (the last chunk it sent).
             ended = Framed(event, frame(None, event.type, bytes(event.data)))
             for subscriber in tuple(output_streams):
                 if not subscriber.offer(ended):

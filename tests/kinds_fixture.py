@@ -43,13 +43,14 @@ NOT_A_KIND = {"name": "echo"}
 
 
 class EmitParams(JobParams, kw_only=True):
-    """``count`` small chunks ``{"i", "attempt"}`` ``pause_ms`` apart, then one string chunk
-    per entry of ``sizes`` whose JSON is exactly that many bytes."""
+    """After ``sleep_ms``, ``count`` small chunks ``{"i", "attempt"}`` ``pause_ms`` apart, then
+    one string chunk per entry of ``sizes`` whose JSON is exactly that many bytes."""
 
     count: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     pause_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     sizes: list[Annotated[int, msgspec.Meta(ge=2, le=1_000_000)]] = []
     nowait: bool = False  # emit_nowait instead of awaiting each chunk
+    sleep_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
 
 
 EMIT = KindDeclaration(

@@ -9,6 +9,8 @@ from workers import ChunkTooLarge, JobContext
 
 
 async def emit(ctx: JobContext, params: Any) -> dict[str, Any]:
+    if params.sleep_ms:
+        await asyncio.sleep(params.sleep_ms / 1000)
     for i in range(1, params.count + 1):
         chunk = {"i": i, "attempt": ctx.attempt}
         if params.nowait:

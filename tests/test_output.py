@@ -112,6 +112,44 @@ def test_finished_job_resumed_at_its_last_chunk_gets_204(out: Deployment) -> Non
         assert [n for n, _ in chunks] == [2, 3] and ended is not None and ended[0] == "job.succeeded"
 
 
+def _eventsource(http: httpx.Client, url: str) -> tuple[list[tuple[str, str]], int]:
+    """What a browser's EventSource does with ``url``: read the stream to its end, then
+    reconnect, with Last-Event-ID only if an event carried an id. The events (type, id) of
+    the first connection, and the status of the reconnect (any but 200 stops EventSource)."""
+    seen: list[tuple[str, str]] = []
+    last_id = ""
+    with connect_sse(http, "GET", url, headers=SSE, timeout=60) as source:
+        assert source.response.status_code == 200
+        for sse in dispatched_events(source):
+            last_id = sse.id
+            seen.append((sse.event, sse.id))
+    again = http.get(url, headers={**SSE, **({"Last-Event-ID": last_id} if last_id else {})})
+    return seen, again.status_code
+
+
+def test_eventsource_stops_once_the_job_has_ended_with_or_without_chunks(out: Deployment) -> None:
+    """SPEC §8: a stream whose resume point is already its end gets 204, which stops
+    EventSource. The terminal event's id is the last chunk's number, 0 when there was none:
+    an id-less terminal event left a job without chunks with no Last-Event-ID, so the
+    browser reconnected without one, was sent the whole stream again, and so on for ever."""
+    with client(out.url()) as http:
+        ended = http.post("/emits", json={"count": 0}).json()
+        with_chunks = http.post("/emits", json={"count": 2}).json()
+        for job in (ended, with_chunks):
+            wait_for_state(http, job["id"], {"succeeded"})
+        running = http.post("/emits", json={"count": 0, "sleep_ms": 2000}).json()  # ends while streamed
+        wait_for_state(http, running["id"], {"running"})
+        links = {name: http.get(f"/jobs/{job['id']}").json()["links"]["output"]
+                 for name, job in (("running", running), ("ended", ended), ("with chunks", with_chunks))}
+    with httpx.Client(base_url=out.url(), timeout=30) as browser:  # the signed links, as a page uses them
+        seen, again = _eventsource(browser, links["running"])
+        assert seen == [("job.succeeded", "0")] and again == 204
+        seen, again = _eventsource(browser, links["ended"])
+        assert seen == [("job.succeeded", "0")] and again == 204
+        seen, again = _eventsource(browser, links["with chunks"])
+        assert seen == [("output", "1"), ("output", "2"), ("job.succeeded", "2")] and again == 204
+
+
 def test_chunk_limit_at_its_edge_raises_in_the_handler(out: Deployment) -> None:
     with client(out.url()) as http:
         job = http.post("/emits", json={"sizes": [65536, 65537]}).json()

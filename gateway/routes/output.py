@@ -7,7 +7,9 @@ number: a live chunk at ``last + 1`` is sent as it is, an older one is a copy, o
 ahead means a gap (a lost core message) and is filled by replaying from the stream position
 of the last chunk sent. The worker stores every chunk before it records the job's end, so
 once the terminal event arrives one more replay finds every chunk, and the stream ends with
-that event (without an ``id:``, so a browser's Last-Event-ID stays the last chunk's number).
+that event. Its ``id:`` is the number of the last chunk (0 when there was none), so a
+browser's reconnect carries a Last-Event-ID at the end, which is answered 204 and stops its
+EventSource: without one (a job with no chunks) it reconnected from the start for ever.
 """
 
 from __future__ import annotations
@@ -158,7 +160,8 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
             async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
                 yield _chunk_frame(chunk)
                 last, seq = chunk.n, max(seq, chunk.seq)
-        yield ended
+        # The terminal event's id: resuming after it is resuming at the end (204).
+        yield b"id: %d\n" % last + ended
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
