@@ -93,17 +93,26 @@ class Inbox(Generic[T]):
         self._maxsize = maxsize
         self._offered = 0  # the position of the newest item queued: older ones are copies
         self._waiter: asyncio.Future[None] | None = None
-        self._active = False  # something was queued since the hub's last keep-alive tick
+        self._active = False  # its stream wrote something since the hub's last keep-alive tick
+
+    def sent(self) -> None:
+        """Its stream wrote something to its client (``keep_alive`` judges silence by this)."""
+        self._active = True
 
     def keep_alive(self) -> None:
-        """A tick of the hub's keep-alive ticker: a keep-alive frame if nothing was queued since the last one.
+        """A tick of the hub's keep-alive ticker: a keep-alive frame if its stream wrote nothing
+        since the last one.
 
-        Never into a non-empty queue: it could not be silent, and a keep-alive must not be
-        what overflows a slow reader's queue."""
-        if not self._active and not self.items:
-            self._put(KEEPALIVE_FRAME)  # counts as activity: an idle stream gets one every KEEPALIVE_S
-        else:
+        Judged by what the stream wrote (``sent``), not by what was queued: a tenant stream
+        with a ``?kind=`` filter takes every event of its tenant and writes only its kind's,
+        and was kept silent for as long as other kinds' events flowed. Not when a keep-alive
+        is queued already, nor into a full queue: it must not be what overflows a slow reader's."""
+        if self._active:
             self._active = False
+        elif len(self.items) < self._maxsize and (not self.items or KEEPALIVE_FRAME not in self.items):
+            self.items.append(KEEPALIVE_FRAME)
+            self._active = True  # an idle stream gets one every KEEPALIVE_S, not one per tick
+            self._wake()
 
     def _put(self, item: T | bytes) -> bool:
         if len(self.items) >= self._maxsize:
@@ -111,7 +120,6 @@ class Inbox(Generic[T]):
             self._wake()
             return False
         self.items.append(item)
-        self._active = True
         self._wake()
         return True
 
@@ -420,8 +428,8 @@ class Hub:
 
     # One keep-alive ticker for all streams, not a timer per waiting stream (a timer armed
     # and cancelled per event and stream under fan-out). It ticks every KEEPALIVE_S / 2 and
-    # gives a keep-alive to each stream that was queued nothing since the previous tick, so
-    # a stream is never silent for more than KEEPALIVE_S. It stops while there are none.
+    # gives a keep-alive to each stream that wrote nothing since the previous tick, so a
+    # stream is never silent for more than KEEPALIVE_S. It stops while there are none.
 
     def _start_ticker(self) -> None:
         if self._ticker is None:

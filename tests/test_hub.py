@@ -49,8 +49,8 @@ async def test_a_cancelled_wait_leaves_the_inbox_usable() -> None:
     assert (await asyncio.wait_for(subscriber.next(), 1)).event.version == 1  # type: ignore[union-attr]
 
 
-def test_keep_alives_only_after_a_tick_without_anything_queued() -> None:
-    subscriber = Subscriber("job:j", 2, by_seq=False)
+def test_keep_alives_only_after_a_tick_in_which_the_stream_wrote_nothing() -> None:
+    subscriber = Subscriber("job:j", 3, by_seq=False)
     subscriber.keep_alive()
     assert list(subscriber.items) == [KEEPALIVE_FRAME], "silent since it opened"
     subscriber.items.clear()
@@ -60,12 +60,22 @@ def test_keep_alives_only_after_a_tick_without_anything_queued() -> None:
     assert list(subscriber.items) == [KEEPALIVE_FRAME]
     subscriber.keep_alive()
     subscriber.keep_alive()
-    assert list(subscriber.items) == [KEEPALIVE_FRAME], "never into a queue that is not empty"
+    assert list(subscriber.items) == [KEEPALIVE_FRAME], "never a second one while one waits"
     subscriber.items.clear()
     assert subscriber.offer(_event(1))
     subscriber.items.clear()
+    subscriber.sent()  # its stream wrote the event
     subscriber.keep_alive()
-    assert not subscriber.items, "an event since the last tick"
+    assert not subscriber.items, "something written since the last tick"
+    assert subscriber.offer(_event(2))
+    subscriber.items.clear()  # taken, and not written (a tenant stream's ?kind= filter)
+    subscriber.keep_alive()
+    subscriber.keep_alive()
+    assert list(subscriber.items) == [KEEPALIVE_FRAME], "what was queued and not written is silence"
+    assert subscriber.offer(_event(3))
+    subscriber.keep_alive()
+    subscriber.keep_alive()
+    assert list(subscriber.items)[0] == KEEPALIVE_FRAME and len(subscriber.items) == 2
     full = Subscriber("job:k", 1, by_seq=False)
     assert full.offer(_event(1))
     full.keep_alive()

@@ -13,7 +13,7 @@ from pathlib import Path
 from gateway.hub import Framed, Hub
 from gateway.ratelimit import TenantLimits
 from gateway.routes.events import _tenant_stream
-from gateway.sse import RETRY_FRAME, tenant_frame
+from gateway.sse import KEEPALIVE_FRAME, RETRY_FRAME, tenant_frame
 from herald.metrics import metrics
 from herald.settings import Settings
 from herald.storage import build_storage
@@ -73,4 +73,36 @@ async def test_what_queued_together_goes_out_as_one_write_and_a_gap_is_read_once
         assert _seqs(await asyncio.wait_for(after, 5)) == [6]
         await stream.aclose()
     finally:
+        await storage.close()
+
+
+async def test_a_kind_filtered_stream_gets_its_keep_alive_while_only_other_kinds_flow(tmp_path: Path) -> None:
+    """SPEC §8: a keep-alive at least every 15 s, that is at least every other tick of the hub's
+    ticker (every 7.5 s). ``GET /events?kind=export`` takes every event of its tenant and writes
+    only exports: judged by what was queued, a flow of reports kept it silent for as long as it
+    lasted; judged by what it wrote, it gets its keep-alive."""
+    storage = build_storage(Settings(data_dir=tmp_path / "data", secret_keys=(SECRET_KEY,)))
+    await storage.jobs.open()
+    hub = Hub(metrics())
+    try:
+        store = storage.jobs
+        stream = _tenant_stream(_Services(store, hub), "t1", "export", None)  # type: ignore[arg-type]
+        assert isinstance(stream, AsyncGenerator)
+        assert await anext(stream) == RETRY_FRAME
+        (subscriber,) = hub._tenant_subs["t1"]  # subscribed before it sent anything
+        reading = asyncio.ensure_future(anext(stream))
+        ticks = 0
+        while not reading.done() and ticks < 4:
+            event = await _accept(store)  # a report: not this stream's kind
+            assert event.kind == "report" and subscriber.offer(Framed(event, tenant_frame(event)))
+            while subscriber.items and not reading.done():  # until the stream has taken it (and written nothing)
+                await asyncio.sleep(0)
+            hub._tick()
+            ticks += 1
+            await asyncio.sleep(0)
+        assert await asyncio.wait_for(reading, 5) == KEEPALIVE_FRAME
+        assert ticks <= 2, "within two ticks of the hub's ticker: 15 s"
+        await stream.aclose()
+    finally:
+        await hub.detach()
         await storage.close()

@@ -128,12 +128,14 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
                 batch = await svc.store.job_events(job_id, last)
             elif item.event.version == last + 1:
                 yield item.frame  # built once by the hub for every stream of this job
+                subscriber.sent()
                 last, ended = item.event.version, item.event.type in TERMINAL_EVENT_TYPES
                 continue
             else:
                 continue  # already sent (history overlap or a duplicate publish)
             for event in batch:
                 yield job_frame(event)
+                subscriber.sent()
                 last, ended = event.version, event.type in TERMINAL_EVENT_TYPES
     finally:
         svc.metrics.sse_streams.dec()
@@ -226,6 +228,7 @@ async def _tenant_stream(svc: Services, tenant: str, kind: str | None, resume: i
                 del batch
             if frames:
                 yield b"".join(frames)
+                subscriber.sent()  # events of other kinds than ?kind= are not: the keep-alive judges by this
             del frames
     finally:
         svc.metrics.sse_streams.dec()

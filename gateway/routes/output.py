@@ -146,6 +146,7 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
                     continue  # already sent (replay overlap, or a copy)
                 if item.n == last + 1:
                     yield item.frame  # built once by the hub for every reader of this job
+                    subscriber.sent()
                     last, seq = item.n, max(seq, item.seq)
                     continue
             elif isinstance(item, Framed):
@@ -159,6 +160,7 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
                 svc.hub.unsubscribe(subscriber)
             async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
                 yield _chunk_frame(chunk)
+                subscriber.sent()
                 last, seq = chunk.n, max(seq, chunk.seq)
         # The terminal event's id: resuming after it is resuming at the end (204).
         yield b"id: %d\n" % last + ended
