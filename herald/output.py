@@ -13,6 +13,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from typing import NamedTuple
 
+import nats.errors
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import ConsumerConfig, DeliverPolicy
@@ -21,6 +22,10 @@ from nats.js.errors import NotFoundError
 from herald.constants import CHUNK_HEADER, OUTPUT_BYTES_HEADER, OUTPUT_STREAM, output_subject
 
 REPLAY_IDLE_S = 5.0  # a replay that gets nothing for this long (NATS gone) fails; the reader retries
+
+# What reading output raises while NATS does not answer (down, or hung: a request times out
+# after the JetStream context's timeout, a replay after REPLAY_IDLE_S).
+UNREACHABLE: tuple[type[Exception], ...] = (TimeoutError, nats.errors.Error)
 
 
 class Chunk(NamedTuple):

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -267,3 +269,50 @@ def test_the_cli_prints_chunks_as_they_come(out: Deployment, tmp_path: Path) -> 
     assert run.returncode == 0, run.stderr
     assert [json.loads(line)["i"] for line in run.stdout.splitlines()] == [1, 2, 3, 4]
     assert "succeeded" in run.stderr
+
+
+def test_a_hung_nats_is_a_503_for_ndjson_and_a_clean_retry_for_sse(fresh: Deployment) -> None:
+    """README: while NATS is unreachable from the gateway, NDJSON answers 503 with Retry-After
+    and SSE 200 with only ``retry: 3000``. A NATS that hangs (SIGSTOP) keeps its connection
+    looking up, and its requests time out instead (5 s): NDJSON answered 200 and broke off
+    then with an unhandled error logged, a resumed SSE stream of a finished job got a 500."""
+    fresh.env_overrides.update(HERALD_KINDS=EMIT_KIND)
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    with client(base) as http:
+        job = http.post("/emits", json={"count": 3}).json()
+        wait_for_state(http, job["id"], {"succeeded"})
+        assert [line["n"] for line in ndjson(http, job["id"])] == [1, 2, 3]
+    path = f"/jobs/{job['id']}/output"
+    asks = {
+        "ndjson": ({}, None),
+        "ndjson after": ({}, {"after": 1}),
+        "sse": (SSE, None),
+        "sse resumed": ({**SSE, "Last-Event-ID": "3"}, None),
+    }
+    nats = fresh.nats.process
+    assert nats is not None
+    nats.send_signal(signal.SIGSTOP)
+    try:
+        with httpx.Client(base_url=base, headers={"Authorization": f"Bearer {KEYS['acme']}"}, timeout=30) as http, \
+                ThreadPoolExecutor(len(asks)) as pool:
+            answers = dict(zip(asks, pool.map(lambda ask: http.get(path, headers=ask[0], params=ask[1]),
+                                              asks.values())))
+    finally:
+        nats.send_signal(signal.SIGCONT)
+    for name in ("ndjson", "ndjson after"):
+        answer = answers[name]
+        assert answer.status_code == 503, (name, answer.status_code, answer.text)
+        assert answer.headers["retry-after"] == "1"
+        assert answer.headers["content-type"].startswith("application/problem+json")
+    for name in ("sse", "sse resumed"):
+        answer = answers[name]
+        assert answer.status_code == 200, (name, answer.status_code, answer.text)
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        assert answer.content == b"retry: 3000\n\n", (name, answer.content)  # EventSource tries again in 3 s
+    with client(base) as http:
+        wait_until(lambda: http.get(path).status_code == 200, timeout=30, what="NDJSON once NATS answers again")
+        assert [line["n"] for line in ndjson(http, job["id"], after=1)] == [2, 3]
+    log = fresh.log_text("gateway")
+    assert "Exception in ASGI application" not in log and "unhandled error" not in log
+    assert fresh.logged("gateway", "output not read: NATS did not answer")

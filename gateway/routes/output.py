@@ -14,7 +14,9 @@ EventSource: without one (a job with no chunks) it reconnected from the start fo
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import asyncio
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Annotated, Any
 
 import msgspec
@@ -33,13 +35,17 @@ from gateway.render import OUTPUT_PURPOSE
 from gateway.routes.events import MAX_CURSOR_LENGTH
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
-from gateway.sse import RETRY_FRAME, Dropped, EventStream, drop_handle, frame
+from gateway.headers import connection_abort
+from gateway.sse import ABORT_WAIT_S, RETRY_FRAME, Dropped, EventStream, drop_handle, frame
 from herald.jobs import JobRow
-from herald.output import Chunk, last_mark, replay
+from herald.output import UNREACHABLE, Chunk, last_mark, replay
 from herald.tenants import SCOPE_JOBS_READ
 from schemas import FieldError
 
 NDJSON = "application/x-ndjson"
+_UNREACHABLE_DETAIL = "the output store (NATS) is not reachable from this gateway; retry shortly"
+
+log = logging.getLogger("herald.output")
 
 
 class _Line(msgspec.Struct):
@@ -92,7 +98,7 @@ def _jetstream(svc: Services) -> JetStreamContext | None:
     return nc.jetstream() if nc is not None and nc.is_connected else None
 
 
-async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int) -> AsyncIterator[Chunk]:
+async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int) -> AsyncGenerator[Chunk, None]:
     """The stored chunks after number ``last``, in number order, read from stream position
     ``seq`` on. A chunk stored out of order (a resend after a partial failure) is held until
     the ones before it came; whatever is still held at the end is sent in number order."""
@@ -127,51 +133,78 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
     svc.metrics.sse_streams.inc()
     try:
         yield RETRY_FRAME
-        last, seq = resume, 0
-        ended = await _terminal_frame(svc, job.id)  # read after subscribing: a later end is heard
-        async for chunk in _catch_up(js, job, last, seq):
-            yield _chunk_frame(chunk)
-            last, seq = chunk.n, max(seq, chunk.seq)
-        while ended is None:
-            while not subscriber.items:
-                await subscriber.wait()
-            item = subscriber.items.pop(0)
-            if isinstance(item, bytes):
-                yield item  # the hub's keep-alive
-                continue
-            if subscriber.overflowed:
-                raise Dropped  # a slow reader (counted); it resumes with Last-Event-ID
-            if isinstance(item, LiveChunk):
-                if item.n <= last:
-                    continue  # already sent (replay overlap, or a copy)
-                if item.n == last + 1:
-                    yield item.frame  # built once by the hub for every reader of this job
-                    subscriber.sent()
-                    last, seq = item.n, max(seq, item.seq)
-                    continue
-            elif isinstance(item, Framed):
-                ended = item.frame
-            elif item is RESYNC:
-                ended = await _terminal_frame(svc, job.id)
-            if ended is not None:
-                # The end can overtake a backlog of live chunks: the rest comes from JetStream,
-                # so this stream leaves the hub now (live chunks piling up meanwhile would
-                # overflow its queue and count it as a slow reader dropped).
-                svc.hub.unsubscribe(subscriber)
-            async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
+        try:
+            last, seq = resume, 0
+            ended = await _terminal_frame(svc, job.id)  # read after subscribing: a later end is heard
+            async for chunk in _catch_up(js, job, last, seq):
                 yield _chunk_frame(chunk)
-                subscriber.sent()
                 last, seq = chunk.n, max(seq, chunk.seq)
-        # The terminal event's id: resuming after it is resuming at the end (204).
-        yield b"id: %d\n" % last + ended
+            while ended is None:
+                while not subscriber.items:
+                    await subscriber.wait()
+                item = subscriber.items.pop(0)
+                if isinstance(item, bytes):
+                    yield item  # the hub's keep-alive
+                    continue
+                if subscriber.overflowed:
+                    raise Dropped  # a slow reader (counted); it resumes with Last-Event-ID
+                if isinstance(item, LiveChunk):
+                    if item.n <= last:
+                        continue  # already sent (replay overlap, or a copy)
+                    if item.n == last + 1:
+                        yield item.frame  # built once by the hub for every reader of this job
+                        subscriber.sent()
+                        last, seq = item.n, max(seq, item.seq)
+                        continue
+                elif isinstance(item, Framed):
+                    ended = item.frame
+                elif item is RESYNC:
+                    ended = await _terminal_frame(svc, job.id)
+                if ended is not None:
+                    # The end can overtake a backlog of live chunks: the rest comes from JetStream,
+                    # so this stream leaves the hub now (live chunks piling up meanwhile would
+                    # overflow its queue and count it as a slow reader dropped).
+                    svc.hub.unsubscribe(subscriber)
+                async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
+                    yield _chunk_frame(chunk)
+                    subscriber.sent()
+                    last, seq = chunk.n, max(seq, chunk.seq)
+            # The terminal event's id: resuming after it is resuming at the end (204).
+            yield b"id: %d\n" % last + ended
+        except UNREACHABLE as exc:
+            # NATS does not answer (down, or hung): end cleanly, and the client reconnects in
+            # 3 s after the last chunk it got; never an unhandled error from a stream.
+            log.warning("output stream ended: NATS did not answer", extra={"job_id": job.id, "error": repr(exc)})
     finally:
         svc.metrics.sse_streams.dec()
         svc.hub.unsubscribe(subscriber)
 
 
-async def _ndjson(js: JetStreamContext, job: JobRow, after: int) -> AsyncIterator[bytes]:
-    async for chunk in _catch_up(js, job, after, 0):
-        yield _encoder.encode(_Line(chunk.n, msgspec.Raw(chunk.data))) + b"\n"
+def _line(chunk: Chunk) -> bytes:
+    return _encoder.encode(_Line(chunk.n, msgspec.Raw(chunk.data))) + b"\n"
+
+
+async def _ndjson(job: JobRow, first: Chunk | None, rest: AsyncGenerator[Chunk, None],
+                  abort: Callable[[], None] | None) -> AsyncIterator[bytes]:
+    """The NDJSON body: ``first``, read before the answer started (``job_output``), then the
+    rest. Should NATS stop answering now, the connection is reset: a body that simply ended
+    would look complete to the client, one cut short is one it knows to ask again for
+    (``?after=`` its last line)."""
+    try:
+        if first is None:
+            return
+        yield _line(first)
+        async for chunk in rest:
+            yield _line(chunk)
+    except UNREACHABLE as exc:
+        log.warning("output download cut short: NATS stopped answering", extra={"job_id": job.id, "error": repr(exc)})
+        if abort is None:
+            raise
+        abort()
+        await asyncio.sleep(ABORT_WAIT_S)  # cut short by the server, once it has seen the connection go
+        raise
+    finally:
+        await rest.aclose()  # its replay's consumer, now (a HEAD, a client gone)
 
 
 async def _retry_later() -> AsyncIterator[bytes]:
@@ -209,14 +242,29 @@ async def job_output(
     if not _wants_sse(request):
         start = _position(after, "after") or 0
         if js is None:
-            raise Unavailable("the output store (NATS) is not reachable from this gateway; retry shortly",
-                              retry_after=1)
-        return _NdjsonStream(_ndjson(js, job, start), headers={"Cache-Control": "no-store"})
+            raise Unavailable(_UNREACHABLE_DETAIL, retry_after=1)
+        chunks = _catch_up(js, job, start, 0)
+        try:
+            # What can fail is read before the answer starts (the job's last chunk, the
+            # replay's consumer and its first chunk): NATS not answering is a 503 then, not a
+            # 200 cut off after the request's timeout.
+            first = await anext(chunks, None)
+        except UNREACHABLE as exc:
+            log.warning("output not read: NATS did not answer", extra={"job_id": job.id, "error": repr(exc)})
+            raise Unavailable(_UNREACHABLE_DETAIL, retry_after=1) from None
+        return _NdjsonStream(_ndjson(job, first, chunks, connection_abort(request.scope)),
+                             headers={"Cache-Control": "no-store"})
     # The header wins: a browser keeps the query string on every reconnect.
     header = request.headers.get("last-event-id")
     resume = _position(header, "Last-Event-ID") if header is not None else _position(last_event_id, "last_event_id")
     if js is None:
         return EventStream(_retry_later())
-    if resume is not None and job.terminal and resume >= (await last_mark(js, job.tenant, job.id)).n:
-        return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
+    if resume is not None and job.terminal:
+        try:
+            at_end = resume >= (await last_mark(js, job.tenant, job.id)).n
+        except UNREACHABLE as exc:
+            log.warning("output not read: NATS did not answer", extra={"job_id": job.id, "error": repr(exc)})
+            return EventStream(_retry_later())
+        if at_end:
+            return Response(None, status_code=204, headers={"Cache-Control": "no-store"})
     return EventStream(_output_stream(svc, js, job, resume or 0), slot=svc.limiter.stream_slot(job.tenant))
