@@ -202,8 +202,13 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
             if self._ended_by is None:
                 raise  # cancelled from outside (the server stopping): not ours to swallow
             if self._ended_by == "revoked":  # a clean end: the client reconnects, and learns why
-                with contextlib.suppress(Exception):
-                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                # Bounded as every send: a reader that stopped reading does not hold it for ever.
+                closing = asyncio.ensure_future(send({"type": "http.response.body", "body": b"", "more_body": False}))
+                if (await asyncio.wait((closing,), timeout=SEND_TIMEOUT_S))[0]:
+                    closing.exception()  # retrieved: a client gone meanwhile is no error
+                else:
+                    closing.cancel()
+                    self._ended_by = "send_timeout"  # dropped: counted, and its connection reset
         finally:
             self._stopping = True
             for _ in range(self._cancels):  # each of ours, also one that was swallowed on its way

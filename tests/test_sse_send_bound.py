@@ -165,3 +165,37 @@ async def test_a_disconnect_ends_the_stream_even_when_its_cancel_is_swallowed_on
     assert done, "the stream went on after its client had left"
     await stream
     assert stream.cancelling() == 0, "every cancel of the stream's own is taken back"
+
+
+async def test_a_revoked_stream_whose_reader_stopped_reading_is_dropped_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stream its tenant's disabling ends sends the end of its body, and that send is bounded
+    as every other: a reader that stopped reading held it (its task, its socket, its slot in
+    max_streams) for ever."""
+    monkeypatch.setattr(sse, "SEND_TIMEOUT_S", 0.2)
+    owner, limiter = _owned_by("t1", disabled=False, tmp_path=tmp_path)
+    stuck = asyncio.Event()
+
+    async def send(message: dict[str, Any]) -> None:
+        if message["type"] == "http.response.body" and message["body"]:
+            stuck.set()
+        if stuck.is_set() and not message["body"]:
+            await asyncio.Event().wait()  # the reader stopped reading: the end of the body never goes
+
+    async def body() -> AsyncIterator[bytes]:
+        yield b"retry: 3000\n\n"
+        await asyncio.Event().wait()  # no events
+
+    before = _dropped()
+    response = sse._BoundedStreamingResponse(iterator=body(), media_type="text/event-stream")
+    response.owner, response.slot = owner, limiter.stream_slot("t1")
+    answering = asyncio.ensure_future(_answer(response, send))
+    await asyncio.wait_for(stuck.wait(), 5)
+    owner.directory.install(DirectorySnapshot(version=2, tenants=[TenantRow("t1", 0.0, True, {})], keys=[]))
+    done, _ = await asyncio.wait((answering,), timeout=3)
+    if not done:
+        answering.cancel()
+    assert done, "the revoked stream ended though its reader never took the end of its body"
+    await answering
+    assert limiter.held("t1") == 0
+    assert _dropped() == before + 1
