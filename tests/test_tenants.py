@@ -521,6 +521,31 @@ def test_a_disabled_tenants_signed_links_are_refused_and_take_no_stream_slot(fre
         wait_until(lambda: opens(url, headers), timeout=10, interval=0.1, what=f"{url} opening (not 429)")
 
 
+def test_a_disabled_tenants_signed_result_links_are_refused_until_it_is_enabled(fresh: Deployment) -> None:
+    """README ("When a key leaks"): disabling a tenant cuts its signed stream *and result*
+    URLs, which name the tenant, not a key. A result link of a disabled tenant still
+    downloaded the result."""
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    new_tenant(base, "downloads")
+    key = new_key(base, "downloads")["key"]
+    with keyed(base, key) as http:
+        job = http.post("/reports", json=REPORT).json()
+        done = wait_for_state(http, job["id"], {"succeeded"})
+    link = done["links"]["result"]
+    assert httpx.get(base + link, verify=TLS).status_code == 200
+    with admin(base) as http:
+        assert http.patch("/admin/tenants/downloads", json={"disabled": True}).status_code == 200
+    status_within(base, key, 401)
+    refused = httpx.get(base + link, verify=TLS)
+    assert refused.status_code == 401 and "disabled" in refused.json()["detail"]
+    assert refused.headers["content-type"].startswith("application/problem+json")
+    with admin(base) as http:
+        assert http.patch("/admin/tenants/downloads", json={"disabled": False}).status_code == 200
+    status_within(base, key, 200)
+    assert httpx.get(base + link, verify=TLS).status_code == 200
+
+
 class HeldPoll:
     """A long poll answered in a thread of its own: ``answered`` is set with its ``response``."""
 

@@ -39,6 +39,8 @@ async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: s
         job = await svc.store.get(job_id)
         if job is None:
             raise NotFound("no such result")
+        if svc.directory.disabled(job.tenant):  # as its keys and its signed stream links (SPEC §12)
+            raise Unauthorized("this signed link's tenant is disabled")
         return job
     tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
     if tenant is None:
