@@ -583,18 +583,23 @@ def test_held_polls_end_when_their_key_is_revoked_or_expires_or_their_tenant_is_
     gw1, gw2 = two_gateways
     new_tenant(gw1, "polled")
     doomed, kept = new_key(gw1, "polled"), new_key(gw1, "polled")
+    for made in (doomed, kept):  # made at gw1, used at gw2
+        status_within(gw2, made["key"], 200)
     with keyed(gw2, kept["key"]) as http:
-        job = http.post("/reports", json=REPORT).json()  # no worker: it stays queued, its version put
+        started = http.post("/reports", json=REPORT)  # no worker: it stays queued, its version put
+        assert started.status_code == 202, started.text
+        job = started.json()
         etag = http.get(f"/jobs/{job['id']}").headers["etag"]
 
         def after_the_job() -> str | None:  # a feed poll from before the job's event would be answered at once
             feed = http.get("/events", headers={"Accept": "application/json"}).json()
-            return feed["next_cursor"] if any(e["data"]["id"] == job["id"] for e in feed["events"]) else None
+            return feed["next_cursor"] if any(e["data"].get("id") == job["id"] for e in feed["events"]) else None
 
         cursor = wait_until(after_the_job, what="the job's event in the feed")
     signed = keyed(gw2, doomed["key"]).post("/events/link").json()["url"]
     # Made last, so that its polls are held well before it expires.
     expiring = new_key(gw1, "polled", expires_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + 6)))
+    status_within(gw2, expiring["key"], 200)
 
     def job_poll(key: str) -> HeldPoll:
         return HeldPoll(f"{gw2}/jobs/{job['id']}", {"Authorization": f"Bearer {key}", "If-None-Match": etag},
