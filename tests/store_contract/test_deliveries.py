@@ -234,6 +234,22 @@ async def test_a_drain_takes_each_tenant_up_to_its_share_those_waiting_longest_f
     assert len(rows) == len({(r["event_id"], r["target"]) for r in rows}) == 3 * 3 * share_events * per_event
 
 
+async def test_a_waiting_event_that_cannot_be_read_is_dropped_not_a_stop_to_every_drain(stores: Stores) -> None:
+    """SQLite keeps a waiting event as the stream carried it (JSON); one that no longer decodes
+    (written by another version) is logged and dropped, and the events behind it are placed."""
+    if stores.backend != "sqlite":
+        pytest.skip("PostgreSQL keeps a waiting event's fields in columns")
+    webhooks, queue = stores.webhooks, stores.deliveries
+    target = await endpoint(webhooks)
+    await stores.sql("INSERT INTO webhook_fan_out_waiting (tenant, event, created_at) VALUES ('t1', $1, 0)",
+                     b'{"not": "an event"}')
+    fanned = await queue.fan_out([event("j1", 1)])
+    assert fanned.waiting == 1  # behind the unreadable one, in order
+    assert (await queue.drain_waiting()).events == 2
+    assert [r["job_id"] for r in await deliveries(stores, target=target)] == ["j1"]
+    assert await stores.count("webhook_fan_out_waiting") == 0
+
+
 async def test_the_share_rule_is_the_same_in_both_stores(stores: Stores) -> None:
     """PostgreSQL decides the share in plpgsql (``herald_webhook_share_fan_out``), next to the
     data; it must answer as ``delivery_rules.share_fan_out`` does, case by case."""

@@ -20,6 +20,7 @@ callback URL.
 
 from __future__ import annotations
 
+import logging
 import sqlite3
 from collections import Counter
 from collections.abc import Collection, Mapping, Sequence
@@ -55,6 +56,7 @@ from herald.webhook_signing import SigningKey
 from schemas import JobEvent
 from schemas.webhooks import WebhookPayload
 
+log = logging.getLogger("herald.notifier")
 _payload_encoder = msgspec.json.Encoder()
 _event_encoder = msgspec.json.Encoder()
 _event_decoder = msgspec.json.Decoder(JobEvent)
@@ -239,12 +241,18 @@ def _drain(conn: sqlite3.Connection, ts: float) -> Drained:
     for tenant in sorted(tenants, key=first.__getitem__)[:rules.DRAIN_TENANTS]:
         rows = conn.execute("SELECT seq, event FROM webhook_fan_out_waiting WHERE tenant = ? ORDER BY seq LIMIT ?",
                             (tenant, rules.FAN_OUT_SHARE)).fetchall()
-        events = [_event_decoder.decode(row["event"]) for row in rows]
-        receivers = _receivers(conn, [(event, _callback_url_in(conn, event)) for event in events])
+        events: list[tuple[int, JobEvent]] = []
+        for row in rows:
+            try:
+                events.append((row["seq"], _event_decoder.decode(row["event"])))
+            except msgspec.DecodeError:  # never written so by this Herald: dropped, or it would stop every drain
+                log.error("undecodable waiting job event dropped", extra={"tenant": tenant, "seq": row["seq"]})
+                seqs.append((row["seq"],))
+        receivers = _receivers(conn, [(event, _callback_url_in(conn, event)) for _, event in events])
         goes = rules.share_fan_out([(tenant, len(targets)) for _, targets in receivers])
         take = goes.index(False) if False in goes else len(goes)  # one tenant's: a run of True, then False
         drained += receivers[:take]
-        seqs += [(row["seq"],) for row in rows[:take]]
+        seqs += [(seq,) for seq, _ in events[:take]]
     pending, _ = _record(conn, drained, ts)
     conn.executemany("DELETE FROM webhook_fan_out_waiting WHERE seq = ?", seqs)
     return Drained(len(seqs), pending)
