@@ -223,10 +223,12 @@ class FannedOut:
 @dataclass(frozen=True, slots=True)
 class Drained:
     """What one pass over the events waiting for their fan-out did (``DeliveryQueue.drain_waiting``):
-    how many it fanned out, and how many deliveries they left pending."""
+    how many it fanned out, how many deliveries they left pending, and the last tenant it took
+    (the next pass starts after it: the waiting tenants take turns)."""
 
     events: int
     pending: int
+    last_tenant: str | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -62,7 +62,7 @@ FAN_OUT_SHARE = 512
 # about 64 per connection (max_locks_per_transaction) for every transaction at once.
 FAN_OUT_BATCH = 4 * FAN_OUT_SHARE
 # Tenants whose waiting events one drain transaction places, each up to its share: the others'
-# turn comes next, those waiting longest first, and a transaction writes at most this many shares.
+# turn comes next (they take turns by id), and a transaction writes at most this many shares.
 DRAIN_TENANTS = 2
 
 

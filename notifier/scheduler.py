@@ -168,14 +168,16 @@ class Scheduler:
         (``DeliveryQueue.drain_waiting``), pass after pass while there are any. Woken by a
         fan-out that put events to wait; every ``idle_poll_s`` it looks anyway (another
         notifier's, or a stopped one's)."""
+        after: str | None = None  # the last tenant drained: the next pass starts after it
         while not self._stopping:
             self._waiting.clear()
             try:
-                drained = await self.queue.drain_waiting()
+                drained = await self.queue.drain_waiting(after)
             except Exception as exc:  # the store is busy or away: the events keep waiting
                 log.warning("fanning out waiting job events failed, will retry: %s", exc)
                 drained = None
             if drained is not None and drained.events:
+                after = drained.last_tenant
                 if drained.pending:
                     self.kick()
                 continue

@@ -371,10 +371,12 @@ class DeliveryQueue(Protocol):
         events of a tenant that has some waiting, are recorded to wait for ``drain_waiting``.
         Returns how many deliveries are pending and how many events wait."""
 
-    async def drain_waiting(self) -> Drained:
-        """Fan out, in one transaction, the oldest waiting events of the tenants that have
-        waited longest, each tenant's up to its share; any number of notifiers may call it at
-        once, and a tenant's events are fanned out in the order they came."""
+    async def drain_waiting(self, after: str | None = None) -> Drained:
+        """Fan out, in one transaction, the oldest waiting events of the next tenants with some
+        waiting after ``after`` (by id, wrapping round: the waiting tenants take turns, so one
+        that spilled once never queues behind another's backlog), each tenant's up to its share;
+        any number of notifiers may call it at once, and a tenant's events are fanned out in
+        the order they came."""
 
     async def fan_out_leasing(self, events: Sequence[JobEvent], offer: LeaseOffer) -> FannedOut:
         """``fan_out``, and in the same transaction ``claim`` (with ``offer``'s arguments) among the

@@ -208,9 +208,11 @@ async def test_a_tenants_events_beyond_its_share_wait_and_are_drained_in_the_ord
     assert (third.pending, third.waiting) == (per_event, 0)
 
 
-async def test_a_drain_takes_each_tenant_up_to_its_share_those_waiting_longest_first(stores: Stores) -> None:
-    """A pass places at most a share of each tenant's waiting events, and takes the tenants
-    that have waited longest first; two notifiers draining at once place each event once."""
+async def test_a_drain_takes_each_tenant_up_to_its_share_and_the_waiting_tenants_take_turns(stores: Stores) -> None:
+    """A pass places at most a share of each tenant's waiting events, for ``DRAIN_TENANTS``
+    tenants, the next ones after the last pass's: the waiting tenants take turns, so a tenant
+    that spilled once is not queued behind the backlog of those that came before it. Two
+    notifiers draining at once place each event once."""
     webhooks, queue = stores.webhooks, stores.deliveries
     tenants = ("t1", "t2", "t3")
     per_event = 64  # a share is 8 such events
@@ -221,10 +223,18 @@ async def test_a_drain_takes_each_tenant_up_to_its_share_those_waiting_longest_f
     for tenant in tenants:
         fanned = await queue.fan_out([event(f"{tenant}-{n:02}", 1, tenant=tenant) for n in range(3 * share_events)])
         assert fanned.waiting == 2 * share_events
-    before = Counter(r["tenant"] for r in await deliveries(stores))
-    assert (await queue.drain_waiting()).events == DRAIN_TENANTS * share_events
-    grew = Counter(r["tenant"] for r in await deliveries(stores)) - before
-    assert grew == {t: share_events * per_event for t in tenants[:DRAIN_TENANTS]}  # waiting longest
+
+    async def one_pass(after: str | None) -> tuple[Any, dict[str, int]]:
+        before = Counter(r["tenant"] for r in await deliveries(stores))
+        drained = await queue.drain_waiting(after)
+        grew = Counter(r["tenant"] for r in await deliveries(stores)) - before
+        return drained, {t: n // per_event for t, n in grew.items()}
+
+    first, grew = await one_pass(None)
+    assert first.events == DRAIN_TENANTS * share_events and first.last_tenant == "t2"
+    assert grew == {"t1": share_events, "t2": share_events}
+    second, grew = await one_pass(first.last_tenant)  # t3's turn, then round to t1
+    assert grew == {"t3": share_events, "t1": share_events} and second.last_tenant == "t1"
     other = (await stores.another()).deliveries
     passes = await asyncio.gather(*(q.drain_waiting() for q in (queue, other, queue, other)))
     assert all(p.events % share_events == 0 and p.events <= DRAIN_TENANTS * share_events for p in passes)

@@ -532,15 +532,15 @@ class PgDeliveryQueue:
             return FannedOut(0, claimed)
         return FannedOut(int(rows[0]["pending"]), claimed, int(rows[0]["waiting"]))
 
-    async def drain_waiting(self) -> Drained:
-        """Place the events waiting longest (``herald_webhook_drain_waiting``), in one statement."""
+    async def drain_waiting(self, after: str | None = None) -> Drained:
+        """Place the next tenants' waiting events (``herald_webhook_drain_waiting``), in one statement."""
 
         async def call() -> asyncpg.Record:
-            return await self.db.pool.fetchrow("SELECT * FROM herald_webhook_drain_waiting($1, $2, $3)",
-                                               PROGRESS_INTERVAL_S, FAN_OUT_SHARE, DRAIN_TENANTS)
+            return await self.db.pool.fetchrow("SELECT * FROM herald_webhook_drain_waiting($1, $2, $3, $4)",
+                                               PROGRESS_INTERVAL_S, FAN_OUT_SHARE, DRAIN_TENANTS, after)
 
         row = await _retrying(call)
-        return Drained(int(row["events"]), int(row["pending"]))
+        return Drained(int(row["events"]), int(row["pending"]), row["last_tenant"])
 
     async def anything_due(self, held: Collection[str] = ()) -> bool:
         """Cheap read: is a claim worth its transaction?"""

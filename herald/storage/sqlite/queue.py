@@ -230,15 +230,15 @@ def _record(conn: sqlite3.Connection, receivers: Sequence[Receivers], ts: float)
     return pending, touched
 
 
-def _drain(conn: sqlite3.Connection, ts: float) -> Drained:
-    """The oldest waiting events of the ``DRAIN_TENANTS`` tenants waiting longest, each tenant's
-    up to its share, fanned out and no longer waiting."""
+def _drain(conn: sqlite3.Connection, ts: float, after: str | None) -> Drained:
+    """The oldest waiting events of the next ``DRAIN_TENANTS`` tenants with some waiting after
+    ``after`` (wrapping round), each tenant's up to its share, fanned out and no longer waiting."""
     tenants = [row[0] for row in conn.execute(_WAITING_TENANTS_SQL)]
-    first = {t: conn.execute("SELECT MIN(seq) FROM webhook_fan_out_waiting WHERE tenant = ?", (t,)).fetchone()[0]
-             for t in tenants}
+    turn = [t for t in tenants if after is None or t > after] + [t for t in tenants if after is not None and t <= after]
     drained: list[Receivers] = []
     seqs: list[tuple[int]] = []
-    for tenant in sorted(tenants, key=first.__getitem__)[:rules.DRAIN_TENANTS]:
+    taken = turn[:rules.DRAIN_TENANTS]
+    for tenant in taken:
         rows = conn.execute("SELECT seq, event FROM webhook_fan_out_waiting WHERE tenant = ? ORDER BY seq LIMIT ?",
                             (tenant, rules.FAN_OUT_SHARE)).fetchall()
         events: list[tuple[int, JobEvent]] = []
@@ -255,7 +255,7 @@ def _drain(conn: sqlite3.Connection, ts: float) -> Drained:
         seqs += [(seq,) for seq, _ in events[:take]]
     pending, _ = _record(conn, drained, ts)
     conn.executemany("DELETE FROM webhook_fan_out_waiting WHERE seq = ?", seqs)
-    return Drained(len(seqs), pending)
+    return Drained(len(seqs), pending, taken[-1] if taken else None)
 
 
 def _lease(conn: sqlite3.Connection, ts: float, rows: Sequence[sqlite3.Row], owner: str, lease_s: float,
@@ -316,11 +316,11 @@ class SqliteDeliveryQueue:
 
         return await self.db.write(tx)
 
-    async def drain_waiting(self) -> Drained:
-        """Fan out the events waiting longest (``_drain``); an idle store costs one read, no write."""
+    async def drain_waiting(self, after: str | None = None) -> Drained:
+        """Fan out the next tenants' waiting events (``_drain``); an idle store costs one read, no write."""
         if not self.db.read("SELECT 1 FROM webhook_fan_out_waiting LIMIT 1"):
             return Drained(0, 0)
-        return await self.db.write(lambda conn: _drain(conn, now()))
+        return await self.db.write(lambda conn: _drain(conn, now(), after))
 
     def _targeted(self, events: Sequence[JobEvent]) -> list[tuple[JobEvent, str | None]]:
         """The events some target may want, each with its job's callback URL, judged by reads on

@@ -277,13 +277,14 @@ BEGIN
                         NULL::BYTEA[], NULL::TEXT, NULL::TEXT;
 END $$;
 
--- The waiting events of up to p_tenants tenants, those waiting longest first, each tenant's
--- oldest up to its share, placed and no longer waiting, in one transaction. A tenant's are
--- taken by one drain at a time (a try-lock: another notifier's drain takes the next tenant),
--- so they are placed in the order they came.
+-- The waiting events of up to p_tenants tenants, the next ones after p_after by id (wrapping
+-- round: the waiting tenants take turns, so one that spilled once never queues behind another's
+-- backlog), each tenant's oldest up to its share, placed and no longer waiting, in one
+-- transaction. A tenant's are taken by one drain at a time (a try-lock: another notifier's
+-- drain takes the next tenant), so they are placed in the order they came.
 CREATE OR REPLACE FUNCTION herald_webhook_drain_waiting(
-    p_progress_interval DOUBLE PRECISION, p_share INTEGER, p_tenants INTEGER,
-    OUT events INTEGER, OUT pending INTEGER
+    p_progress_interval DOUBLE PRECISION, p_share INTEGER, p_tenants INTEGER, p_after TEXT,
+    OUT events INTEGER, OUT pending INTEGER, OUT last_tenant TEXT
 ) LANGUAGE plpgsql AS $$
 DECLARE
     who TEXT;
@@ -309,7 +310,7 @@ BEGIN
               FROM t WHERE t.tenant IS NOT NULL
         )
         SELECT t.tenant FROM t WHERE t.tenant IS NOT NULL
-         ORDER BY (SELECT min(w.seq) FROM webhook_fan_out_waiting w WHERE w.tenant = t.tenant)
+         ORDER BY p_after IS NOT NULL AND t.tenant <= p_after, t.tenant
     LOOP
         EXIT WHEN taken >= p_tenants;
         CONTINUE WHEN NOT pg_try_advisory_xact_lock({drain_lock}, hashtext(who));
@@ -320,6 +321,7 @@ BEGIN
           FROM (SELECT * FROM webhook_fan_out_waiting x WHERE x.tenant = who ORDER BY x.seq LIMIT p_share) w;
         CONTINUE WHEN seqs IS NULL;  -- drained by another notifier meanwhile
         taken := taken + 1;
+        last_tenant := who;
         SELECT f.pending, f.placed INTO made, n
           FROM herald_webhook_fan_out_touching(w_tenants, w_jobs, w_versions, w_types, w_kinds, w_event_ids, w_bodies,
                                                p_progress_interval, p_share, p_share, TRUE) f;
