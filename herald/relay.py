@@ -36,6 +36,9 @@ log = logging.getLogger("herald.relay")
 
 
 
+FINISH_S = 6.0  # the last pass at shutdown, all tries: well within herald up's 15 s per process
+
+
 class Relay:
     def __init__(self, store: JobStore, nc: NATS, *, sweep_interval_s: float, batch: int = 256,
                  publish_timeout_s: float = 5.0) -> None:
@@ -80,17 +83,23 @@ class Relay:
         process", not a PubAck): what this process committed goes out now. What does not
         stays in the outbox for the next relay's sweep; a stopping process does not fail on it.
         A publish the loop's cancellation cut short may still be in the stream's hands: a
-        moment later its repeat is a plain duplicate, so a failed pass is tried twice more."""
-        for tries_left in (2, 1, 0):
-            try:
-                while await self.publish_pending() >= self._batch:
-                    pass
-                return
-            except Exception as exc:
-                if not tries_left:
-                    log.warning("relay's last pass left rows in the outbox for the next relay: %s", exc)
-                    return
-                await asyncio.sleep(0.2)
+        moment later its repeat is a plain duplicate, so a failed pass is tried twice more.
+        All of it within ``FINISH_S``: three publishes timing out (5 s each) outlasted the 15 s
+        that ``herald up`` gives a stopping process, which was then killed."""
+        try:
+            async with asyncio.timeout(FINISH_S):
+                for tries_left in (2, 1, 0):
+                    try:
+                        while await self.publish_pending() >= self._batch:
+                            pass
+                        return
+                    except Exception as exc:
+                        if not tries_left:
+                            log.warning("relay's last pass left rows in the outbox for the next relay: %s", exc)
+                            return
+                        await asyncio.sleep(0.2)
+        except TimeoutError:
+            log.warning("relay's last pass ran out of time; rows stay in the outbox for the next relay")
 
     async def publish_pending(self, *, stale_after_s: float | None = None) -> int:
         """Publish this process's rows, or (``stale_after_s``) anyone's rows older than that."""
