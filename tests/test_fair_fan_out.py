@@ -151,9 +151,10 @@ def test_a_tenant_with_many_endpoints_does_not_delay_another_tenants_webhooks(
             time.sleep(QUIET_EVERY_S)  # pacing the quiet tenant's starts
         for job_id in ids:
             wait_until(lambda: job_id in arrived, timeout=120, what=f"the quiet tenant's webhook for {job_id}")
-        # The flooding tenant's events beyond its share wait in the store, where /metrics shows them.
-        waiting = _gauge(noisy.get("/metrics").text, "herald_webhook_fan_out_waiting")
-        assert waiting > 0, "nothing waited for its share: the flood did not exceed it"
+        # The flooding tenant's events beyond its share wait in the store, where /metrics shows
+        # them (SQLite's drain keeps up: they wait milliseconds, so the gauge is sampled often).
+        waiting = wait_until(lambda: _gauge(noisy.get("/metrics").text, "herald_webhook_fan_out_waiting") or None,
+                             timeout=20, interval=0.02, what="events waiting for their share while the flood lasts")
     finally:
         flooding.clear()
         flooder.join(30)
