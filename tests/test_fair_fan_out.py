@@ -16,12 +16,12 @@ import statistics
 import threading
 import time
 from collections.abc import Iterator
-from datetime import datetime
 
 import pytest
 from aiohttp import web
 
 from tests.harness import Deployment, client, wait_until
+from tests.test_fair_delivery import _at, healthy  # noqa: F401  (a fixture)
 from tests.test_webhooks import Hit, Receiver, register
 
 FLOOD_ENDPOINTS = 100  # HERALD_TENANT_MAX_ENDPOINTS' default
@@ -85,23 +85,9 @@ def sink() -> Iterator[Sink]:
         yield server
 
 
-@pytest.fixture()
-def healthy() -> Iterator[Receiver]:
-    server = Receiver().start()
-    try:
-        yield server
-    finally:
-        server.stop()
-    assert not server.problems, "\n".join(server.problems)
-
-
 def _gauge(text: str, name: str) -> float:
     [value] = [float(line.split()[-1]) for line in text.splitlines() if line.startswith(name + " ")]
     return value
-
-
-def _at(rfc3339: str) -> float:
-    return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
 
 
 def test_a_tenant_with_many_endpoints_does_not_delay_another_tenants_webhooks(
