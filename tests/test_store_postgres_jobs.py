@@ -24,11 +24,16 @@ import msgspec
 import pytest
 
 from herald import workmessage
-from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
+from herald.constants import event_subject_head
+from herald.jobs import (
+    Accepted, IdempotencyMismatch, JobRow, NewJob, RateLimited, StoreUnavailable, TransitionRejected,
+)
+from herald.storage.unnumbered import unnumbered_event
 from herald.storage.postgres.db import NOW_SQL, PgDatabase
+from herald.storage.postgres import jobs as pg_jobs
 from herald.storage.postgres.jobs import PgJobStore
 from herald.storage.postgres.recent import ServerClock
-from herald.storage.migrations import Schema
+from herald.storage.ports import StartBudget
 from herald.storage.postgres.schema import SCHEMA
 from herald.transitions import Change
 from launcher.pgserver import PostgresServer
@@ -36,7 +41,7 @@ from schemas import JobEvent, JobMessage
 from workers.runner import job_of
 from tests.harness import make_sealer
 from tests.test_migrations import legacy_pg
-from tests.store_contract.support import CLAIM, new_job, outcomes, running_job
+from tests.store_contract.support import CLAIM, claim_key, new_job, outcomes, running_job
 
 
 def new_store(url: str, *, retention_s: float = 60.0, max_size: int = 20) -> PgJobStore:
@@ -158,8 +163,7 @@ def count_round_trips(pg: PgJobStore, monkeypatch: pytest.MonkeyPatch) -> list[s
 
     counted_pool = CountingPool(db.pool)
     monkeypatch.setattr(PgDatabase, "pool", property(lambda self: counted_pool if self is db else self._pool))
-    for name in ("fetchval_grouped", "fetchrow_grouped"):
-        monkeypatch.setattr(db, name, counting(name, getattr(db, name)))
+    monkeypatch.setattr(db, "fetchval_grouped", counting("fetchval_grouped", db.fetchval_grouped))
     return sent
 
 
@@ -178,7 +182,7 @@ async def test_a_workers_claim_and_success_are_one_round_trip_each(
     done = (await pg.transition(job.id, Change(expect={"running"}, to="succeeded", attempt=1))).after
     assert [s.split()[0] for s in sent] == ["fetchrow", "fetchval_grouped", "fetchval_grouped"]
     second = (await pg.accept(new_job())).job
-    assert [s.split()[0] for s in sent[3:]] == ["fetchrow_grouped"]
+    assert [s.split()[0] for s in sent[3:]] == ["fetchval_grouped"]
     after = await db_clock(pg._db.url)
     assert before <= running.updated_at <= done.updated_at <= after
     assert before <= second.created_at <= after
@@ -482,6 +486,50 @@ async def test_a_batch_of_function_calls_is_one_statement_without_begin_and_comm
     assert query.startswith("WITH _rider AS (DELETE FROM outbox") and query.count("herald_transition(") == 3, query
 
 
+async def test_starts_queued_together_are_one_statement_each_with_its_own_outcome(
+    pg: PgJobStore, fresh_database: str
+) -> None:
+    """A gateway's accepts queued together go to the server as one statement, as a worker's
+    transitions do (``herald_accept`` returns a named row type since migration 20: the driver
+    decodes that in a select list, not an anonymous record holding a job's row). Each caller
+    hears its own outcome: a new job, a replayed Idempotency-Key, a key reused with other
+    content, a start over its tenant's budget."""
+    first = await pg.accept(new_job(), claim_key("k1"))
+    conn = await asyncpg.connect(fresh_database)
+    try:
+        await conn.execute("""
+            CREATE TABLE job_inserts (id TEXT, query TEXT);
+            CREATE FUNCTION record_job_insert() RETURNS trigger LANGUAGE plpgsql AS $$
+            BEGIN
+                INSERT INTO job_inserts VALUES (NEW.id, current_query());
+                RETURN NEW;
+            END $$;
+            CREATE TRIGGER job_inserted AFTER INSERT ON jobs FOR EACH ROW EXECUTE FUNCTION record_job_insert();
+        """)
+        budget = StartBudget(rate=0.0, burst=1.0)
+        news = [new_job(), new_job("t9"), new_job("t9"), new_job()]
+        results = await outcomes([
+            pg.accept(news[0]),
+            pg.accept(news[1], None, budget),
+            pg.accept(news[2], None, budget),  # the bucket's one token went to the start before
+            pg.accept(new_job(), claim_key("k1")),
+            pg.accept(new_job(), claim_key("k1", "POST /reports {\"other\": 1}")),
+            pg.accept(news[3]),
+        ])
+        inserts = list(await conn.fetch("SELECT id, query FROM job_inserts"))
+    finally:
+        await conn.close()
+    new0, t9_first, t9_second, replay, mismatch, new3 = results
+    assert isinstance(new0, Accepted) and not new0.replayed and new0.job.id == news[0].id
+    assert isinstance(t9_first, Accepted) and t9_first.job.tenant == "t9"
+    assert isinstance(t9_second, RateLimited)
+    assert isinstance(replay, Accepted) and replay.replayed and replay.job == first.job
+    assert isinstance(mismatch, IdempotencyMismatch)
+    assert isinstance(new3, Accepted) and new3.job == await pg.get(news[3].id)
+    assert {r["id"] for r in inserts} == {news[0].id, news[1].id, news[3].id}
+    assert len({r["query"] for r in inserts}) == 1 and inserts[0]["query"].count("herald_accept(") == 6
+
+
 async def _deadlocks(url: str) -> int:
     """Deadlocks PostgreSQL detected in this database, once every other session has ended
     (a session reports its counts when it exits)."""
@@ -599,6 +647,24 @@ async def test_one_tenants_writes_commit_side_by_side(pg: PgJobStore, fresh_data
     assert [e.seq for e in await pg.tenant_events("t1", 0, 100)] == list(range(1, 7))
 
 
+# How an accept was sent before migration 20: the function's OUT parameters, the row spread out.
+_ACCEPT_OF_THEN = ("SELECT (a.job).* FROM herald_accept(" + ", ".join(f"${n}" for n in range(1, 22)) + ") AS a")
+
+
+async def accept_as_then(conn: asyncpg.Connection, new: NewJob) -> JobRow:
+    """A start as a process of the legacy schema's time wrote it: its statement, this code's arguments."""
+    job = new.queued_row(time.time())
+    event, tail = unnumbered_event(job, "job.queued")
+    work_subject, work_msg_id, work_payload = pg_jobs._work_message(job)
+    record = await conn.fetchrow(
+        _ACCEPT_OF_THEN, new.id, new.tenant, new.kind, new.collection, new.params, new.callback_url,
+        job.created_at, float(new.deadline_s), None, None, None, None, None,
+        event_subject_head(new.tenant, new.id), bytes(event.data), tail, work_subject, work_msg_id, work_payload,
+        None, None)
+    assert record is not None
+    return JobRow.from_mapping(record)
+
+
 async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(fresh_database: str) -> None:
     """Migration 13 on a database with history: old events keep their seq, new ones follow.
 
@@ -607,19 +673,14 @@ async def test_events_of_a_database_made_before_are_kept_and_numbering_goes_on(f
     writes made by this code: two starts (``herald_accept`` takes what it took then; a
     transition's function has changed since)."""
     await legacy_pg(fresh_database, upto="jobs-tenant-fair-share")
-    old = PgJobStore(PgDatabase(fresh_database, Schema(())), retention_s=60.0, sealer=make_sealer())
-    await old.open()
+    conn = await asyncpg.connect(fresh_database)
     try:
-        first = (await old.accept(new_job())).job
-        second = (await old.accept(new_job())).job
+        first = await accept_as_then(conn, new_job())
+        second = await accept_as_then(conn, new_job())
         # Numbered as they were written, by the functions of then.
-        conn = await asyncpg.connect(fresh_database)
-        try:
-            assert [r["seq"] for r in await conn.fetch("SELECT seq FROM events WHERE tenant = 't1' ORDER BY seq")] == [1, 2]
-        finally:
-            await conn.close()
+        assert [r["seq"] for r in await conn.fetch("SELECT seq FROM events WHERE tenant = 't1' ORDER BY seq")] == [1, 2]
     finally:
-        await old.close()
+        await conn.close()
     store = new_store(fresh_database)
     await store.open()
     try:

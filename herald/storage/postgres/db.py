@@ -334,10 +334,6 @@ class PgDatabase:
         """
         return await self._grouped(_Grouped(sql, args, row=False, order=order))
 
-    async def fetchrow_grouped(self, sql: str, *args: Any, order: str = "") -> asyncpg.Record | None:
-        """``fetchrow`` under the same group commit as ``fetchval_grouped``."""
-        return await self._grouped(_Grouped(sql, args, row=True, order=order))  # type: ignore[no-any-return]
-
     def ride(self, sql: str, values: Sequence[Any]) -> asyncio.Future[None]:
         """A write with ``values`` as its one array parameter (``{}`` in ``sql``; the relay's
         outbox deletes) that joins the next batch, as a grouped statement would (the batch

@@ -120,11 +120,9 @@ NUMBER_LOCK_SEED = 0x48534551
 
 # ----- statements ---------------------------------------------------------------------------
 
-_ACCEPT = (
-    "SELECT a.outcome, a.wait_s, a.event_seq, (a.job).* FROM herald_accept("
-    + ", ".join(f"${n}" for n in range(1, 22))
-    + ") AS a"
-)
+# One call, so that the accepts of one group commit go as one statement (``db._Combined``);
+# its value is a ``herald_accepted`` row (migration 20), the job's row inside it.
+_ACCEPT = "SELECT herald_accept(" + ", ".join(f"${n}" for n in range(1, 22)) + ")"
 
 # The row to judge and the server's time to stamp the change with, in one round trip.
 _READ_FOR_CHANGE = f"SELECT c.now, j.* FROM (SELECT {NOW_SQL} AS now) AS c LEFT JOIN jobs AS j ON j.id = $1"
@@ -354,7 +352,7 @@ class PgJobStore(CommitListeners):
             event, event_tail = unnumbered_event(job, "job.queued")
             work_subject, work_msg_id, work_payload = _work_message(job)
             # Committed with the other accepts and transitions of this process queued meanwhile.
-            record = await self._db.fetchrow_grouped(
+            record = await self._db.fetchval_grouped(
                 _ACCEPT,
                 new.id, new.tenant, new.kind, new.collection, new.params, new.callback_url,
                 ts, float(new.deadline_s),
@@ -375,7 +373,7 @@ class PgJobStore(CommitListeners):
         if outcome == "mismatch":
             assert idempotency is not None
             raise IdempotencyMismatch(idempotency.key)
-        stored = JobRow.from_mapping(record)
+        stored = JobRow.from_mapping(record["job"])
         if outcome == "replayed":
             return Accepted(job=stored, replayed=True)
         event = msgspec.structs.replace(event, seq=record["event_seq"])

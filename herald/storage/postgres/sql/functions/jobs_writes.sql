@@ -47,10 +47,11 @@ CREATE OR REPLACE FUNCTION herald_accept(
     p_rate DOUBLE PRECISION, p_burst DOUBLE PRECISION,
     p_event_subject TEXT, p_event_data BYTEA, p_event_tail BYTEA,
     p_work_subject TEXT, p_work_msg_id TEXT, p_work_payload BYTEA,
-    p_traceparent TEXT, p_tracestate TEXT,
-    OUT outcome TEXT, OUT wait_s DOUBLE PRECISION, OUT event_seq BIGINT, OUT job jobs
-) LANGUAGE plpgsql AS $fn$
+    p_traceparent TEXT, p_tracestate TEXT
+) RETURNS herald_accepted LANGUAGE plpgsql AS $fn$
 DECLARE
+    v_out herald_accepted;  -- a named type, not OUT parameters: accepts combine (migration 20)
+    v_job jobs;
     v_tokens DOUBLE PRECISION;
     v_at DOUBLE PRECISION;
     v_now DOUBLE PRECISION;
@@ -67,9 +68,9 @@ BEGIN
         v_now := {now};  -- read under the lock: the bucket's times only move forward
         v_tokens := least(p_burst, v_tokens + greatest(0, v_now - v_at) * p_rate);
         IF v_tokens < 1 THEN
-            outcome := 'limited';
-            wait_s := CASE WHEN p_rate > 0 THEN (1 - v_tokens) / p_rate ELSE 'Infinity'::float8 END;
-            RETURN;
+            v_out.outcome := 'limited';
+            v_out.wait_s := CASE WHEN p_rate > 0 THEN (1 - v_tokens) / p_rate ELSE 'Infinity'::float8 END;
+            RETURN v_out;
         END IF;
     END IF;
 
@@ -92,16 +93,17 @@ BEGIN
                 CONTINUE;
             END IF;
             IF v_key.fingerprint <> p_fingerprint THEN
-                outcome := 'mismatch';  -- nothing written: the claim conflicted, the token is unspent
-                RETURN;
+                v_out.outcome := 'mismatch';  -- nothing written: the claim conflicted, the token is unspent
+                RETURN v_out;
             END IF;
-            SELECT * INTO job FROM jobs j WHERE j.id = v_key.job_id;
+            SELECT * INTO v_job FROM jobs j WHERE j.id = v_key.job_id;
             IF FOUND THEN
                 IF p_rate IS NOT NULL THEN  -- replays count against the budget (SPEC 10)
                     UPDATE rate_buckets SET tokens = v_tokens - 1, at = v_now WHERE tenant = p_tenant;
                 END IF;
-                outcome := 'replayed';
-                RETURN;
+                v_out.outcome := 'replayed';
+                v_out.job := v_job;
+                RETURN v_out;
             END IF;
             -- The job is gone (retention) but the key lives on: answer as if new.
             DELETE FROM idempotency_keys k WHERE k.tenant = p_tenant AND k.key = p_key;
@@ -116,11 +118,13 @@ BEGIN
                       created_at, updated_at, deadline_at, callback_url, traceparent, tracestate)
     VALUES (p_id, p_tenant, p_kind, p_collection, 'queued', p_params, NULL, 1, 0,
             p_ts, p_ts, p_ts + p_deadline_s, p_callback_url, p_traceparent, p_tracestate)
-    RETURNING * INTO job;
-    event_seq := herald_append_event(p_tenant, p_id, p_kind, 1, 'job.queued', p_ts, p_event_data,
+    RETURNING * INTO v_job;
+    v_out.job := v_job;
+    v_out.event_seq := herald_append_event(p_tenant, p_id, p_kind, 1, 'job.queued', p_ts, p_event_data,
                                      p_event_subject, p_event_tail, p_work_subject, p_work_msg_id, p_work_payload,
                                      p_traceparent, p_tracestate);
-    outcome := 'accepted';
+    v_out.outcome := 'accepted';
+    RETURN v_out;
 END
 $fn$;
 
