@@ -19,7 +19,8 @@ its CPU per request (bench/RESULTS.md, issue 14).
 ``HEAD`` is answered as ``GET`` without the body (``edge``), streams and downloads included.
 So every ``Allow`` names HEAD wherever it names GET: an OPTIONS answer's (``edge``, which also
 names every method of a route where the framework's names only its first handler's) and a
-405's (``gateway.problems``).
+405's (``gateway.problems``). The GET it runs as keeps the method the client sent in its scope
+(``SENT_METHOD``), which the access line and the request metrics name.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from gateway.problems import PROBLEM_MEDIA_TYPE, allow
 from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE
 
 ABORT_EXTENSION = "herald.abort"  # scope["extensions"][ABORT_EXTENSION]["abort"]: reset the connection now
+SENT_METHOD = "herald.sent_method"  # scope[SENT_METHOD]: the client's method where the app runs another (HEAD as GET)
 MAX_HEADER_BYTES = 16 * 1024
 # Raw bytes count separators, the request line and line ends that the scope does not, so
 # the cap on an unfinished head is looser; it bounds memory, ``edge`` enforces the limit.
@@ -88,7 +90,7 @@ async def _as_head(app: ASGIApp, scope: Scope, receive: Receive, send: Send) -> 
             raise _HeadSent
 
     try:
-        await app({**scope, "method": "GET"}, receive, head_only)  # type: ignore[arg-type]
+        await app({**scope, "method": "GET", SENT_METHOD: "HEAD"}, receive, head_only)  # type: ignore[arg-type]
     except* _HeadSent:  # a file or a stream sends from a task group, which wraps it in a group
         pass
 

@@ -8,7 +8,8 @@ route, while an unknown path (404) or a wrong method (405) must be counted and t
   structlog context for every line logged while the request runs, answers it in the
   ``X-Request-ID`` header, counts ``herald_http_requests_total{route,method,status}``
   by the route *template* (``/jobs/{job_id}``, never the raw path, so the label set
-  stays bounded), and logs the access line with ``job_id`` when the route has one.
+  stays bounded), and logs the access line with ``job_id`` when the route has one. Both
+  name the method the client sent: a HEAD, which the app answers as a GET, is a HEAD.
 * ``bind_job_context`` is the app's ``before_request`` hook: once the route is known it
   binds ``job_id`` so that every line a handler logs about a job carries it.
 """
@@ -26,6 +27,7 @@ from litestar import Litestar, Request
 from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
+from gateway.headers import SENT_METHOD
 from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.metrics import metrics as process_metrics
@@ -94,7 +96,8 @@ class RequestContext:
     def _record(self, scope: Scope, status: int, elapsed: float, started_job: str | None = None) -> None:
         # The router writes the matched template into this same scope dict.
         route: str = scope.get("path_template") or UNMATCHED_ROUTE
-        method = str(scope.get("method", ""))
+        # ``edge`` runs a HEAD as a GET in a copy of the scope that says what was sent.
+        method = str(scope.get(SENT_METHOD) or scope.get("method", ""))
         counted = self._counted.get((route, method, status))
         if counted is None:
             counted = self._counted[(route, method, status)] = self.metrics.http_requests.labels(

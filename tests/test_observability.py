@@ -243,6 +243,34 @@ def test_each_request_has_an_id_in_the_answer_and_in_the_log(herald: Deployment)
     assert lines[plain.headers["x-request-id"]]["route"] == "unmatched"
 
 
+def test_a_head_request_is_logged_and_counted_as_head(herald: Deployment) -> None:
+    """The edge answers a HEAD as a GET without its body; the access line and the request
+    counter still name the method the client sent (the line said GET)."""
+    base = herald.url()
+    job_id = run_report(base, pages=1)
+    before = scrape(base)
+    auth = {"Authorization": f"Bearer {KEY}"}
+    tag = uuid.uuid4().hex[:8]
+    head = httpx.head(f"{base}/jobs/{job_id}", headers={**auth, "X-Request-ID": f"head-{tag}"})
+    get = httpx.get(f"{base}/jobs/{job_id}", headers={**auth, "X-Request-ID": f"get-{tag}"})
+    assert head.status_code == get.status_code == 303 and head.content == b""
+
+    def request_lines() -> dict[str, dict[str, Any]]:
+        return {line["request_id"]: line for line in log_lines(herald, "gateway")
+                if line["event"] == "request" and line.get("request_id") in (f"head-{tag}", f"get-{tag}")}
+
+    lines = wait_until(lambda: len(r := request_lines()) == 2 and r, what="the two access lines")
+    assert lines[f"head-{tag}"]["method"] == "HEAD", lines[f"head-{tag}"]
+    assert lines[f"get-{tag}"]["method"] == "GET", lines[f"get-{tag}"]
+    for line in lines.values():
+        assert line["route"] == "/jobs/{job_id}" and line["status"] == 303 and line["job_id"] == job_id
+    after = scrape(base)
+    counted = {method: value(after, "herald_http_requests_total", route="/jobs/{job_id}", method=method, status="303")
+               - value(before, "herald_http_requests_total", route="/jobs/{job_id}", method=method, status="303")
+               for method in ("HEAD", "GET")}
+    assert counted == {"HEAD": 1, "GET": 1}
+
+
 def test_keys_never_reach_the_logs(herald: Deployment) -> None:
     wrong = f"wrong-key-{uuid.uuid4()}"
     assert httpx.get(herald.url() + "/jobs", headers={"Authorization": f"Bearer {wrong}"}).status_code == 401
