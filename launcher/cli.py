@@ -60,10 +60,9 @@ def server_config(app: Any, host: str, port: int) -> Any:
 
 
 def run_gateway(settings: Settings) -> int:
-    import uvicorn
-
     from gateway.app import create_app
     from gateway.headers import edge
+    from launcher.gateway_server import GatewayServer
 
     app = edge(create_app(settings))
     # Everything built so far (modules, classes, the app) lives as long as the process:
@@ -77,10 +76,11 @@ def run_gateway(settings: Settings) -> int:
     # at 1 000 streams, hundreds at 5 000). Only cyclic garbage waits longer to be freed.
     gc.set_threshold(10_000, 10, 10)
     config = server_config(app, settings.http_host, settings.http_port)
+    server = GatewayServer(config)  # a stop on SIGINT/SIGTERM returns here: exit 0 (launcher/gateway_server.py)
     if not settings.http_reuse_port:
-        uvicorn.Server(config).run()
+        server.run()
         return 0
-    uvicorn.Server(config).run(sockets=[shared_listener(settings.http_host, settings.http_port, config.backlog)])
+    server.run(sockets=[shared_listener(settings.http_host, settings.http_port, config.backlog)])
     return 0
 
 

@@ -331,8 +331,9 @@ class Supervisor:
 
     def unclean(self) -> list[str]:
         """After ``stop``: the Herald processes that did not end as asked (a failure while
-        stopping, or killed at the deadline), each as ``name (exit N)``. The SIGTERM they
-        were sent is a clean end too: uvicorn re-raises it once its shutdown is done."""
+        stopping, or killed at the deadline), each as ``name (exit N)``. A clean stop exits 0;
+        dying of the SIGTERM itself is a clean end too, for a child still starting (importing)
+        that had not set its handlers yet: it had nothing in flight to finish."""
         return [f"{c.name} (exit {c.process.returncode})" for c in self.children
                 if c.process is not None and c.process.returncode not in (0, -signal.SIGTERM, None)]
 

@@ -36,8 +36,8 @@ from typing import Any
 
 # What a gateway, a worker and a notifier import; what else they need they import themselves.
 PRELOAD = (
-    "launcher.cli", "launcher.metrics_server", "gateway.app", "gateway.headers", "workers.runner",
-    "notifier.service", "herald.storage.sqlite", "herald.storage.postgres", "herald.tracing",
+    "launcher.cli", "launcher.metrics_server", "launcher.gateway_server", "gateway.app", "gateway.headers",
+    "workers.runner", "notifier.service", "herald.storage.sqlite", "herald.storage.postgres", "herald.tracing",
     "workers.kinds.report", "workers.kinds.export", "uvicorn", "uvicorn.protocols.http.httptools_impl",
     "uvicorn.lifespan.on", "uvicorn.loops.uvloop",
 )

@@ -3,7 +3,9 @@ leases, the sweeper and retention (SPEC §4, §5, §9)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
+import subprocess
 from typing import Any
 
 import httpx
@@ -136,6 +138,48 @@ def test_sigterm_hands_the_job_back(fresh: Deployment) -> None:
         done = wait_for_state(http, job["id"], {"succeeded"}, timeout=30)
         assert done["attempt"] == 2
         assert_one_result(fresh, done)
+
+
+STOPPED_WITHIN_S = 15.0  # a worker's grace (10 s) and a gateway's stream grace (3 s), on a loaded machine
+
+
+def _exit_status(deployment: Deployment, name: str) -> int:
+    """``name``'s exit status once it has ended (failing, with its log, if it has not in time)."""
+    try:
+        return deployment.processes[name].wait(STOPPED_WITHIN_S)
+    except subprocess.TimeoutExpired:
+        raise AssertionError(f"{name} still running {STOPPED_WITHIN_S:g} s after SIGTERM; its log ends:\n"
+                             f"{deployment.log_text(name)[-3000:]}") from None
+
+
+def test_sigterm_stops_every_process_cleanly_with_exit_0(fresh: Deployment) -> None:
+    """SIGTERM is the ordinary stop (herald up's, an orchestrator's): each process finishes
+    what it has in flight and exits 0. A worker's running job ends within its grace; a
+    gateway ends a held stream. A gateway died of the very signal after its clean shutdown
+    (-15: uvicorn raises it again once it has stopped), like a process killed mid-request."""
+    base = fresh.start_gateway()
+    fresh.start_worker(HERALD_REPORT_PAGE_MS="50")
+    fresh.start_notifier()
+    with client(base) as http:
+        job = http.post("/reports", json={"title": "finish me", "pages": 20}).json()
+        running_with_progress(http, job["id"])
+        fresh.processes["worker"].send_signal(signal.SIGTERM)
+        assert _exit_status(fresh, "worker") == 0, fresh.log_text("worker")[-3000:]
+        assert http.get(f"/jobs/{job['id']}").json()["state"] == "succeeded", "finished within the grace"
+        fresh.processes["notifier"].send_signal(signal.SIGTERM)
+        assert _exit_status(fresh, "notifier") == 0, fresh.log_text("notifier")[-3000:]
+        with http.stream("GET", "/events", headers={"Accept": "text/event-stream"}, timeout=30) as stream:
+            received = stream.iter_bytes()
+            assert next(received).startswith(b"retry:")  # held open while the gateway stops
+            fresh.processes["gateway"].send_signal(signal.SIGTERM)
+            # uvicorn gives streams 3 s, then cancels them and closes their connections: the
+            # body breaks off, which an EventSource reconnects after as after any end.
+            with contextlib.suppress(httpx.RemoteProtocolError):
+                for _ in received:
+                    pass
+        assert _exit_status(fresh, "gateway") == 0, fresh.log_text("gateway")[-3000:]
+    for name in ("gateway", "worker", "notifier"):
+        assert "shutdown took longer" not in fresh.log_text(name)
 
 
 def test_retention_deletes_job_result_and_history(fresh: Deployment) -> None:
