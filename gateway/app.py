@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import functools
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from litestar import Litestar
@@ -47,12 +47,14 @@ log = logging.getLogger("herald.gateway")
 MAX_BODY_BYTES = 1024 * 1024
 
 
-async def _connect_nats(svc: Services, owner: TaskOwner, stop: asyncio.Event) -> None:
+async def _connect_nats(svc: Services, owner: TaskOwner, stop: asyncio.Event, give_up: Callable[[], None]) -> None:
     """Connect (retrying until NATS is there), create the topology (retrying until it is
     there), then start the relay and the sweeper and attach the hub. ``stop`` (the gateway
     is stopping) ends it at any of these steps, at once.
 
-    Until then the gateway still accepts jobs: the outbox keeps them; /readyz says 503.
+    Until then the gateway still accepts jobs: the outbox keeps them; /readyz says 503. A
+    NATS without JetStream never becomes ready, so the gateway stops instead (``give_up``),
+    saying so in one line, rather than accepting jobs no worker will ever get.
     """
 
     async def reconnected() -> None:
@@ -73,6 +75,11 @@ async def _connect_nats(svc: Services, owner: TaskOwner, stop: asyncio.Event) ->
                 break
             except jetstream.Stopped:
                 break
+            except jetstream.JetStreamNotEnabled as exc:
+                logging.getLogger("herald.nats").error("%s; stopping", exc)  # as a worker's and a notifier's line
+                await _close_quietly(nc)
+                give_up()
+                return
             except Exception:  # a cluster without a JetStream leader yet, a node restarting
                 log.exception("creating the JetStream streams and consumers failed; retrying in 1 s")
                 with contextlib.suppress(TimeoutError):
@@ -100,7 +107,7 @@ async def _close_quietly(nc: NATS) -> None:
         await nc.close()
 
 
-async def _open_store(svc: Services, owner: TaskOwner) -> None:
+async def _open_store(svc: Services, owner: TaskOwner, give_up: Callable[[], None]) -> None:
     """Open (or wait for) the store, load the URL signing key, then start what needs both."""
     await svc.store.open()
     if not svc.signer.ready:
@@ -108,10 +115,16 @@ async def _open_store(svc: Services, owner: TaskOwner) -> None:
     await svc.directory.refresh(force=True)
     owner.spawn(svc.directory.run(), "tenant-directory")
     connecting = asyncio.Event()  # set: stop connecting (the gateway is stopping)
-    owner.spawn(_connect_nats(svc, owner, connecting), "nats-connect", stop=connecting.set)
+    owner.spawn(_connect_nats(svc, owner, connecting, give_up), "nats-connect", stop=connecting.set)
 
 
-def create_app(settings: Settings) -> Litestar:
+def _keep_serving() -> None:
+    """``create_app``'s ``give_up`` by default: serve on, not ready (/readyz 503)."""
+
+
+def create_app(settings: Settings, *, give_up: Callable[[], None] = _keep_serving) -> Litestar:
+    """The gateway's app; ``give_up`` stops its server when it cannot serve at all (NATS
+    without JetStream): ``herald gateway`` then exits non-zero (launcher/cli.py)."""
     # The kinds' declarations only: a gateway never imports a handler (or its dependencies).
     kinds = list(load_kinds(settings.kinds).values())
 
@@ -143,7 +156,7 @@ def create_app(settings: Settings) -> Litestar:
                 queue_reasons=QueueReasons(store, directory),
             )
             app.state.services = svc
-            opening = owner.spawn(_open_store(svc, owner), "store-open")
+            opening = owner.spawn(_open_store(svc, owner, give_up), "store-open")
             if not settings.uses_postgres:
                 await opening  # a local file: open before serving. PostgreSQL may take a while: /readyz says 503 meanwhile
 

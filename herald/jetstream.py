@@ -22,7 +22,7 @@ from nats.js.api import (
     StreamConfig,
 )
 from nats.errors import AuthorizationError
-from nats.js.errors import BadRequestError, NotFoundError
+from nats.js.errors import BadRequestError, NotFoundError, ServiceUnavailableError
 
 from herald.constants import (
     EVENTS_STREAM,
@@ -74,6 +74,12 @@ CANCEL_AGAIN_S = 0.25  # until_stopped: how often a cancellation that was not ta
 GIVE_UP_CANCEL_S = 5.0  # ... and for how long, at most
 
 
+def _where(settings: Settings) -> str:
+    """The NATS a process was told to use, and by which setting, without its password."""
+    return (f"{redact_url(settings.nats_url)} (HERALD_NATS_URL)" if settings.nats_url
+            else f"{settings.effective_nats_url} (HERALD_NATS_PORT; HERALD_NATS_URL is unset)")
+
+
 class NatsConnectError(Exception):
     """No server of HERALD_NATS_URL accepted the first connection: unreachable, or it refused
     the credentials (``authorization``). The message names the setting and the URL (without
@@ -81,14 +87,49 @@ class NatsConnectError(Exception):
 
     def __init__(self, settings: Settings, failures: list[BaseException]) -> None:
         self.authorization = any(_refused_authorization(f) for f in failures)
-        where = (f"{redact_url(settings.nats_url)} (HERALD_NATS_URL)" if settings.nats_url
-                 else f"{settings.effective_nats_url} (HERALD_NATS_PORT; HERALD_NATS_URL is unset)")
         if self.authorization:
             how = "HERALD_NATS_CREDS" if settings.nats_creds is not None else "the user and password in HERALD_NATS_URL"
             self.reason = f"refused authorization: check {how}"
         else:
             self.reason = f"is not reachable: {failures[-1] if failures else 'no server answered'}"
-        super().__init__(f"NATS at {where} {self.reason}")
+        super().__init__(f"NATS at {_where(settings)} {self.reason}")
+
+
+# JetStream API error codes (nats-server's errors.json) that say it is off, not busy.
+JS_NOT_ENABLED = 10076  # "JetStream not enabled"
+JS_NOT_ENABLED_FOR_ACCOUNT = 10039  # "JetStream not enabled for account"
+
+
+class JetStreamNotEnabled(Exception):
+    """The NATS server answers, but has no JetStream (``for_account``: not for the account
+    Herald's user is in). A setting of that server, which no waiting changes: a process stops
+    at once saying so, where one that waited for a topology it cannot create stopped after
+    a minute of retries with a ``ServiceUnavailableError``."""
+
+    def __init__(self, settings: Settings, *, for_account: bool) -> None:
+        self.for_account = for_account
+        if for_account:
+            fix = "enable it for the account of Herald's NATS user (jetstream: enabled in its accounts block)"
+        else:
+            fix = "start nats-server with -js, or a jetstream {} block in its config"
+        scope = " for Herald's account" if for_account else ""
+        super().__init__(f"JetStream is not enabled{scope} on the NATS server at {_where(settings)}: {fix}")
+
+
+async def require_jetstream(js: JetStreamContext, settings: Settings) -> None:
+    """``JetStreamNotEnabled`` when the server says JetStream is off; any other failure (a
+    timeout, a cluster still electing its meta leader) is raised as it is, for the caller's
+    retries. A server that accepts clients has its JetStream API up already (one started
+    with it, alone or in a cluster, answers from its first connection on)."""
+    try:
+        await js.account_info()
+    except ServiceUnavailableError as exc:
+        # Without a code it is nats-py's "no responders": nothing serves JetStream's API on
+        # this server, which is what nats.go calls ErrJetStreamNotEnabled. With one, it is
+        # the server's answer, and only these codes say JetStream is off.
+        if exc.code is None or exc.err_code in (JS_NOT_ENABLED, JS_NOT_ENABLED_FOR_ACCOUNT):
+            raise JetStreamNotEnabled(settings, for_account=exc.err_code == JS_NOT_ENABLED_FOR_ACCOUNT) from None
+        raise
 
 
 def _refused_authorization(exc: BaseException) -> bool:
@@ -308,12 +349,15 @@ async def ensure_topology(
     the result bucket, each with HERALD_NATS_REPLICAS copies. Safe to run from many
     processes, and retried whole (every step is idempotent) while the cluster is electing its
     leaders. Workers create their consumers (one per kind and tenant) when first needed
-    (workers/dispatch.py); ``kinds`` is kept for callers that name them."""
+    (workers/dispatch.py); ``kinds`` is kept for callers that name them.
+
+    A server without JetStream is no such passing state: ``JetStreamNotEnabled`` at once."""
     declared = list(declared_kinds().values() if kinds is None else kinds)
     await retry_nats(lambda: _ensure_topology(js, settings, declared), for_s=TOPOLOGY_RETRY_FOR_S)
 
 
 async def _ensure_topology(js: JetStreamContext, settings: Settings, kinds: list[KindDeclaration]) -> None:
+    await require_jetstream(js, settings)  # not one of retry_nats's transient errors: raised at once
     for config in stream_configs(settings):
         assert config.name is not None
         try:

@@ -38,6 +38,9 @@ def _settings(args: argparse.Namespace) -> Settings:
     return settings.with_changes(**changes) if changes else settings
 
 
+CANNOT_RUN = 2  # the exit status of a process whose setup no waiting mends (as a wrong setting's)
+
+
 def server_config(app: Any, host: str, port: int) -> Any:
     """The HTTP server settings of a gateway (the benchmark's baseline app uses them too)."""
     import uvicorn
@@ -64,7 +67,8 @@ def run_gateway(settings: Settings) -> int:
     from gateway.headers import edge
     from launcher.gateway_server import GatewayServer
 
-    app = edge(create_app(settings))
+    # Called once the server runs (from the lifespan's NATS task), when ``server`` is set.
+    app = edge(create_app(settings, give_up=lambda: server.give_up(CANNOT_RUN)))
     # Everything built so far (modules, classes, the app) lives as long as the process:
     # moved out of the collector's generations, it is no longer traversed by every
     # collection that the allocations of thousands of streams trigger (bench/RESULTS.md).
@@ -79,9 +83,9 @@ def run_gateway(settings: Settings) -> int:
     server = GatewayServer(config)  # a stop on SIGINT/SIGTERM returns here: exit 0 (launcher/gateway_server.py)
     if not settings.http_reuse_port:
         server.run()
-        return 0
-    server.run(sockets=[shared_listener(settings.http_host, settings.http_port, config.backlog)])
-    return 0
+    else:
+        server.run(sockets=[shared_listener(settings.http_host, settings.http_port, config.backlog)])
+    return server.exit_status
 
 
 def shared_listener(host: str, port: int, backlog: int) -> socket.socket:
@@ -118,9 +122,10 @@ def _exit_if_still_running(deadline_s: float) -> None:
 
 def run_component(settings: Settings, body: Component) -> int:
     """Run a component without an API (worker, notifier) until SIGINT/SIGTERM sets its stop event."""
+    from herald.jetstream import JetStreamNotEnabled
     from launcher.metrics_server import serve_metrics
 
-    async def main() -> None:
+    async def main() -> int:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
 
@@ -132,12 +137,16 @@ def run_component(settings: Settings, body: Component) -> int:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, request_stop)
         async with serve_metrics(settings):
-            await body(settings, stop)
+            try:
+                await body(settings, stop)
+            except JetStreamNotEnabled as exc:  # the body has closed what it opened on its way out
+                logging.getLogger("herald.nats").error("%s; stopping", exc)
+                return CANNOT_RUN
+        return 0
 
     # uvloop, as the gateway's uvicorn: each turn of its loop costs a worker or a notifier
     # less than asyncio's own (bench/RESULTS.md, issue 24).
-    uvloop.run(main())
-    return 0
+    return uvloop.run(main())
 
 
 def run_worker(settings: Settings) -> int:

@@ -8,6 +8,9 @@ the signal asked for is done by then: re-raised, SIGTERM's default action killed
 had stopped cleanly (exit -15, which a supervisor cannot tell from a gateway killed mid-request)
 and SIGINT ended it in a ``KeyboardInterrupt``. Here the signals are caught as uvicorn catches
 them and not raised again: a clean stop exits 0, as a worker's and a notifier's does.
+
+``give_up`` stops it the same way from inside, with another exit status: the gateway found
+it cannot serve at all (NATS without JetStream).
 """
 
 from __future__ import annotations
@@ -23,6 +26,14 @@ STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class GatewayServer(uvicorn.Server):
+    exit_status = 0
+
+    def give_up(self, status: int) -> None:
+        """Stop as on SIGTERM, then exit with ``status``: the gateway found it cannot serve
+        (NATS without JetStream), which no waiting mends."""
+        self.exit_status = status
+        self.should_exit = True
+
     @contextlib.contextmanager
     def capture_signals(self) -> Iterator[None]:
         """uvicorn's, without raising the signals again once the server has stopped."""

@@ -196,8 +196,8 @@ class Supervisor:
     def ensure_topology(self, url: str) -> bool:
         """Connect to NATS and create the streams and consumers; False if a signal asked to
         stop first (at any moment: the connect under way is abandoned). NATS that does not
-        answer within ``nats_wait_s``, or refuses the credentials, is a ``SupervisorError``
-        that names HERALD_NATS_URL (or says it is the nats-server started here)."""
+        answer within ``nats_wait_s``, refuses the credentials or has no JetStream is a
+        ``SupervisorError`` that names HERALD_NATS_URL (or says it is the nats-server started here)."""
 
         async def ensure() -> bool:
             stop = asyncio.Event()
@@ -247,6 +247,8 @@ class Supervisor:
                 return True
             except jetstream.Stopped:
                 return False
+            except jetstream.JetStreamNotEnabled as exc:  # no waiting mends it: at once, as a refused password
+                raise SupervisorError(str(exc)) from None
             except Exception as exc:  # noqa: BLE001  (no JetStream leader yet, say: until the deadline)
                 if loop.time() >= deadline:
                     raise SupervisorError(f"JetStream did not become available: creating its streams failed: {exc}") from None

@@ -1,16 +1,19 @@
-"""NATS that is not there, or refuses Herald's credentials (SPEC §1, §9).
+"""NATS that is not there, refuses Herald's credentials, or has no JetStream (SPEC §1, §9).
 
 A first connection that no server accepts ends (``NatsConnectError``, naming
 HERALD_NATS_URL and why: unreachable, or authorization refused) instead of being retried
 inside nats-py for ever; the components retry it themselves until NATS is there, and stop at
 once on SIGTERM whatever the attempt under way was doing. Once connected, reconnects never
-stop (NATS restarts must not kill a component: test_faults.py).
+stop (NATS restarts must not kill a component: test_faults.py). A server that answers
+without JetStream is no state that passes: every process, and herald up, stops at once
+saying so (``JetStreamNotEnabled``), exit 2.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -35,13 +38,13 @@ STOP_S = 8.0
 PASSWORD = "right-password"
 
 
-@pytest.fixture
-def password_nats(tmp_path: Path) -> Iterator[int]:
-    """A nats-server that takes only user ``herald`` with PASSWORD; yields its port."""
+@contextlib.contextmanager
+def nats_server(*args: str) -> Iterator[int]:
+    """A nats-server of the test's own with ``args``; yields its port."""
     binary = find_nats_server()
     assert binary
     port = free_port()
-    process = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), "--user", "herald", "--pass", PASSWORD],
+    process = subprocess.Popen([binary, "-a", "127.0.0.1", "-p", str(port), *args],
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
     def listening() -> bool:
@@ -50,7 +53,7 @@ def password_nats(tmp_path: Path) -> Iterator[int]:
             return sock.connect_ex(("127.0.0.1", port)) == 0
 
     try:
-        wait_until(listening, timeout=10, what="nats-server with a password listening")
+        wait_until(listening, timeout=10, what=f"nats-server {' '.join(args)} listening")
         yield port
     finally:
         process.terminate()
@@ -59,6 +62,20 @@ def password_nats(tmp_path: Path) -> Iterator[int]:
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait()
+
+
+@pytest.fixture
+def password_nats() -> Iterator[int]:
+    """A nats-server that takes only user ``herald`` with PASSWORD; yields its port."""
+    with nats_server("--user", "herald", "--pass", PASSWORD) as port:
+        yield port
+
+
+@pytest.fixture
+def plain_nats() -> Iterator[int]:
+    """A nats-server without JetStream (no -js); yields its port."""
+    with nats_server() as port:
+        yield port
 
 
 # ----- the first connection ends, and says why -------------------------------------------------
@@ -200,6 +217,95 @@ def test_sigterm_stops_a_component_that_never_reached_nats(tmp_path: Path, comma
         deployment.stop()
 
 
+def test_a_component_started_before_its_nats_waits_for_it_and_runs(tmp_path: Path) -> None:
+    """A NATS still starting is retried, never taken for one without JetStream."""
+    deployment = Deployment(tmp_path)  # its nats-server starts only once the worker has tried it
+    try:
+        process = deployment._spawn("worker", ["worker"], deployment.env())
+
+        def tried_nats() -> bool:
+            assert process.poll() is None, deployment.log_text("worker")[-3000:]
+            return any("is not reachable" in str(e.get("event")) for e in deployment.log_events("worker"))
+
+        wait_until(tried_nats, timeout=60, what="the worker trying to reach NATS")
+        deployment.nats.start()
+        deployment._wait_ready("worker", lambda: deployment.logged("worker", "worker ready"))
+        assert not any("JetStream is not enabled" in str(e.get("event")) for e in deployment.log_events("worker"))
+    finally:
+        deployment.stop()
+
+
+# ----- a NATS without JetStream: no waiting, one line, exit 2 ---------------------------------------
+
+# A process (or herald up) ends within this; it retried a minute first (jetstream.TOPOLOGY_RETRY_FOR_S),
+# and its own start takes seconds on a loaded machine.
+FAILS_WITHIN_S = 20.0
+NOT_ENABLED = "JetStream is not enabled on the NATS server at"
+
+
+async def test_ensure_topology_fails_at_once_on_a_server_without_jetstream(tmp_path: Path, plain_nats: int) -> None:
+    url = f"nats://127.0.0.1:{plain_nats}"
+    settings = Settings(data_dir=tmp_path, nats_url=url)
+    nc = await jetstream.connect(settings, "test")  # it answers: no NatsConnectError
+    try:
+        with pytest.raises(jetstream.JetStreamNotEnabled) as raised:
+            await asyncio.wait_for(jetstream.ensure_topology(nc.jetstream(), settings), timeout=10)
+    finally:
+        await nc.close()
+    assert not raised.value.for_account
+    assert str(raised.value).startswith(f"{NOT_ENABLED} {url} (HERALD_NATS_URL): start nats-server with -js")
+
+
+async def test_an_account_without_jetstream_is_told_from_one_with_it(tmp_path: Path) -> None:
+    """JetStream on the server, but not for the account of Herald's user: the server says so
+    (err_code 10039), and that is no waiting matter either. The account with it is served."""
+    conf = tmp_path / "accounts.conf"
+    conf.write_text(f"jetstream {{ store_dir: {json.dumps(str(tmp_path / 'js'))} }}\n"
+                    "accounts {\n"
+                    "  WITH { jetstream: enabled, users: [{user: with, password: pw}] }\n"
+                    "  WITHOUT { users: [{user: without, password: pw}] }\n"
+                    "}\n")
+    with nats_server("-c", str(conf)) as port:
+        without = Settings(data_dir=tmp_path, nats_url=f"nats://without:pw@127.0.0.1:{port}")
+        nc = await jetstream.connect(without, "test")
+        try:
+            with pytest.raises(jetstream.JetStreamNotEnabled) as raised:
+                await asyncio.wait_for(jetstream.ensure_topology(nc.jetstream(), without), timeout=10)
+        finally:
+            await nc.close()
+        assert raised.value.for_account
+        assert f"not enabled for Herald's account on the NATS server at nats://without:***@127.0.0.1:{port}" in str(
+            raised.value)
+        with_it = Settings(data_dir=tmp_path, nats_url=f"nats://with:pw@127.0.0.1:{port}")
+        nc = await jetstream.connect(with_it, "test")
+        try:
+            await asyncio.wait_for(jetstream.ensure_topology(nc.jetstream(), with_it), timeout=30)
+        finally:
+            await nc.close()
+
+
+@pytest.mark.parametrize("command", ["worker", "notifier", "gateway"])
+def test_a_component_stops_at_once_on_a_nats_without_jetstream(tmp_path: Path, plain_nats: int, command: str) -> None:
+    url = f"nats://127.0.0.1:{plain_nats}"
+    deployment = Deployment(tmp_path)  # its own nats-server is never started
+    try:
+        process = deployment._spawn(command, [command], deployment.env(HERALD_NATS_URL=url,
+                                                                        HERALD_HTTP_PORT=str(free_port())))
+        try:
+            code = process.wait(FAILS_WITHIN_S)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{command} still running {FAILS_WITHIN_S:g} s on a NATS without JetStream; "
+                                 f"its log ends:\n{deployment.log_text(command)[-3000:]}") from None
+        events = deployment.log_events(command)
+        assert code == 2, deployment.log_text(command)[-3000:]
+        said = [e for e in events if "JetStream is not enabled" in str(e.get("event"))]
+        assert len(said) == 1, said
+        assert said[0]["level"] == "error" and said[0]["event"].startswith(f"{NOT_ENABLED} {url} (HERALD_NATS_URL)")
+        assert not [e for e in events if "raw" in e], "one line, no traceback"
+    finally:
+        deployment.stop()
+
+
 # ----- herald up with an external NATS that is not there, or refuses it ----------------------------
 
 # herald up gives up on NATS after supervisor.NATS_WAIT_S (10 s); its own start (imports) takes
@@ -296,3 +402,16 @@ def test_herald_up_cluster_with_a_wrong_nats_password_exits_at_once_saying_autho
         assert code == 2, said
         assert f"nats://herald:***@127.0.0.1:{password_nats} (HERALD_NATS_URL) refused authorization" in said
         assert "wrong-password" not in said
+
+
+@pytest.mark.parametrize("cluster", [False, True], ids=["up", "up-cluster"])
+def test_herald_up_with_a_nats_without_jetstream_exits_at_once_saying_so(
+        tmp_path: Path, plain_nats: int, cluster: bool) -> None:
+    args, extra = _cluster() if cluster else ((), {})
+    url = f"nats://127.0.0.1:{plain_nats}"
+    with herald_up(tmp_path, url, *args, **extra) as (process, output):
+        code = _ended(process, output, FAILS_WITHIN_S)
+        said = output.read_text(errors="replace")
+        assert code == 2, said
+        assert f"herald: {NOT_ENABLED} {url} (HERALD_NATS_URL)" in said
+        assert "gave up after" not in said and "Herald is up" not in said
