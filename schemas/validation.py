@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import types
+import typing
 from functools import cache
 from typing import Any, TypeVar
 
@@ -62,10 +64,11 @@ def _out_of_range(body: bytes) -> str:
 
 
 def _field_error(path: str, message: str) -> FieldError:
-    """A fault at ``path`` inside the body: the top-level field it is in names it, the rest of
-    the path leads the message (``limits`` / ``rate_limit: ...``)."""
-    cut = min((i for i in (path.find("."), path.find("[", 1)) if i > 0), default=len(path))
-    field, inner = path[:cut], path[cut:].removeprefix(".")
+    """A fault at ``path`` inside the body: a field inside an object is named by its dotted
+    path (``limits.rate_limit``); inside a list, the list names it and the rest of the path
+    leads the message (``event_types`` / ``[0]: ...``)."""
+    cut = path.find("[", 1)
+    field, inner = (path, "") if cut < 0 else (path[:cut], path[cut:])
     if not field or field.startswith("["):
         return FieldError(field="$", message=f"{path}: {message}")
     return FieldError(field=field, message=f"{inner}: {message}" if inner else message)
@@ -83,9 +86,20 @@ def _first_infinite(value: Any, path: str) -> str:
 
 
 @cache
-def _fields(params_type: type[JobParams]) -> dict[str, msgspec.structs.FieldInfo]:
+def _fields(params_type: type[msgspec.Struct]) -> dict[str, msgspec.structs.FieldInfo]:
     # msgspec.structs.fields() evaluates the class's annotations on every call.
     return {f.encode_name: f for f in msgspec.structs.fields(params_type)}
+
+
+@cache
+def _nested_struct(annotation: Any) -> type[msgspec.Struct] | None:
+    """The one Struct type a field may hold as an object (``LimitsPatch | None``), if any."""
+    while typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    options = typing.get_args(annotation) if typing.get_origin(annotation) in (typing.Union, types.UnionType) \
+        else (annotation,)
+    structs = [o for o in options if isinstance(o, type) and issubclass(o, msgspec.Struct)]
+    return structs[0] if len(structs) == 1 else None
 
 
 def validate_params(params_type: type[P], document: Any) -> P:
@@ -108,7 +122,7 @@ def validate_params(params_type: type[P], document: Any) -> P:
     return params
 
 
-def _field_errors(params_type: type[JobParams], document: dict[str, Any]) -> list[FieldError]:
+def _field_errors(params_type: type[msgspec.Struct], document: dict[str, Any]) -> list[FieldError]:
     fields = _fields(params_type)
     errors = [FieldError(field=str(name), message="unknown field") for name in document if name not in fields]
     for name, info in fields.items():
@@ -121,6 +135,13 @@ def _field_errors(params_type: type[JobParams], document: dict[str, Any]) -> lis
         except RecursionError:
             errors.append(FieldError(field=name, message="nested too deeply"))
         except msgspec.ValidationError as exc:
+            nested = _nested_struct(info.type)
+            if nested is not None and isinstance(document[name], dict) and (
+                    inner := _field_errors(nested, document[name])):
+                # An object of named fields: each bad one of them, by its path (limits.rate_limit).
+                errors.extend(FieldError(field=name if e.field == "$" else f"{name}.{e.field}", message=e.message)
+                              for e in inner)
+                continue
             message, path = _split(exc)  # inside the field (limits.rate_limit, event_types[0]): said so
             errors.append(_field_error(name + path, message))
     return errors

@@ -165,15 +165,15 @@ def test_a_query_parameter_out_of_range_is_named_in_the_problem(target: Target, 
     assert name in problem["detail"], problem
 
 
-# (route, who, body, the field the answer must name (a field inside it leads the message);
-# None: malformed JSON, no field to name)
+# (route, who, body, the field the answer must name: a field inside an object by its dotted path,
+# an item of a list by the list, its index leading the message; None: malformed JSON, no field)
 BAD_BODIES: list[tuple[str, str, bytes, str | None]] = [
     ("/reports", "acme", b'{"title": "a", "pages": 1e309}', "pages"),
     ("/reports", "acme", b'{"title": "a", "pages": 1, "x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
     ("/portal/session", "none", b'{"x": ' + b"[" * 5000 + b"]" * 5000 + b"}", None),
     ("/admin/tenants", "admin", b'{"id": "odd-limits", "limits": {"rate_limit": -1}}', "limits.rate_limit"),
     ("/webhooks", "acme", b'{"url": "https://hooks.example.com/a", "event_types": ["job.queued", 7]}',
-     "event_types.[1]"),
+     "event_types[1]"),
     ("/admin/tenants", "admin", b'{"id": "odd-limits", "limits": {"max_running": 1e400}}', "limits.max_running"),
     ("/admin/tenants/acme/keys", "admin", b'{"name": "n", "expires_at": "9999-12-31T23:59:59-23:59"}', "expires_at"),
     ("/webhooks", "acme", b'{"url": "http://exa mple.com/hook"}', "url"),
@@ -193,9 +193,9 @@ def test_a_bad_body_is_a_problem_naming_its_field_and_changes_nothing(target: Ta
             assert problem["type"] == "/problems/malformed-json", problem
         else:
             assert problem["type"] == "/problems/invalid-request", problem
-            field, _, inner = name.partition(".")
+            field, bracket, index = name.partition("[")
             assert [error["field"] for error in problem["errors"]] == [field], problem
-            assert problem["errors"][0]["message"].startswith(f"{inner}: " if inner else ""), problem
+            assert problem["errors"][0]["message"].startswith(f"[{index}: " if bracket else ""), problem
         if path.startswith("/admin/tenants/acme/keys"):  # nothing half-written: the listing still renders
             listing = http.get(path)
             assert listing.status_code == 200, listing.text[:300]
