@@ -162,8 +162,10 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
         "data": Schema(description="the chunk, as the handler emitted it (any JSON value)"),
     }, description="one line per chunk")
     output_stream.responses["200"] = OpenAPIResponse(
-        description="With Accept: text/event-stream, the chunks as `id: <n>`, `event: output`, live, then the job's "
-        "terminal event (no id) once it ended; otherwise the chunks so far, one JSON object per line",
+        description="With Accept: text/event-stream, the chunks as `id: <n>`, `event: output`, live, then, once the "
+        "job ended, one event named by its terminal event type (`job.succeeded`…) with the final status object, "
+        "whose `id:` is the last chunk's number (0 without chunks: resuming there is `204`); otherwise the chunks "
+        "so far, one JSON object per line",
         content={"text/event-stream": sse, "application/x-ndjson": OpenAPIMediaType(schema=ndjson_line)})
 
     webhook_stream = openapi.paths["/webhooks/events"].get
@@ -182,6 +184,7 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
                 # Every key-protected route can refuse a missing key and a key without its scope.
                 _problem_response(operation, 401)
                 _problem_response(operation, 403)
+                _answer_headers(operation, {"401": {"WWW-Authenticate": _WWW_AUTHENTICATE}})
                 if path.startswith("/admin"):
                     operation.security = [{"admin": []}]
                     continue
@@ -215,6 +218,16 @@ _RETRY_AFTER = OpenAPIHeader(schema=_SECONDS, description="seconds to wait befor
 _LOCATION = OpenAPIHeader(schema=_TEXT, description="the resource this answer names")
 _ETAG = OpenAPIHeader(schema=_TEXT, description='the status version as a weak tag, `W/"<version>"`: send it as '
                       "`If-None-Match` to get `304` while nothing changed")
+_RESULT_ETAG = OpenAPIHeader(schema=_TEXT, description='the result\'s strong tag, `"<job id>-<attempt>"` (a result '
+                             "never changes): send it as `If-None-Match` to get `304`")
+_NO_STORE = OpenAPIHeader(schema=_TEXT, description="`no-store`")
+_WWW_AUTHENTICATE = OpenAPIHeader(schema=_TEXT, description='`Bearer realm="herald"`: send `Authorization: Bearer '
+                                  "<key>`")
+_ATTACHMENT = OpenAPIHeader(schema=_TEXT, description="`attachment; filename=\"<kind>-<job id><suffix>\"`")
+_CACHE_RESULT = OpenAPIHeader(schema=_TEXT, description="`private, no-cache` with a key (revalidated by the ETag); "
+                              "with a signed URL `private, max-age=<seconds until its exp>`")
+_REPLAYED = OpenAPIHeader(schema=Schema(type=OpenAPIType.STRING, enum=["true"]),
+                          description="`true` when this answers an Idempotency-Key seen before: the same job again")
 
 
 def _request_header(name: str, description: str) -> Parameter:
@@ -238,18 +251,31 @@ def _describe_headers(paths: Any, kinds: list[JobKind]) -> None:
     read and write them themselves."""
     for kind in kinds:
         start = paths[kind.collection].post
-        _answer_headers(start, {"202": {"Location": _LOCATION, "Retry-After": _RETRY_AFTER}})
+        _answer_headers(start, {"202": {"Location": _LOCATION, "Retry-After": _RETRY_AFTER, "Cache-Control": _NO_STORE,
+                                        "Idempotent-Replayed": _REPLAYED}})
         _add_parameters(start, _request_header(
             "Idempotency-Key", "1..255 printable ASCII characters (a UUID is best): a retry with the same key and "
             "body answers the same job again (`Idempotent-Replayed: true`); another body, `422`"), _request_header(
             "traceparent", "W3C Trace Context: the job joins that trace"))
     status = paths["/jobs/{job_id}"].get
-    _answer_headers(status, {"200": {"ETag": _ETAG, "Retry-After": _RETRY_AFTER},
-                             "303": {"Location": _LOCATION, "ETag": _ETAG}, "304": {"ETag": _ETAG}})
+    _answer_headers(status, {"200": {"ETag": _ETAG, "Retry-After": _RETRY_AFTER, "Cache-Control": _NO_STORE},
+                             "303": {"Location": _LOCATION, "ETag": _ETAG, "Cache-Control": _NO_STORE},
+                             "304": {"ETag": _ETAG}})
     _add_parameters(status, _request_header("If-None-Match", "a tag this route gave: `304` while it is current "
                                             "(with `wait`, held until it is not)"))
-    for path in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output", "/webhooks/events"):
+    for kind in kinds:
+        result = paths[f"{kind.collection}/{{job_id}}"].get
+        _answer_headers(result, {
+            "200": {"ETag": _RESULT_ETAG, "Content-Disposition": _ATTACHMENT, "Cache-Control": _CACHE_RESULT},
+            "304": {"ETag": _RESULT_ETAG, "Cache-Control": _CACHE_RESULT},
+            "404": {"Retry-After": OpenAPIHeader(schema=_SECONDS, description="with `/problems/result-not-ready`: "
+                                                 "seconds until it is worth asking again")}})
+        _add_parameters(result, _request_header("If-None-Match", "the result's ETag: `304` (a result never changes)"))
+    for path in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output"):
         _add_parameters(paths[path].get, _request_header(
             "Last-Event-ID", "resume after this event id (as `?last_event_id=`; the header wins)"))
+    for path in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output", "/webhooks/events"):
+        _answer_headers(paths[path].get, {"200": {"Cache-Control": _NO_STORE}})
     created = paths["/webhooks"].post
     _answer_headers(created, {"201": {"Location": _LOCATION}})
+    _answer_headers(paths["/admin/tenants"].post, {"201": {"Location": _LOCATION}})

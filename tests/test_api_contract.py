@@ -7,11 +7,13 @@ worker), with the tenants' keys and the operator's admin key.
 
 from __future__ import annotations
 
+import re
+import uuid
 from typing import Any
 
 import httpx
 
-from tests.harness import ADMIN_KEY, TLS, Deployment
+from tests.harness import ADMIN_KEY, TLS, Deployment, client, wait_for_state
 
 
 def _admin(base: str) -> httpx.Client:
@@ -54,3 +56,108 @@ def test_every_bad_field_inside_an_admin_body_is_named_by_its_path(herald: Deplo
 
 def _spec(herald: Deployment) -> dict[str, Any]:
     return httpx.get(herald.url() + "/schema/openapi.json", timeout=10).json()  # type: ignore[no-any-return]
+
+
+def _documented(spec: dict[str, Any], method: str, template: str, answer: httpx.Response, *headers: str) -> None:
+    """``answer`` (to ``method template``) is what the document says the operation answers:
+    its status, its media type, and each of ``headers``, which the server sent."""
+    operation = spec["paths"][template][method.lower()]
+    status = str(answer.status_code)
+    where = f"{method} {template} -> {status}"
+    assert status in operation["responses"], f"{where}: status not documented ({answer.text[:200]})"
+    documented = operation["responses"][status]
+    media_type = answer.headers.get("content-type", "").split(";")[0]
+    if media_type:
+        assert media_type in documented.get("content", {}), f"{where}: {media_type} not documented"
+    for name in headers:
+        assert name.lower() in answer.headers, f"{where}: the server did not send {name}"
+        assert name in documented.get("headers", {}), f"{where}: {name} not documented"
+    if answer.status_code >= 400:
+        assert media_type == "application/problem+json", where
+
+
+def test_the_document_names_the_headers_the_server_sends(herald: Deployment) -> None:
+    """SPEC §3, §4, §6, §8, §12: the headers the contract names (Location, Retry-After,
+    Cache-Control, Idempotent-Replayed, ETag, Content-Disposition, WWW-Authenticate) are in the
+    document for the status that carries them, and the server sends them there."""
+    spec = _spec(herald)
+    with client(herald.url()) as http:
+        key = {"Idempotency-Key": str(uuid.uuid4())}
+        started = http.post("/reports", json={"title": "documented", "pages": 2}, headers=key)
+        _documented(spec, "POST", "/reports", started, "Location", "Retry-After", "Cache-Control")
+        replayed = http.post("/reports", json={"title": "documented", "pages": 2}, headers=key)
+        _documented(spec, "POST", "/reports", replayed, "Location", "Idempotent-Replayed")
+        job = started.json()
+        running = http.get(f"/jobs/{job['id']}")
+        if running.status_code == 200:
+            _documented(spec, "GET", "/jobs/{job_id}", running, "ETag", "Retry-After", "Cache-Control")
+        wait_for_state(http, job["id"], {"succeeded"})
+        done = http.get(f"/jobs/{job['id']}")
+        _documented(spec, "GET", "/jobs/{job_id}", done, "Location", "ETag", "Cache-Control")
+
+        result = http.get(f"/reports/{job['id']}")
+        _documented(spec, "GET", "/reports/{job_id}", result, "ETag", "Content-Disposition", "Cache-Control")
+        again = http.get(f"/reports/{job['id']}", headers={"If-None-Match": result.headers["etag"]})
+        assert again.status_code == 304
+        _documented(spec, "GET", "/reports/{job_id}", again, "ETag")
+        assert "If-None-Match" in {p["name"] for p in spec["paths"]["/reports/{job_id}"]["get"]["parameters"]}
+
+        for path, template in ((f"/jobs/{job['id']}/events", "/jobs/{job_id}/events"),
+                               (f"/jobs/{job['id']}/output", "/jobs/{job_id}/output")):
+            stream = http.get(path, headers={"Accept": "text/event-stream"})  # a finished job's: it ends
+            _documented(spec, "GET", template, stream, "Cache-Control")
+        lines = http.get(f"/jobs/{job['id']}/output")
+        _documented(spec, "GET", "/jobs/{job_id}/output", lines, "Cache-Control")
+        at_end = http.get(f"/jobs/{job['id']}/output", headers={"Accept": "text/event-stream", "Last-Event-ID": "2"})
+        assert at_end.status_code == 204
+        _documented(spec, "GET", "/jobs/{job_id}/output", at_end)
+
+        slow = http.post("/reports", json={"title": "not yet", "pages": 1000}).json()
+        not_ready = http.get(f"/reports/{slow['id']}")
+        assert not_ready.json()["type"] == "/problems/result-not-ready"
+        _documented(spec, "GET", "/reports/{job_id}", not_ready, "Retry-After")
+        assert http.delete(f"/jobs/{slow['id']}").status_code in (200, 202)
+
+    with _admin(herald.url()) as http:
+        tenant = http.post("/admin/tenants", json={"id": "documented"})
+        _documented(spec, "POST", "/admin/tenants", tenant, "Location")
+        assert tenant.headers["location"] == "/admin/tenants/documented"
+        assert http.get(tenant.headers["location"]).json()["id"] == "documented"
+
+
+def test_every_protected_operation_documents_its_401_as_sent(herald: Deployment) -> None:
+    """SPEC §2: a missing key is `401` with `WWW-Authenticate: Bearer` and a problem body, on
+    every route that needs one (the admin routes included); the document says so for each."""
+    spec = _spec(herald)
+    tried = 0
+    with httpx.Client(base_url=herald.url(), timeout=10, verify=TLS) as anonymous:
+        for template, item in spec["paths"].items():
+            for method, operation in item.items():
+                if method not in ("get", "post", "patch", "delete") or not operation.get("security"):
+                    continue
+                path = re.sub(r"\{[^}]+\}", lambda _: str(uuid.uuid4()), template)
+                answer = anonymous.request(method.upper(), path, json={} if method in ("post", "patch") else None,
+                                           headers={"Accept": "application/json"})
+                assert answer.status_code == 401, f"{method.upper()} {template}: {answer.status_code}"
+                assert answer.headers["www-authenticate"].startswith("Bearer"), template
+                _documented(spec, method.upper(), template, answer, "WWW-Authenticate")
+                tried += 1
+    assert tried > 30
+
+
+def test_the_document_describes_the_streams_as_they_are(herald: Deployment) -> None:
+    """SPEC §8: the output stream's last event carries an `id:` (the last chunk's number, so a
+    browser's reconnect after the end gets `204`), as the document now says; the deliveries'
+    notice stream reads no `Last-Event-ID`, so the document offers none there."""
+    spec = _spec(herald)
+    described = spec["paths"]["/jobs/{job_id}/output"]["get"]["responses"]["200"]["description"]
+    assert "no id" not in described and "last chunk's number" in described
+    with client(herald.url()) as http:
+        job = http.post("/reports", json={"title": "ids", "pages": 2}).json()
+        wait_for_state(http, job["id"], {"succeeded"})
+        stream = http.get(f"/jobs/{job['id']}/output", headers={"Accept": "text/event-stream"}).text
+    assert stream.rstrip("\n").split("\n\n")[-1].startswith("id: 2\nevent: job.succeeded\ndata: {")
+    notices = {p["name"] for p in spec["paths"]["/webhooks/events"]["get"].get("parameters", [])}
+    assert "Last-Event-ID" not in notices
+    for template in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output"):
+        assert "Last-Event-ID" in {p["name"] for p in spec["paths"][template]["get"]["parameters"]}, template
