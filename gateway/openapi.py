@@ -174,10 +174,13 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
         description="Notices that the tenant's deliveries changed", content={"text/event-stream": sse})
 
     _describe_headers(openapi.paths, kinds)
+    schemas["ProblemAnswer"] = _PROBLEM_ANSWER  # type: ignore[assignment]
     for path, item in openapi.paths.items():
         for operation in (item.get, item.post, item.put, item.patch, item.delete):
             if operation is None:
                 continue
+            if operation.request_body is not None:
+                _problem_response(operation, 413)  # any body over 1 MiB (SPEC §10)
             _problems_everywhere(operation)
             _answer_headers(operation, {"429": {"Retry-After": _RETRY_AFTER}, "503": {"Retry-After": _RETRY_AFTER}})
             if operation.operation_id not in PUBLIC_OPERATIONS:
@@ -192,9 +195,20 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
                 operation.security = security  # type: ignore[assignment]
 
 
+# An answer's problem always carries `status` and `detail` (SPEC §10); `Problem` itself is also
+# a failed job's `error`, which has no status.
+_PROBLEM_ANSWER = {
+    "description": "An RFC 9457 problem answering a request: `type` (relative, under /problems/), `title`, "
+                   "`status`, `detail`, and for an invalid request `errors` naming each bad field",
+    "allOf": [{"$ref": "#/components/schemas/Problem"}],
+    "properties": {"status": {"type": "integer", "minimum": 400, "maximum": 599}, "detail": {"type": "string"}},
+    "required": ["type", "title", "status", "detail"],
+}
+
+
 def _problem_answer(status: int) -> OpenAPIResponse:
     return OpenAPIResponse(description=_description(status), content={
-        PROBLEM_MEDIA_TYPE: OpenAPIMediaType(schema=Reference(ref="#/components/schemas/Problem"))})
+        PROBLEM_MEDIA_TYPE: OpenAPIMediaType(schema=Reference(ref="#/components/schemas/ProblemAnswer"))})
 
 
 def _problem_response(operation: Operation, status: int) -> None:
@@ -205,11 +219,14 @@ def _problem_response(operation: Operation, status: int) -> None:
 
 def _problems_everywhere(operation: Operation) -> None:
     """Litestar documents its own 400 (a parameter it validates) as its exception's JSON; the
-    gateway answers every error as problem+json (gateway/problems.py)."""
+    gateway answers every error as problem+json (gateway/problems.py), with every member."""
     for status, response in (operation.responses or {}).items():
-        if status.startswith(("4", "5")) and isinstance(response, OpenAPIResponse) and (
-                response.content is None or PROBLEM_MEDIA_TYPE not in response.content):
-            operation.responses[status] = _problem_answer(int(status))  # type: ignore[index]
+        if status.startswith(("4", "5")) and isinstance(response, OpenAPIResponse):
+            answer = _problem_answer(int(status))
+            answer.headers = response.headers  # what a handler's ResponseSpec documented stays
+            if response.content is not None and PROBLEM_MEDIA_TYPE in response.content:
+                answer.description = response.description
+            operation.responses[status] = answer  # type: ignore[index]
 
 
 _TEXT = Schema(type=OpenAPIType.STRING)

@@ -73,7 +73,14 @@ def _documented(spec: dict[str, Any], method: str, template: str, answer: httpx.
         assert name.lower() in answer.headers, f"{where}: the server did not send {name}"
         assert name in documented.get("headers", {}), f"{where}: {name} not documented"
     if answer.status_code >= 400:
+        # SPEC §10: every 4xx/5xx is problem+json with type, title, status and detail, and
+        # the document says all four are there.
         assert media_type == "application/problem+json", where
+        problem = answer.json()
+        assert {"type", "title", "status", "detail"} <= set(problem) and problem["status"] == answer.status_code, where
+        schema = documented["content"]["application/problem+json"]["schema"]
+        assert schema == {"$ref": "#/components/schemas/ProblemAnswer"}, where
+        assert {"type", "title", "status", "detail"} <= set(spec["components"]["schemas"]["ProblemAnswer"]["required"])
 
 
 def test_the_document_names_the_headers_the_server_sends(herald: Deployment) -> None:
@@ -143,6 +150,28 @@ def test_every_protected_operation_documents_its_401_as_sent(herald: Deployment)
                 _documented(spec, method.upper(), template, answer, "WWW-Authenticate")
                 tried += 1
     assert tried > 30
+
+
+def test_every_body_too_large_is_a_documented_413(herald: Deployment) -> None:
+    """SPEC §10: a body over 1 MiB is `413`, on every operation that takes a body."""
+    spec = _spec(herald)
+    body = b'{"pad": "' + b"x" * (1024 * 1024) + b'"}'
+    endpoint = None
+    tried = 0
+    with client(herald.url()) as acme, _admin(herald.url()) as admin:
+        for template, item in spec["paths"].items():
+            for method, operation in item.items():
+                if method not in ("post", "patch", "put") or "requestBody" not in operation:
+                    continue
+                if "{endpoint_id}" in template and endpoint is None:
+                    endpoint = acme.post("/webhooks", json={"url": "http://127.0.0.1:9/too-large"}).json()["id"]
+                path = template.replace("{endpoint_id}", endpoint or "").replace("{tenant_id}", "acme")
+                http = admin if template.startswith("/admin") else acme
+                answer = http.request(method.upper(), path, content=body, headers={"Content-Type": "application/json"})
+                assert answer.status_code == 413, f"{method.upper()} {template}: {answer.status_code}"
+                _documented(spec, method.upper(), template, answer)
+                tried += 1
+    assert tried >= 9
 
 
 def test_the_document_describes_the_streams_as_they_are(herald: Deployment) -> None:
