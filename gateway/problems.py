@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from typing import ClassVar
+from typing import Any, ClassVar
 
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
@@ -23,6 +23,9 @@ from schemas.problems import (
 log = logging.getLogger("herald.gateway")
 
 PROBLEM_MEDIA_TYPE = "application/problem+json"
+# A route handler's ``opt`` entry: True, or a function of the request, when a request to it asks
+# for an event stream (an SSE route, or one that streams by ``Accept``).
+EVENT_STREAM_OPT = "event_stream"
 
 # An error the framework raises gets the type of its status.
 _FRAMEWORK_TYPES: Mapping[int | None, ProblemType] = {
@@ -242,10 +245,23 @@ def handle_http_exception(request: Request, exc: HTTPException) -> Response[Prob
     return problem_response(kind.problem(detail, status=status), headers)
 
 
-def handle_unexpected(request: Request, exc: Exception) -> Response[Problem]:
+def asks_for_event_stream(request: Request) -> bool:
+    """Whether the request's route answers it with an event stream (``EVENT_STREAM_OPT``)."""
+    handler = request.scope.get("route_handler")
+    wants = handler.opt.get(EVENT_STREAM_OPT) if handler is not None else None
+    return bool(wants(request) if callable(wants) else wants)
+
+
+def handle_unexpected(request: Request, exc: Exception) -> Response[Any]:
     if isinstance(exc, StoreUnavailable):
         # The store is starting, failing over or unreachable: the client can outwait it.
         log.warning("store unavailable", extra={"path": request.url.path, "detail": str(exc)})
+        if asks_for_event_stream(request):
+            # Any answer but 200 stops an EventSource for good (SPEC §8): `retry:` alone and the
+            # end instead, and the browser asks again in 3 s (resuming by its Last-Event-ID).
+            from gateway.sse import RETRY_FRAME, SSE_HEADERS  # gateway.sse imports this module
+
+            return Response(RETRY_FRAME, status_code=200, media_type="text/event-stream", headers=dict(SSE_HEADERS))
         return problem_response(
             STORE_UNAVAILABLE.problem("the job store cannot be reached right now; retry shortly"),
             {"Retry-After": "1"},

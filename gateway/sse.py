@@ -40,6 +40,7 @@ from litestar.types import HTTPResponseBodyEvent, Receive, Send
 from gateway.headers import connection_abort
 from gateway.problems import PROBLEM_MEDIA_TYPE
 from herald.directory import StreamOwner
+from herald.jobs import StoreUnavailable
 from herald.metrics import metrics
 from schemas import JobEvent
 from schemas.problems import UNAUTHORIZED
@@ -197,6 +198,13 @@ class _BoundedStreamingResponse(ASGIStreamingResponse):
         except Dropped:
             self._stopping = True
             self._ended_by = self._ended_by or "queue_full"
+        except StoreUnavailable as exc:
+            # The store went away under a running stream: a clean end, not a server error (a
+            # client can outwait it, SPEC §8). It reconnects after `retry:` and resumes.
+            self._stopping = True
+            log.warning("event stream ended: the store did not answer", extra={"detail": str(exc)})
+            with contextlib.suppress(OSError):
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except asyncio.CancelledError:
             self._stopping = True
             if self._ended_by is None:

@@ -255,3 +255,55 @@ async def test_a_unix_socket_url_reaches_the_store(postgres_server: PostgresServ
         assert (await storage.jobs.get(accepted.job.id)) == accepted.job
     finally:
         await storage.close()
+
+
+def test_an_event_stream_request_outwaits_a_store_outage(tmp_path: Path, server_dir: Path) -> None:
+    """SPEC §8: a 5xx stops an EventSource for good, so an SSE request is never answered 5xx
+    for what the client can outwait, and a store outage is such a thing. While PostgreSQL is
+    away, each stream route (a job's events, by key and by signed link; its output; the
+    tenant's stream) answers 200 with only `retry: 3000` and ends cleanly, so a browser comes
+    back in 3 s; the same routes asked for JSON keep their 503 with Retry-After. Once the
+    store is back, the same requests stream again."""
+    server = PostgresServer(server_dir / "pg", port=free_port())
+    server.start()
+    deployment = Deployment(tmp_path / "herald", database_url=server.create_database("herald"))
+    deployment.nats.start()
+    try:
+        base = deployment.start_gateway()
+        deployment.start_worker()
+        key = {"Authorization": "Bearer key-acme"}
+        with httpx.Client(base_url=base, headers=key, timeout=10, verify=TLS) as http:
+            job = http.post("/reports", json={"title": "outage", "pages": 1}).json()
+            wait_until(lambda: http.get(f"/jobs/{job['id']}").status_code == 303, what="the job succeeded")
+            links = http.get(f"/jobs/{job['id']}").json()["links"]
+        sse = {"Accept": "text/event-stream"}
+        streams = {"job events": (f"/jobs/{job['id']}/events", key),
+                   "signed job events": (links["events"], {}),
+                   "output": (f"/jobs/{job['id']}/output", key),
+                   "signed output": (links["output"], {}),
+                   "tenant stream": ("/events", key)}
+        server.stop()
+        with httpx.Client(base_url=base, timeout=20, verify=TLS) as http:
+            for name, (path, headers) in streams.items():
+                answer = http.get(path, headers={**headers, **sse})  # a body cut short would raise here
+                assert answer.status_code == 200, (name, answer.status_code, answer.text[:300])
+                assert answer.headers["content-type"].startswith("text/event-stream"), name
+                assert answer.content == b"retry: 3000\n\n", (name, answer.content[:300])
+            for path in (f"/jobs/{job['id']}", f"/jobs/{job['id']}/output", "/events"):
+                answer = http.get(path, headers={**key, "Accept": "application/json"})
+                assert answer.status_code == 503 and answer.headers.get("retry-after"), (path, answer.status_code)
+                assert answer.json()["type"] == "/problems/store-unavailable", path
+        server.start()
+        with httpx.Client(base_url=base, timeout=20, verify=TLS) as http:
+            for name, (path, headers) in streams.items():
+                if name == "tenant stream":
+                    continue  # a live stream: it stays open
+                wait_until(lambda: "event: job.succeeded" in http.get(path, headers={**headers, **sse}).text,
+                           timeout=30, what=f"{name} streaming again")
+        # No request ended as a server error meanwhile (the sweeper's passes may complain).
+        errors = [e for e in deployment.log_events("gateway")
+                  if e.get("level") == "error" and e.get("logger") != "herald.sweeper"]
+        assert not errors, errors[:3]
+    finally:
+        deployment.stop()
+        server.stop()

@@ -23,7 +23,7 @@ from gateway.cursors import MAX_SEQ
 from gateway.ids import is_uuid, kind_filter
 from gateway.hub import RESYNC
 from gateway.openapi import problems
-from gateway.problems import InvalidRequest, InvalidSignature, NotFound, Unauthorized
+from gateway.problems import EVENT_STREAM_OPT, InvalidRequest, InvalidSignature, NotFound, Unauthorized
 from gateway.render import EVENTS_PURPOSE, NO_STORE
 from gateway.routes.jobs import find_job
 from gateway.services import Services, services
@@ -143,7 +143,7 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
 
 
 @get("/jobs/{job_id:str}/events", operation_id="job_events", tags=["events"],
-     summary="Server-sent events of one job", media_type="text/event-stream",
+     summary="Server-sent events of one job", media_type="text/event-stream", opt={EVENT_STREAM_OPT: True},
      responses={
          204: ResponseSpec(None, description="Finished stream resumed at its terminal event: stop reconnecting"),
          **problems(400, 401, 403, 404, 410, 429),
@@ -280,6 +280,7 @@ def _wants_json(request: Request) -> bool:
 
 @get("/events", operation_id="tenant_events", tags=["events"],
      summary="The tenant's committed events: SSE, or a JSON page with Accept: application/json",
+     opt={EVENT_STREAM_OPT: lambda request: not _wants_json(request)},
      responses={
          200: ResponseSpec(EventFeed, description="With Accept: application/json, a page of events; "
                            "otherwise a text/event-stream", generate_examples=False),

@@ -30,7 +30,7 @@ from gateway.auth import bearer_tenant, note_stream_owner
 from gateway.hub import RESYNC, Framed, LiveChunk
 from gateway.ids import is_uuid
 from gateway.openapi import problems
-from gateway.problems import Gone, InvalidRequest, InvalidSignature, NotFound, Unauthorized, Unavailable
+from gateway.problems import EVENT_STREAM_OPT, Gone, InvalidRequest, InvalidSignature, NotFound, Unauthorized, Unavailable
 from gateway.render import OUTPUT_PURPOSE
 from gateway.routes.events import MAX_CURSOR_LENGTH
 from gateway.routes.jobs import find_job
@@ -218,7 +218,7 @@ def _wants_sse(request: Request) -> bool:
 
 
 @get("/jobs/{job_id:str}/output", operation_id="job_output", tags=["events"],
-     summary="A job's streamed output: SSE (Accept: text/event-stream), else NDJSON",
+     summary="A job's streamed output: SSE (Accept: text/event-stream), else NDJSON", opt={EVENT_STREAM_OPT: _wants_sse},
      responses={
          200: ResponseSpec(None, description="The job's output chunks", generate_examples=False),
          204: ResponseSpec(None, description="Finished job resumed at its last chunk: stop reconnecting"),

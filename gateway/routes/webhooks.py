@@ -29,6 +29,7 @@ from gateway.cursors import decode_position, decode_seq, encode_position, encode
 from gateway.ids import is_uuid
 from gateway.openapi import problems, with_body
 from gateway.problems import (
+    EVENT_STREAM_OPT,
     EndpointDisabled,
     InvalidRequest,
     InvalidSignature,
@@ -498,6 +499,7 @@ class WebhooksController(Controller):
 
     @get("/events", operation_id="webhook_events", summary="Server-sent notices that the tenant's deliveries "
          "changed (event: deliveries, data: {endpoint_id}): read them again", media_type="text/event-stream",
+         opt={EVENT_STREAM_OPT: True},
          responses=problems(401, 403, 429))
     async def events(
         self,
