@@ -41,6 +41,8 @@ from schemas.events import ServerSentEvent
 from herald.kinds import KindDeclaration as JobKind
 
 PUBLIC_OPERATIONS = frozenset({"healthz", "readyz", "metrics", "portal_session"})
+# Event streams only: a store outage is `retry:` and the end there (a 5xx would stop an EventSource).
+STREAM_OPERATIONS = frozenset({"job_events", "webhook_events"})
 BEARER: list[dict[str, list[str]]] = [{"bearer": []}]
 # The /webhooks routes also take a portal session token (POST /portal/session).
 BEARER_OR_PORTAL: list[dict[str, list[str]]] = [{"bearer": []}, {"portal": []}]
@@ -181,6 +183,9 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
                 continue
             if operation.request_body is not None:
                 _problem_response(operation, 413)  # any body over 1 MiB (SPEC §10)
+            if operation.operation_id not in PUBLIC_OPERATIONS | STREAM_OPERATIONS:
+                # The store (PostgreSQL) unreachable, or the keys it holds not loaded yet.
+                _problem_response(operation, 503)
             _problems_everywhere(operation)
             _answer_headers(operation, {"429": {"Retry-After": _RETRY_AFTER}, "503": {"Retry-After": _RETRY_AFTER}})
             if operation.operation_id not in PUBLIC_OPERATIONS:

@@ -209,12 +209,17 @@ def test_gateway_waits_for_an_unreachable_database_and_says_why(tmp_path: Path, 
                   ("GET", f"/webhooks/{hook_id}/deliveries", key, None, 200),
                   ("POST", "/webhooks", key, {"url": "http://127.0.0.1:9/hook"}, 201),
                   ("GET", "/admin/tenants", admin, None, 200), ("GET", "/admin/audit", admin, None, 200))
+        document = httpx.get(base + "/schema/openapi.json", timeout=5, verify=TLS).json()
         server.stop()
         for method, path, headers, body, _ in routes:
             answer = httpx.request(method, base + path, json=body, headers=headers, timeout=10, verify=TLS)
             assert answer.status_code == 503, (method, path, answer.status_code, answer.text)
             assert answer.headers["content-type"].startswith("application/problem+json"), (method, path)
             assert answer.headers.get("retry-after"), (method, path)
+            # ...and the API document says that route may answer so (SPEC §10: what it answers).
+            template = path.replace(job_id, "{job_id}").replace(hook_id, "{endpoint_id}")
+            documented = document["paths"][template][method.lower()]["responses"]
+            assert "503" in documented and "Retry-After" in documented["503"]["headers"], (method, template)
         runner.run(_every_port_method_is_unavailable(storage, seen))
         server.start()
         for method, path, headers, body, healthy in routes:
