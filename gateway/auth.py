@@ -155,6 +155,13 @@ def require_tenant(request: Request, svc: Services, scope: str) -> str:
     return _scoped(require_principal(request, svc), scope)
 
 
+def require_scoped(request: Request, svc: Services, scope: str) -> Principal:
+    """``require_tenant``, answering who it is: for a route that shows more to a key with more scopes."""
+    principal = require_principal(request, svc)
+    _scoped(principal, scope)
+    return principal
+
+
 def require_admin(request: Request, svc: Services) -> None:
     """The operator's ``HERALD_ADMIN_KEY``; unset, every /admin route is 401. A tenant's key: 403."""
     token = _bearer_token(request)

@@ -19,11 +19,16 @@ OUTPUT_PURPOSE = "output"
 
 
 def public_status(
-    job: JobRow, signer: UrlSigner, now: float | None = None, queued_reason: QueuedReason | None = None
+    job: JobRow, signer: UrlSigner, now: float | None = None, queued_reason: QueuedReason | None = None,
+    *, signed: bool = True,
 ) -> JobStatus:
-    """``now``: the instant the links are signed at (default: this one)."""
+    """``now``: the instant the links are signed at (default: this one). ``signed=False``: the
+    links as plain paths, for a caller whose key may not read the job (no ``jobs:read``): a
+    signed link opens its events, output or result without a key, which is reading it."""
     status = job.status()
     status.queued_reason = queued_reason
+    if not signed:
+        return status
     status.links.events = signer.sign(status.links.events, EVENTS_PURPOSE, now=now)
     status.links.output = signer.sign(f"/jobs/{job.id}/output", OUTPUT_PURPOSE, now=now)
     if status.links.result is not None:

@@ -20,6 +20,10 @@ def _admin(base: str) -> httpx.Client:
     return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10, verify=TLS)
 
 
+def keyed_client(base: str, key: str) -> httpx.Client:
+    return httpx.Client(base_url=base, headers={"Authorization": f"Bearer {key}"}, timeout=10, verify=TLS)
+
+
 def _fields(answer: httpx.Response) -> dict[str, str]:
     assert answer.status_code == 400, answer.text
     assert answer.headers["content-type"] == "application/problem+json"
@@ -190,3 +194,48 @@ def test_the_document_describes_the_streams_as_they_are(herald: Deployment) -> N
     assert "Last-Event-ID" not in notices
     for template in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output"):
         assert "Last-Event-ID" in {p["name"] for p in spec["paths"][template]["get"]["parameters"]}, template
+
+
+def test_a_key_that_may_not_read_gets_no_signed_link_to_read_with(herald: Deployment) -> None:
+    """SPEC §12: results, output and event streams need `jobs:read`. A key with `jobs:write`
+    alone is answered the status object (SPEC §3, §5), but its links are plain paths: a signed
+    link opens the job's events, output or result without a key, so handing one to this key
+    would let it read what its scope does not. An idempotent replay of a job that succeeded
+    (its status then carries `links.result`) gave such a key the result, before."""
+    with _admin(herald.url()) as admin:
+        assert admin.post("/admin/tenants", json={"id": "writer"}).status_code == 201
+        write_only = admin.post("/admin/tenants/writer/keys", json={"name": "w", "scopes": ["jobs:write"]}).json()
+        reader = admin.post("/admin/tenants/writer/keys", json={"name": "rw"}).json()
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    body = {"title": "write only", "pages": 1}
+    anonymous = httpx.Client(base_url=herald.url(), timeout=10, verify=TLS)
+    with keyed_client(herald.url(), write_only["key"]) as writer, keyed_client(herald.url(), reader["key"]) as both:
+        started = writer.post("/reports", json=body, headers=key)
+        assert started.status_code == 202
+        job = started.json()
+        assert job["links"]["events"] == f"/jobs/{job['id']}/events", job["links"]
+        assert job["links"]["output"] == f"/jobs/{job['id']}/output", job["links"]
+        for link in (job["links"]["events"], job["links"]["output"]):
+            assert anonymous.get(link).status_code == 401, link
+        wait_for_state(both, job["id"], {"succeeded"})
+        replayed = writer.post("/reports", json=body, headers=key)
+        assert replayed.headers["idempotent-replayed"] == "true" and replayed.json()["state"] == "succeeded"
+        links = replayed.json()["links"]
+        assert links["result"] == f"/reports/{job['id']}" == replayed.json()["result"], links
+        assert anonymous.get(links["result"]).status_code == 401
+        assert writer.get(links["result"]).status_code == 403  # and the key itself may not read it
+
+        # Cancelling answers the status too: the same plain links.
+        queued = writer.post("/reports", json={"title": "to cancel", "pages": 1000}).json()
+        cancelled = writer.delete(f"/jobs/{queued['id']}")
+        assert cancelled.status_code in (200, 202)
+        assert "sig=" not in cancelled.json()["links"]["events"] + cancelled.json()["links"]["output"]
+
+        # A key that may read gets signed links, which open without a key.
+        signed = both.post("/reports", json={"title": "reader", "pages": 1}).json()["links"]
+        assert "sig=" in signed["events"] and "sig=" in signed["output"]
+        assert anonymous.get(signed["output"]).status_code == 200
+        again = both.post("/reports", json=body, headers=key)
+        assert "sig=" in again.json()["links"]["result"]
+        assert anonymous.get(again.json()["links"]["result"]).status_code == 200
+    anonymous.close()

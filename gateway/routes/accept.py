@@ -10,8 +10,8 @@ from litestar import Request, Response, post
 from litestar.exceptions import HTTPException
 from litestar.handlers import HTTPRouteHandler
 
-from gateway.auth import require_tenant
-from herald.tenants import SCOPE_JOBS_WRITE
+from gateway.auth import require_scoped
+from herald.tenants import SCOPE_JOBS_READ, SCOPE_JOBS_WRITE
 from gateway.bodies import read_body, url_errors
 from gateway.openapi import problems, with_body
 from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, InvalidIdempotencyKey, InvalidRequest
@@ -62,7 +62,8 @@ async def accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
 async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     """Authenticate, validate, commit job + key + outbox in one transaction, answer 202."""
     svc = services(request)
-    tenant = require_tenant(request, svc, SCOPE_JOBS_WRITE)
+    principal = require_scoped(request, svc, SCOPE_JOBS_WRITE)
+    tenant = principal.tenant
     key = _idempotency_key(request, svc.settings.require_idempotency_key)
     params, document = await read_body(request, kind.params)
     # The same guard as a webhook registration: https to a public address (resolved now).
@@ -102,7 +103,9 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
         headers["Idempotent-Replayed"] = "true"
     else:
         svc.metrics.jobs_accepted.labels(kind=kind.name).inc()
-    return Response(public_status(job, svc.signer), status_code=202, headers=headers)
+    # Signed links only for a key that may read the job (a replay's links.result is its result).
+    status = public_status(job, svc.signer, signed=SCOPE_JOBS_READ in principal.scopes)
+    return Response(status, status_code=202, headers=headers)
 
 
 def accept_route(kind: JobKind) -> HTTPRouteHandler:

@@ -10,7 +10,7 @@ from litestar.params import Parameter
 from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.answers import StatusAnswer, status_answer
-from gateway.auth import held_for_owner, require_tenant
+from gateway.auth import held_for_owner, require_scoped, require_tenant
 from herald.tenants import SCOPE_JOBS_READ, SCOPE_JOBS_WRITE
 from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
@@ -123,21 +123,22 @@ async def list_jobs(
 async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
     """Queued: cancelled at once (200). Running: cancel requested (202), the worker stops between steps."""
     svc = services(request)
-    tenant = require_tenant(request, svc, SCOPE_JOBS_WRITE)
+    principal = require_scoped(request, svc, SCOPE_JOBS_WRITE)
+    tenant, signed = principal.tenant, SCOPE_JOBS_READ in principal.scopes  # signed links: for a reader only
     for _ in range(5):  # the job may move between our read and our write: read again
         job = await find_job(svc, tenant, job_id)
         try:
             if job.state == "queued":
                 done = await svc.store.transition(job.id, Change(expect={"queued"}, to="cancelled"))
-                return Response(public_status(done.after, svc.signer), status_code=HTTP_200_OK)
+                return Response(public_status(done.after, svc.signer, signed=signed), status_code=HTTP_200_OK)
             if job.state == "running":
                 if not job.cancel_requested:
                     job = (await svc.store.transition(
                         job.id, Change(expect={"running"}, attempt=job.attempt, cancel_requested=True))).after
-                return Response(public_status(job, svc.signer), status_code=HTTP_202_ACCEPTED)
+                return Response(public_status(job, svc.signer, signed=signed), status_code=HTTP_202_ACCEPTED)
         except TransitionRejected:
             continue
         if job.state == "cancelled":
-            return Response(public_status(job, svc.signer), status_code=HTTP_200_OK)
+            return Response(public_status(job, svc.signer, signed=signed), status_code=HTTP_200_OK)
         raise JobFinished(f"the job is {job.state}; only queued or running jobs can be cancelled")
     raise Conflict("the job kept changing; try again")
