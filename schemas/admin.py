@@ -36,8 +36,9 @@ class LimitsPatch(_Body, kw_only=True, omit_defaults=True):
     max_streams: Count | None | msgspec.UnsetType = msgspec.UNSET
 
     def given(self) -> dict[str, float | None]:
-        return {name: getattr(self, name) for name in self.__struct_fields__
-                if getattr(self, name) is not msgspec.UNSET}
+        # `+ 0.0`: a rate of -0.0 passes `ge=0` and would be kept, shown and audited as "-0.0".
+        return {name: value + 0.0 if isinstance(value, float) else value for name in self.__struct_fields__
+                if (value := getattr(self, name)) is not msgspec.UNSET}
 
 
 class TenantCreate(_Body, kw_only=True):

@@ -239,3 +239,20 @@ def test_a_key_that_may_not_read_gets_no_signed_link_to_read_with(herald: Deploy
         assert "sig=" in again.json()["links"]["result"]
         assert anonymous.get(again.json()["links"]["result"]).status_code == 200
     anonymous.close()
+
+
+def test_a_negative_zero_limit_is_kept_as_zero(herald: Deployment) -> None:
+    """`-0.0` is a JSON number that passes `>= 0`; it is the limit 0 (no limit), and is shown
+    and audited as 0, never as `-0.0`."""
+    with _admin(herald.url()) as http:
+        created = http.post("/admin/tenants", content=b'{"id": "signed-zero", "limits": {"rate_limit": -0.0}}',
+                            headers={"Content-Type": "application/json"})
+        assert created.status_code == 201 and b'"rate_limit":-0' not in created.content, created.text
+        assert created.json()["limits"]["rate_limit"] == 0
+        patched = http.patch("/admin/tenants/signed-zero", content=b'{"limits": {"rate_limit": -0.0}}',
+                             headers={"Content-Type": "application/json"})
+        assert patched.status_code == 200 and b'"rate_limit":-0' not in patched.content, patched.text
+        assert b'"rate_limit":-0' not in http.get("/admin/tenants/signed-zero").content
+        audit = [e for e in http.get("/admin/audit", params={"limit": 100}).json()["items"]
+                 if e["tenant"] == "signed-zero"]
+        assert len(audit) == 2 and "-0.0" not in repr([e["detail"] for e in audit]), audit
