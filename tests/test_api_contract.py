@@ -256,3 +256,20 @@ def test_a_negative_zero_limit_is_kept_as_zero(herald: Deployment) -> None:
         audit = [e for e in http.get("/admin/audit", params={"limit": 100}).json()["items"]
                  if e["tenant"] == "signed-zero"]
         assert len(audit) == 2 and "-0.0" not in repr([e["detail"] for e in audit]), audit
+
+
+def test_max_endpoints_of_0_allows_no_endpoint(herald: Deployment) -> None:
+    """SPEC §13 and the README: `max_endpoints` of 0 allows none (unlike `max_running`, whose
+    0 is no cap): the first `POST /webhooks` is `409 /problems/limit-reached`. The store read
+    0 as "no cap" and took every endpoint."""
+    with _admin(herald.url()) as admin:
+        assert admin.post("/admin/tenants", json={"id": "no-hooks", "limits": {"max_endpoints": 0}}).status_code == 201
+        key = admin.post("/admin/tenants/no-hooks/keys", json={"name": "k"}).json()["key"]
+        with keyed_client(herald.url(), key) as http:
+            refused = http.post("/webhooks", json={"url": "http://127.0.0.1:9/none"})
+            assert refused.status_code == 409 and refused.json()["type"] == "/problems/limit-reached", refused.text
+            _documented(_spec(herald), "POST", "/webhooks", refused)
+            assert http.get("/webhooks").json()["items"] == []
+            assert admin.patch("/admin/tenants/no-hooks", json={"limits": {"max_endpoints": 1}}).status_code == 200
+            assert http.post("/webhooks", json={"url": "http://127.0.0.1:9/one"}).status_code == 201
+            assert http.post("/webhooks", json={"url": "http://127.0.0.1:9/two"}).status_code == 409

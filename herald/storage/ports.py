@@ -243,11 +243,12 @@ class WebhookStore(Protocol):
 
     async def create_endpoint(
         self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
-        max_endpoints: int = 0,
+        max_endpoints: int | None = None,
     ) -> tuple[EndpointRow, SigningKey]:
-        """A new enabled endpoint with its first key. With ``max_endpoints`` > 0, raises
-        ``EndpointLimitReached`` if the tenant already has that many (counted and inserted as
-        one step, so concurrent creations at several gateways cannot pass the cap together)."""
+        """A new enabled endpoint with its first key. With ``max_endpoints`` (None: no cap), raises
+        ``EndpointLimitReached`` if the tenant already has that many, 0 refusing every one
+        (counted and inserted as one step, so concurrent creations at several gateways cannot
+        pass the cap together)."""
 
     async def get_endpoint(self, tenant: str, endpoint_id: str) -> EndpointRow | None: ...
 

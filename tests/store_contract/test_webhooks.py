@@ -254,8 +254,12 @@ async def test_max_endpoints_holds_for_creations_at_two_gateways_at_once(stores:
     assert len(refused) == 7 and all(isinstance(r, EndpointLimitReached) and r.limit == 3 for r in refused), refused
     assert len(await a.list_endpoints("t1", before=None, limit=100)) == 3
     await endpoint(b, tenant="t2", max_endpoints=3)  # another tenant's count is its own
-    await endpoint(a, max_endpoints=0)  # 0: no cap
+    await endpoint(a, max_endpoints=None)  # None: no cap
     assert len(await b.list_endpoints("t1", before=None, limit=100)) == 4
+    # 0 allows none (the limit reads as its name says; no cap is None): not even a first one.
+    with pytest.raises(EndpointLimitReached):
+        await endpoint(a, tenant="t3", max_endpoints=0)
+    assert await a.list_endpoints("t3", before=None, limit=100) == []
 
 
 async def test_test_events_are_limited_per_endpoint_across_gateways(stores: Stores) -> None:

@@ -234,7 +234,7 @@ class PgWebhookStore:
 
     async def create_endpoint(
         self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
-        max_endpoints: int = 0,
+        max_endpoints: int | None = None,
     ) -> tuple[EndpointRow, SigningKey]:
         endpoint_id = str(uuid.uuid4())
         key = new_key(signature)  # an unknown scheme fails before anything is written
@@ -252,7 +252,7 @@ class PgWebhookStore:
             """
         args = (endpoint_id, tenant, url, list(event_types), None if kinds is None else list(kinds), signature,
                 key.algorithm, _sealed(self.sealer, endpoint_id, key), key.public_key)
-        if max_endpoints <= 0:
+        if max_endpoints is None:
             row = await self.db.pool.fetchrow(insert, *args)
         else:
             # The count and the insert under one lock per tenant, so that creations at several

@@ -101,13 +101,13 @@ class SqliteWebhookStore:
 
     async def create_endpoint(
         self, tenant: str, *, url: str, event_types: Sequence[str], kinds: Sequence[str] | None, signature: str,
-        max_endpoints: int = 0,
+        max_endpoints: int | None = None,
     ) -> tuple[EndpointRow, SigningKey]:
         endpoint_id = str(uuid.uuid4())
 
         def tx(conn: sqlite3.Connection) -> tuple[EndpointRow, SigningKey]:
             ts = now()
-            if max_endpoints > 0:  # counted in the writing transaction: two creations cannot both pass
+            if max_endpoints is not None:  # counted in the writing transaction: two creations cannot both pass
                 (count,) = conn.execute("SELECT COUNT(*) FROM webhook_endpoints WHERE tenant = ?", (tenant,)).fetchone()
                 if count >= max_endpoints:
                     raise EndpointLimitReached(max_endpoints)
