@@ -8,7 +8,8 @@ An address is public only if it is global unicast and not one of the IPv6 forms 
 an IPv4 address (mapped, compatible, NAT64, 6to4, Teredo): those reach whatever IPv4 address
 they carry (often through a translator we cannot see), so they are refused outright. A host
 written as a number (``2130706433``, ``127.1``, ``0x7f.1``, ``0177.0.0.1``) is judged as the
-address the resolver would make of it (inet_aton's reading).
+address the resolver would make of it (inet_aton's reading), and so is a host written with
+characters that IDNA maps to such a number (fullwidth digits, ideographic full stops).
 """
 
 from __future__ import annotations
@@ -100,23 +101,31 @@ def check_url_syntax(url: str, *, allow_private: bool) -> None:
         raise UnsafeUrl("must be an https URL")
     if not parts.hostname:
         raise UnsafeUrl("must name a host")
-    try:
-        parts.hostname.encode("idna")  # what the resolver and the TLS layer will need
-    except UnicodeError:
-        raise UnsafeUrl("the host is not a valid domain name") from None
+    host = ascii_host(parts.hostname)
     if parts.username or parts.password:
         raise UnsafeUrl("must not carry credentials")
     if port == 0:
         raise UnsafeUrl("port 0 is not a valid port")
     if allow_private:
         return
-    literal = literal_address(parts.hostname)
+    literal = literal_address(host)
     if literal is None:
-        if parts.hostname.lower() in ("localhost",) or parts.hostname.lower().endswith(".localhost"):
+        if host.lower() in ("localhost",) or host.lower().endswith(".localhost"):
             raise UnsafeUrl(NOT_PUBLIC)
         return
     if not _is_public(str(literal)):
         raise UnsafeUrl(NOT_PUBLIC)
+
+
+def ascii_host(hostname: str) -> str:
+    """The host as the resolver and the HTTP client will see it: IDNA-encoded, which maps
+    compatibility forms to ASCII (``１２７.０.０.１`` and ``127。0。0。1`` are ``127.0.0.1``,
+    ``ⓛocalhost`` is ``localhost``). The guard judges this form, never the spelling: a
+    spelling that looked like a name was dialled as the address it maps to, unjudged."""
+    try:
+        return hostname.encode("idna").decode("ascii")
+    except UnicodeError:
+        raise UnsafeUrl("the host is not a valid domain name") from None
 
 
 async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
@@ -126,12 +135,13 @@ async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
         return
     parts = urlsplit(url)
     assert parts.hostname is not None  # check_url_syntax made sure
-    if literal_address(parts.hostname) is not None:
+    host = ascii_host(parts.hostname)
+    if literal_address(host) is not None:
         return  # judged by check_url_syntax
     try:
         async with asyncio.timeout(RESOLVE_WITHIN_S):
             infos = await asyncio.get_running_loop().getaddrinfo(
-                parts.hostname, parts.port or 443, type=socket.SOCK_STREAM
+                host, parts.port or 443, type=socket.SOCK_STREAM
             )
     except (OSError, UnicodeError, ValueError, TimeoutError):
         # The same answer as for a private address: the guard must not tell which internal

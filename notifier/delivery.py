@@ -31,7 +31,7 @@ from yarl import URL
 import herald
 from herald.deliveries import Outcome
 from herald.delivery_rules import RESPONSE_KEEP_BYTES
-from herald.ssrf import UnsafeUrl, check_url_syntax, is_public_address, numeric_host
+from herald.ssrf import NOT_PUBLIC, UnsafeUrl, check_url_syntax, is_public_address, literal_address, numeric_host
 
 SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
 # A receiver that does not even accept the connection is known sooner than one that does not
@@ -98,9 +98,16 @@ def _checked_url(url: str, allow_private: bool) -> URL | str:
         # that address, written canonically (as a browser would), not a spelling that some
         # resolver might read otherwise (aiohttp refuses the spelling outright).
         number = numeric_host(target.raw_host or "")
-        return target.with_host(str(number)) if number is not None else target
+        if number is not None:
+            target = target.with_host(str(number))
     except (ValueError, UnsafeUrl) as exc:
         return f"not a valid URL: {exc}"
+    # The address that will be dialled without our resolver (aiohttp resolves no literal) is
+    # judged as the client holds it, after its own IDNA mapping: whatever spelling led there.
+    literal = literal_address(target.raw_host or "")
+    if not allow_private and literal is not None and not is_public_address(str(literal)):
+        return NOT_PUBLIC
+    return target
 
 
 def _describe(exc: BaseException) -> str:

@@ -418,6 +418,65 @@ def test_delivery_dials_the_address_a_numeric_host_denotes() -> None:
         listener.close()
 
 
+# Spellings of 127.0.0.1 that IDNA maps to ASCII digits and dots: a guard that judged the
+# spelling took them for names, while the HTTP client dialled the address they map to.
+UNICODE_LOOPBACK = {
+    "fullwidth digits": "１２７.０.０.１", "ideographic full stops": "127。0。0。1",
+    "mathematical digits": "𝟏𝟐𝟕.𝟎.𝟎.𝟏", "fullwidth number": "２１３０７０６４３３", "hex, ideographic stop": "0x7f。1",
+}
+UNICODE_LOOPBACK_HOSTS = list(UNICODE_LOOPBACK.values())
+
+
+def test_delivery_refuses_a_host_that_idna_maps_to_a_private_address() -> None:
+    """The guard at delivery (SPEC §7: checked again at each delivery, whatever was let in at
+    registration, say under HERALD_WEBHOOK_ALLOW_PRIVATE) judges the host as the client will
+    dial it: no connection reaches the loopback listener, however the address is spelt."""
+    from notifier.delivery import Sender
+
+    accepted: list[object] = []
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.2)
+    port = server.getsockname()[1]
+    stop = threading.Event()
+
+    def accept() -> None:
+        while not stop.is_set():
+            try:
+                conn, peer = server.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            accepted.append(peer)
+            conn.close()
+
+    thread = threading.Thread(target=accept, daemon=True)
+    thread.start()
+
+    async def attempts() -> list[Any]:
+        async with Sender(allow_private=False) as sender:
+            return [await sender.send(f"https://{host}:{port}/hook", b"{}", {}) for host in UNICODE_LOOPBACK_HOSTS]
+
+    try:
+        for host, outcome in zip(UNICODE_LOOPBACK_HOSTS, asyncio.run(attempts()), strict=True):
+            assert outcome.status_code is None and "refused by the SSRF guard" in (outcome.error or ""), (host, outcome)
+        assert accepted == []
+    finally:
+        stop.set()
+        thread.join(5)
+        server.close()
+
+
+@pytest.mark.parametrize("host", UNICODE_LOOPBACK_HOSTS, ids=list(UNICODE_LOOPBACK))
+def test_a_host_that_idna_maps_to_a_private_address_is_refused_at_registration(host: str) -> None:
+    """The same judgement at registration, without asking DNS what the spelling means."""
+    from herald.ssrf import UnsafeUrl, check_url_syntax
+
+    with pytest.raises(UnsafeUrl, match="public address"):
+        check_url_syntax(f"https://{host}/hook", allow_private=False)
+    check_url_syntax(f"https://{host}/hook", allow_private=True)  # development: allowed
+
+
 # ----- downloads (SPEC §6, §10) -------------------------------------------------------------------
 
 
