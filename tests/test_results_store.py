@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import stat
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
@@ -118,6 +119,30 @@ async def test_commit_then_open_streams_the_exact_bytes(results: ResultStore, si
     assert body is not None
     assert body.size == size
     assert await read_all(body) == data
+
+
+def _others_may_enter(path: Path, below: Path) -> bool:
+    """Whether a user other than the owner may reach ``path`` through every directory the store
+    made (or found) between ``below`` and it: each grants group or others the search bit."""
+    made = [parent for parent in path.parents if below in parent.parents]
+    return all(stat.S_IMODE(parent.stat().st_mode) & 0o011 for parent in made)
+
+
+@pytest.mark.parametrize("existing", [False, True], ids=["made by the store", "there before, 0755"])
+async def test_scratch_files_are_the_owners_only(results: ResultStore, tmp_path: Path, existing: bool) -> None:
+    """A handler writes a tenant's result into its scratch file with the process's umask (0644),
+    so no other local user may reach the directory that holds it; a directory found open is
+    closed. (The NATS store's scratch dir, ``HERALD_DATA_DIR/scratch`` of a worker with
+    PostgreSQL, was 0755: anyone on the machine read a running export as it was written.)"""
+    if existing:
+        for name in ("results", "scratch"):
+            (tmp_path / name).mkdir(mode=0o755)
+            (tmp_path / name).chmod(0o755)
+    scratch = results.scratch_path(new_job_id(), 1, ".csv")
+    scratch.parent.mkdir(parents=True, exist_ok=True)
+    scratch.write_bytes(b"order_id,total\n1,99.5\n")
+    assert not _others_may_enter(scratch, tmp_path), [(p, oct(stat.S_IMODE(p.stat().st_mode)))
+                                                      for p in scratch.parents if tmp_path in p.parents]
 
 
 async def test_open_of_a_missing_key_is_none(results: ResultStore) -> None:

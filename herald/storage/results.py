@@ -107,8 +107,7 @@ class FileResultStore:
 
     def scratch_path(self, job_id: str, attempt: int, suffix: str) -> Path:
         for base in {self.root, self.scratch}:
-            if not base.is_dir():
-                private_dir(base)  # results are the tenants' data: the owner's only (0700)
+            private_dir(base)  # results are the tenants' data: the owner's only (0700), also when found open
         directory = self._job_dir(self.scratch, job_id)
         directory.mkdir(parents=True, exist_ok=True)
         return directory / _scratch_name(attempt, suffix)
@@ -302,7 +301,9 @@ class NatsResultStore:
         # One flat file per attempt, no directory per job: a late attempt cleaning up after
         # itself must never remove anything another attempt of the job is writing.
         _check_job_id(job_id)
-        self._scratch_dir.mkdir(parents=True, exist_ok=True)
+        # The tenants' results as they are written: the owner's only (0700), as the file store's
+        # root, also when the directory was there before (a handler writes with its umask, 0644).
+        private_dir(self._scratch_dir)
         return self._scratch_dir / f"{job_id}.{_scratch_name(attempt, suffix)}"
 
     async def commit(self, job_id: str, attempt: int, scratch: Path) -> str:
