@@ -43,6 +43,7 @@ from launcher.supervisor import (
     _wait_for_port,
     find_nats_server,
     nats_credentials,
+    server_environment,
 )
 
 CLUSTER_SIZE = 3
@@ -141,7 +142,7 @@ class ClusterSupervisor(Supervisor):
         credentials = nats_credentials()  # clients and routes alike: no local user joins or reads
         # The configs hold a bcrypt hash; the routes' URLs, which must carry the password, reach
         # the nats-servers in their environment (readable by this user only, like the children's).
-        nats_env = {**self.env, **route_environment(self.nodes, credentials)}
+        nats_env = {**server_environment(self.env), **route_environment(self.nodes, credentials)}
         for node in self.nodes:
             write_node_config(node, self.nodes, credentials=credentials)
             child = Child(f"nats-{node.name}", node_argv(binary, node))

@@ -68,8 +68,12 @@ def _running_as_root() -> bool:
 
 
 def _child_env() -> dict[str, str]:
-    """The environment minus PG* variables (a stray PGDATA or PGPORT would change what runs)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PG")}  # noqa: the server's own env
+    """The environment minus PG* variables (a stray PGDATA or PGPORT would change what runs)
+    and minus Herald's own settings: they carry the operator's secrets (HERALD_ADMIN_KEY,
+    HERALD_API_KEYS, HERALD_SECRET_KEY, HERALD_SIGNING_KEY, passwords in URLs), which PostgreSQL
+    never reads, and as root it runs as another user, who may read its environment."""
+    env = {k: v for k, v in os.environ.items()  # noqa: the server's own env
+           if not k.startswith(("PG", "HERALD_"))}
     env["LC_ALL"] = "C"  # messages and locale independent of the caller's
     return env
 

@@ -136,6 +136,14 @@ class Child:
     started_at: float = field(default=0.0)
 
 
+def server_environment(env: dict[str, str]) -> dict[str, str]:
+    """The environment of a server Herald starts but did not write (nats-server): ``env``
+    without Herald's own settings. They carry the operator's secrets (HERALD_ADMIN_KEY,
+    HERALD_API_KEYS, HERALD_SECRET_KEY, HERALD_SIGNING_KEY, passwords in HERALD_NATS_URL or
+    HERALD_DATABASE_URL), none of which such a server reads."""
+    return {k: v for k, v in env.items() if not k.startswith("HERALD_")}
+
+
 class Supervisor:
     nats_wait_s = NATS_WAIT_S  # how long NATS may take to accept the first connection
     own_nats = "the nats-server started here"  # what is waited for when HERALD_NATS_URL is unset
@@ -271,7 +279,8 @@ class Supervisor:
         self.children.append(Child("notifier", [*python, "notifier"]))
 
     def spawn(self, child: Child) -> None:
-        child.process = subprocess.Popen(child.argv, env=self.env, preexec_fn=_die_with_parent)  # noqa: PLW1509
+        env = server_environment(self.env) if child is self.nats else self.env
+        child.process = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         child.started_at = time.monotonic()
 
     def _restart_if_dead(self, child: Child) -> None:

@@ -299,6 +299,8 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         assert nats_password not in " ".join(server.cmdline())
         routes = {k: v for k, v in server.environ().items() if k.startswith("HERALD_NATS_ROUTE_")}
         assert sorted(routes) == ["HERALD_NATS_ROUTE_N1", "HERALD_NATS_ROUTE_N2", "HERALD_NATS_ROUTE_N3"]
+        # ... and none of Herald's settings: the admin key, the API keys, the secret key are not theirs.
+        assert sorted(k for k in server.environ() if k.startswith("HERALD_")) == sorted(routes), server.pid
         assert all(urlsplit(u).password == nats_password and urlsplit(u).scheme == "nats-route" for u in routes.values())
     # The hash itself opens nothing: not as a client's password, nor as a route's; nor does a wrong one.
     stored = config_passwords(confs[0])[0]
@@ -335,6 +337,12 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
         assert httpx.delete(f"{gw2}/admin/keys/{issued['id']}", headers=admin, timeout=10).status_code == 204
         wait_until(lambda: httpx.get(gw1 + "/jobs", headers=bearer, timeout=2).status_code == 401, timeout=2,
                    what="the revoked key refused at the first gateway")
+
+    # PostgreSQL (another user, as root, who may read its environment) is handed none of
+    # Herald's settings either, though the supervisor's own environment has them.
+    postgres = live_child(supervisor, lambda p: p.name() == "postgres")
+    assert postgres is not None
+    assert not [k for k in postgres.environ() if k.startswith("HERALD_")], postgres.pid
 
     # As root, PostgreSQL runs as its own user: every directory above its data dir stays
     # searchable by it while it runs, or its shutdown checkpoint cannot reach pg_control.

@@ -124,3 +124,16 @@ def test_failure_to_start_says_why(server_dir: Path) -> None:
         with pytest.raises(PostgresError, match="last lines of"):
             clash.start(timeout=20)
         assert not clash.running
+
+
+def test_the_server_is_handed_none_of_heralds_settings(server_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """PostgreSQL never reads HERALD_*, and those carry the operator's secrets; as root it runs
+    as another user, who may read its environment (/proc/<pid>/environ)."""
+    monkeypatch.setenv("HERALD_SECRET_KEY", "s" * 40)
+    monkeypatch.setenv("HERALD_ADMIN_KEY", "a" * 40)
+    data_dir = server_dir / "pg"
+    with PostgresServer(data_dir, port=free_port(), password="p" * 32) as server:
+        assert server.process is not None
+        environ = psutil.Process(server.process.pid).environ()
+        assert environ.get("LC_ALL") == "C"  # the server's own environment, read
+        assert not [k for k in environ if k.startswith("HERALD_")], sorted(environ)

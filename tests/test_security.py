@@ -699,6 +699,11 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
         [stored] = _config_passwords(conf)
         assert stored.startswith("$2a$") and bcrypt.checkpw(password.encode(), stored.encode())
         assert "Plaintext passwords" not in (tmp_path / "up.log").read_text(errors="replace")
+        # nats-server is handed none of Herald's settings: the admin key and the API keys are not its.
+        import psutil
+
+        [nats_server] = [p for p in psutil.Process(up.pid).children() if p.name() == "nats-server"]
+        assert not [k for k in nats_server.environ() if k.startswith("HERALD_")], nats_server.environ()
         # A client without credentials, with wrong ones, or with the hash for a password is turned
         # away; the generated ones open it, as the children do.
         assert asyncio.run(_nats_refuses(f"nats://127.0.0.1:{nats_port}"))
