@@ -244,8 +244,7 @@ class ClusterSupervisor(Supervisor):
         for kind, count in (("gateway", GATEWAYS), ("worker", WORKERS), ("notifier", NOTIFIERS)):
             for i in range(count):
                 name = f"{kind}-{i + 1}"
-                data_dir = (self.root / name).resolve()
-                data_dir.mkdir(parents=True, exist_ok=True)
+                data_dir = private_dir((self.root / name).resolve())  # its scratch files: tenants' results
                 env = {**shared, "HERALD_DATA_DIR": str(data_dir), "HERALD_INSTANCE": name}
                 if kind == "gateway":
                     env["HERALD_HTTP_HOST"] = self.settings.http_host
@@ -339,6 +338,9 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
     signal.signal(signal.SIGINT, on_signal)
     signal.signal(signal.SIGTERM, on_signal)
     try:
+        # HERALD_DATA_DIR itself too (it keeps admin.key): as root, PostgreSQL's user is then
+        # granted search on it, never a listing (launcher/pgserver.py).
+        private_dir(settings.data_dir)
         private_dir(supervisor.root)
         supervisor.provision_keys()
         if settings.http_host in ("127.0.0.1", "localhost"):

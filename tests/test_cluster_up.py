@@ -275,7 +275,8 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     assert "scram-sha-256" in (pg_dir / "pg_hba.conf").read_text() and "trust" not in \
         [line.split()[-1] for line in (pg_dir / "pg_hba.conf").read_text().splitlines() if line and line[0] != "#"]
     # What Herald made around the stores lists nothing to other users (search at most, for PostgreSQL's user).
-    for directory in (root / "var" / "cluster", *(root / "var" / "cluster").glob("nats-*")):
+    for directory in (root / "var", root / "var" / "cluster", *(root / "var" / "cluster").glob("nats-*"),
+                      *(root / "var" / "cluster" / name for name in seen)):
         assert stat.S_IMODE(directory.stat().st_mode) & 0o044 == 0, directory
     for conf in (root / "var" / "cluster").glob("nats-*/nats.conf"):
         assert stat.S_IMODE(conf.stat().st_mode) == 0o600, conf
