@@ -116,12 +116,10 @@ def _schedule(name: str, raw: str) -> tuple[float, ...]:
     return values
 
 
-def _comma_list(name: str, raw: str) -> tuple[str, ...]:
-    return tuple(item for item in raw.split(",") if item)
-
-
 def _secret_keys(name: str, raw: str) -> tuple[str, ...]:
-    """``new,old``: the first seals, every one opens (rotation, SPEC §12)."""
+    """``new,old``: the first seals (or signs), every one opens (or verifies): rotation, SPEC
+    §12. Each at least 32 characters: a short one is guessed offline from one signed URL (an
+    HMAC with a known message) or one sealed value, and then every tenant's links are forged."""
     keys = tuple(item.strip() for item in raw.split(",") if item.strip())
     for n, key in enumerate(keys, start=1):
         if len(key) < 32:  # never the key itself in the message
@@ -243,7 +241,7 @@ class Settings:
     output_max_bytes: Annotated[int, AT_LEAST_ONE] = 16 * 1024 * 1024  # streamed output per job (SPEC §8)
     log_format: Annotated[str, LOWER] = "json"
     log_level: Annotated[str, LOWER] = "info"
-    signing_secrets: Annotated[tuple[str, ...], Env(_comma_list, ("SIGNING_KEY", "SIGNING_SECRETS"))] = field(
+    signing_secrets: Annotated[tuple[str, ...], Env(_secret_keys, ("SIGNING_KEY", "SIGNING_SECRETS"))] = field(
         default=(), repr=False
     )
     # Seal every secret the store keeps (SPEC §12); empty: a generated key file (SQLite only).

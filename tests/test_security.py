@@ -27,7 +27,7 @@ import msgspec
 import pytest
 
 from herald.settings import Settings, SettingsError
-from tests.harness import ADMIN_KEY, KEYS, TLS, Deployment, client, wait_for_state
+from tests.harness import ADMIN_KEY, KEYS, TLS, Deployment, client, free_port, wait_for_state
 
 # ``²`` passes str.isdigit() but not int(); ``é`` is a letter outside ASCII; the bytes are no UTF-8.
 ODD_TEXT = ("²", "é", "1²", "٣")
@@ -586,6 +586,26 @@ def test_a_gateway_with_such_a_name_refuses_to_start_naming_it(tmp_path: Path) -
     assert "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("signing_key", ["secret", "a-long-enough-key-for-now,old"])
+def test_a_signing_key_short_enough_to_guess_stops_the_gateway_naming_the_variable(
+        signing_key: str, tmp_path: Path) -> None:
+    """Every tenant holds signed URLs, each an HMAC of a known message under HERALD_SIGNING_KEY:
+    a short key is found offline from one of them, and then anyone forges ``/events?tenant=<any
+    tenant>`` (another tenant's whole feed) or a result link. At least 32 characters, as
+    HERALD_SECRET_KEY and HERALD_ADMIN_KEY, or the process stops at start saying so."""
+    with pytest.raises(SettingsError, match="HERALD_SIGNING_KEY"):
+        Settings.from_env({"HERALD_SIGNING_KEY": signing_key})
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS="acme:key-1", HERALD_SIGNING_KEY=signing_key, HERALD_DATA_DIR=str(tmp_path),
+               HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "gateway"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert "HERALD_SIGNING_KEY" in run.stderr and "32 characters" in run.stderr, run.stderr[-2000:]
+    assert signing_key.split(",")[-1] not in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert Settings.from_env({"HERALD_SIGNING_KEY": "n" * 32 + ", " + "o" * 40}).signing_secrets == ("n" * 32, "o" * 40)
+
+
 @pytest.mark.parametrize("api_keys", ["alpha:shared-key-7f3a,beta:shared-key-7f3a",
                                       "alpha:shared-key-7f3a,alpha:shared-key-7f3a"])
 def test_a_key_given_twice_stops_the_gateway_naming_the_variable(api_keys: str, tmp_path: Path) -> None:
@@ -668,7 +688,7 @@ def _config_passwords(conf: Path) -> list[str]:
 
 
 def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_path: Path) -> None:
-    from tests.harness import free_port, wait_until
+    from tests.harness import wait_until
 
     port, nats_port, data = free_port(), free_port(), tmp_path / "var"
     env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
