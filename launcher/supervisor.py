@@ -318,9 +318,12 @@ class Supervisor:
         host = self.settings.http_host
         base = f"http://{host}:{self.settings.http_port}"
         key = self.dev_key
+        # The admin key is shown only if generated here (SPEC §12): one the operator set is theirs
+        # already, and stdout often ends in a log that more people read than hold that key.
+        admin = "the one you set (not shown)" if self.settings.admin_key is not None else self.admin_key
         return (
             f"\nHerald is up at {base}  (browser page: {base}/  API reference: {base}/schema)\n"
-            f"API key: {key}   admin key (HERALD_ADMIN_KEY, for /admin and herald tenants|keys): {self.admin_key}\n"
+            f"API key: {key}   admin key (HERALD_ADMIN_KEY, for /admin and herald tenants|keys): {admin}\n"
             f"Start a report:\n"
             f"  curl -si -X POST {base}/reports -H 'Authorization: Bearer {key}' "
             f"-H 'Content-Type: application/json' -d '{{\"title\": \"Q3\", \"pages\": 5}}'\n"

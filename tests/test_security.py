@@ -753,6 +753,44 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
         log.close()
 
 
+def test_herald_up_never_prints_an_admin_key_the_operator_set(tmp_path: Path) -> None:
+    """The banner shows the admin key herald up generated (SPEC §12); one the operator set in
+    HERALD_ADMIN_KEY (from a secret store, say) is theirs already and is not echoed to stdout,
+    which a service manager keeps in a log more people read than hold that key."""
+    from tests.harness import wait_until
+
+    admin_key = "operator-set-admin-key-" + "x" * 20
+    port, nats_port = free_port(), free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS="acme:up-key", HERALD_ADMIN_KEY=admin_key, HERALD_HTTP_PORT=str(port),
+               HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(tmp_path / "var"), HERALD_WORKERS="1",
+               HERALD_LOG_LEVEL="warning")
+    out, err = open(tmp_path / "up.out", "wb"), open(tmp_path / "up.err", "wb")  # noqa: SIM115  (closed below)
+    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up"], env=env, stdout=out, stderr=err,
+                          start_new_session=True)
+    try:
+        wait_until(lambda: "Herald is up at" in (tmp_path / "up.out").read_text(errors="replace") or up.poll() is not None,
+                   timeout=60, interval=0.2, what="the banner")
+        banner = (tmp_path / "up.out").read_text(errors="replace")
+        assert "Herald is up at" in banner, (tmp_path / "up.err").read_text(errors="replace")[-2000:]
+        assert "admin key (HERALD_ADMIN_KEY" in banner and "not shown" in banner, banner
+        admin = httpx.get(f"http://127.0.0.1:{port}/admin/tenants", headers={"Authorization": f"Bearer {admin_key}"},
+                          timeout=10)
+        assert admin.status_code == 200, admin.text  # the key works: it was set, only not shown
+        assert not (tmp_path / "var" / "admin.key").exists()
+    finally:
+        up.send_signal(signal.SIGINT)
+        try:
+            up.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(up.pid, signal.SIGKILL)
+            up.wait()
+        out.close()
+        err.close()
+    for name in ("up.out", "up.err"):
+        assert admin_key not in (tmp_path / name).read_text(errors="replace"), name
+
+
 def test_external_nats_credentials_come_from_the_url_or_a_creds_file(tmp_path: Path) -> None:
     from herald.jetstream import auth_options
     from herald.settings import Settings, SettingsError, redact_url
