@@ -6,17 +6,20 @@ naming HERALD_DATABASE_URL, a /readyz that answers 503, and a gateway that comes
 by itself once the database is there: never a silent crash loop. While the database is
 away every store-bound route answers 503 with Retry-After (every method of every
 PostgreSQL store raises ``StoreUnavailable``, never a driver error that would be a 500),
-and each recovers once it is back.
+and each recovers once it is back. A worker rides an outage out: its jobs, running or
+queued, are delayed by it and end as they would have without it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import asyncpg
 import httpx
 
 from herald.deliveries import Attempted, Claimed, LeaseOffer
@@ -29,7 +32,7 @@ from herald.transitions import Change
 from launcher.pgserver import PostgresServer
 from herald.deliveries import Outcome, Plan
 from schemas import JobEvent
-from tests.harness import ADMIN_KEY, SECRET_KEY, TLS, Deployment, free_port, wait_until
+from tests.harness import ADMIN_KEY, SECRET_KEY, TLS, Deployment, client, free_port, wait_until
 from tests.store_contract.support import event, new_job
 
 PORTS = {"jobs": JobStore, "webhooks": WebhookStore, "deliveries": DeliveryQueue, "tenants": TenantStore}
@@ -310,5 +313,121 @@ def test_an_event_stream_request_outwaits_a_store_outage(tmp_path: Path, server_
                   if e.get("level") == "error" and e.get("logger") != "herald.sweeper"]
         assert not errors, errors[:3]
     finally:
+        deployment.stop()
+        server.stop()
+
+
+OUTAGE_S = 5.0  # longer than JetStream redelivers a message handed back: ack_wait (1 s) x max_deliver (2)
+WRITE_WAITING = ("SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"
+                 " AND query LIKE '%herald_transition(%' AND NOT pid = ANY($2::int[])")
+
+
+def _ended(http: httpx.Client, job_id: str, timeout: float = 30) -> dict[str, Any]:
+    """The job once it has ended (answers without a status, a 503 while the store is back
+    but the gateway's pool not yet, are polled past)."""
+    def ended() -> dict[str, Any] | None:
+        answer = http.get(f"/jobs/{job_id}")
+        body = answer.json() if answer.status_code in (200, 303) else {}
+        return body if body.get("state") in ("succeeded", "failed", "cancelled") else None
+
+    return wait_until(ended, timeout=timeout, interval=0.05, what=f"job {job_id} ended")
+
+
+def _making_progress(http: httpx.Client, job_id: str) -> None:
+    wait_until(lambda: (s := http.get(f"/jobs/{job_id}").json())["state"] == "running" and s["progress"],
+               what="job running with progress")
+
+
+class _RowHolder:
+    """A connection that holds a job's row (``SELECT ... FOR UPDATE``), so that the worker's next
+    write of the job waits for it; and another that cuts the connection under that write."""
+
+    def __init__(self, runner: asyncio.Runner, url: str, job_id: str) -> None:
+        self.runner = runner
+        self.holder: asyncpg.Connection = runner.run(asyncpg.connect(url))
+        # (Another connection reads pg_stat_activity: a transaction sees it as it first read it.)
+        self.observer: asyncpg.Connection = runner.run(asyncpg.connect(url))
+        self.held = self.holder.transaction()
+        runner.run(self.held.start())
+        runner.run(self.holder.execute("SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE", job_id))
+        self.cut: list[int] = []
+
+    def cut_the_waiting_write(self) -> None:
+        """Once a write of the job waits for the row, terminate its connection (mid-statement)."""
+        holder_pid = self.holder.get_server_pid()
+        waiting = wait_until(lambda: self.runner.run(self.observer.fetchval(WRITE_WAITING, holder_pid, self.cut)),
+                             what="the worker's write of the job waiting for its row")
+        assert self.runner.run(self.observer.fetchval("SELECT pg_terminate_backend($1)", waiting))
+        self.cut.append(waiting)
+
+    def let_go(self) -> None:
+        self.runner.run(self.held.rollback())
+        for connection in (self.holder, self.observer):
+            self.runner.run(connection.close())
+
+
+def test_a_worker_rides_out_the_store_going_away_under_its_jobs(tmp_path: Path, server_dir: Path) -> None:
+    """SPEC §9 and §11 (every job ends; a store restart loses nothing committed): a store that
+    goes away under a worker delays its jobs and fails none of them.
+
+    * The connection under a job's progress write is cut (a failover, a proxy, an operator's
+      pg_terminate_backend), the server staying up: the job runs on and succeeds. It failed
+      with /problems/job-failed, as if its handler had crashed.
+    * The connection under a queued job's claim is cut, twice: the claim is tried again with
+      the message held. The message went back to JetStream each time, and after
+      ``max_deliver`` deliveries it was never delivered again: the job stayed queued until
+      its deadline.
+    * The server stops for longer than JetStream redelivers a message, under a running job
+      and a queued backlog: the running job finishes its work and records its end once the
+      store is back, the backlog waits. The running job was left running with no worker
+      (for the sweeper to re-queue a heartbeat timeout later, or to fail worker-lost), and
+      the worker, its slot free again, took the queued messages one after another, failed
+      each claim and handed them back until JetStream gave up on them."""
+    server = PostgresServer(server_dir / "pg", port=free_port())
+    server.start()
+    url = server.create_database("herald")
+    deployment = Deployment(tmp_path / "herald", database_url=url)
+    deployment.nats.start()
+    runner = asyncio.Runner()
+    try:
+        # The gateway's sweeper waits 30 s for a silent job: it neither rescues nor ends one here.
+        base = deployment.start_gateway(HERALD_HEARTBEAT_TIMEOUT_S="30")
+        # One slot; a message's lease of 1 s and one attempt (max_deliver 2): JetStream gives a
+        # message up after two deliveries.
+        deployment.start_worker(HERALD_WORKER_CONCURRENCY="1", HERALD_HEARTBEAT_TIMEOUT_S="1",
+                                HERALD_MAX_ATTEMPTS="1", HERALD_REPORT_PAGE_MS="100")
+        with client(base) as http:
+            running = http.post("/reports", json={"title": "cut mid-progress", "pages": 20}).json()
+            queued = http.post("/reports", json={"title": "cut mid-claim", "pages": 2}).json()  # behind it
+            _making_progress(http, running["id"])
+            claim = _RowHolder(runner, url, queued["id"])
+            progress = _RowHolder(runner, url, running["id"])
+            progress.cut_the_waiting_write()
+            progress.let_go()
+            for _ in range(2):  # as many times as JetStream delivers the message
+                claim.cut_the_waiting_write()
+            claim.let_go()
+            for name, job in (("cut mid-progress", running), ("cut mid-claim", queued)):
+                done = _ended(http, job["id"])
+                assert (done["state"], done["attempt"]) == ("succeeded", 1), (name, done["error"])
+
+            jobs = [http.post("/reports", json={"title": f"outage {i}", "pages": 20 if i == 0 else 2}).json()
+                    for i in range(4)]
+            _making_progress(http, jobs[0]["id"])
+            server.stop()
+            until = time.monotonic() + OUTAGE_S
+            while time.monotonic() < until:  # the fault's length, not a wait for a state
+                assert httpx.get(base + "/readyz", timeout=5, verify=TLS).status_code == 503
+                time.sleep(0.2)
+            server.start()
+            for job in jobs:
+                done = _ended(http, job["id"])
+                assert (done["state"], done["attempt"]) == ("succeeded", 1), (job["id"], done["error"])
+        worker = deployment.log_events("worker")
+        assert not [e for e in worker if e.get("level") == "error"], [e for e in worker if e.get("level") == "error"][:3]
+        retried = {e.get("write") for e in worker if e.get("event") == "the store is unreachable; trying again"}
+        assert retried >= {"claim", "success"}, retried
+    finally:
+        runner.close()
         deployment.stop()
         server.stop()

@@ -8,7 +8,9 @@ A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <J
 * ``await ctx.progress(pct)`` between steps reports 0..99 (each change is one event);
   ``await ctx.checkpoint()`` between steps without progress to report. Both raise
   ``JobCancelled`` when the client cancelled the job and ``JobLost`` when it moved on
-  without this worker: let them propagate (partial output is removed for you);
+  without this worker: let them propagate (partial output is removed for you). While the
+  store is unreachable (PostgreSQL restarting or failing over) neither raises: the run goes
+  on, and the progress is recorded by the next call that reaches the store;
 * ``await ctx.emit(value)`` streams one output chunk (SPEC §8): anything JSON can encode,
   at most 64 KiB encoded (else ``ChunkTooLarge``, a ValueError), at most
   HERALD_OUTPUT_MAX_BYTES per job (else ``OutputTooLarge``: the job fails
@@ -27,16 +29,19 @@ A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <J
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from herald.settings import Settings
-from herald.jobs import TransitionRejected
+from herald.jobs import StoreUnavailable, TransitionRejected
 from herald.storage.ports import JobStore
 from herald.transitions import Change
 from workers.errors import JobCancelled, JobLost
 from workers.output import OutputWriter
+
+log = logging.getLogger("herald.worker")
 
 
 class JobContext:
@@ -53,6 +58,7 @@ class JobContext:
         self._output: Path | Callable[[], Path] = output
         self._progress: int | None = None
         self._writer = writer
+        self._store_was_away = False  # said once per outage, not once per step
 
     @property
     def output(self) -> Path:
@@ -81,11 +87,24 @@ class JobContext:
 
     async def checkpoint(self) -> None:
         """Call between steps: raises JobCancelled or JobLost when the job must stop."""
-        job = await self.store.get(self.job_id)
+        try:
+            job = await self.store.get(self.job_id)
+        except StoreUnavailable as exc:
+            # A store blip is no verdict on the job (failing it for one threw good work away):
+            # carry on; the next checkpoint that reaches the store sees a cancel or a takeover.
+            self._store_away("checkpoint skipped", exc)
+            return
+        self._store_was_away = False
         if job is None or job.state != "running" or job.attempt != self.attempt:
             raise JobLost(f"job {self.job_id} moved on without this worker")
         if job.cancel_requested:
             raise JobCancelled()
+
+    def _store_away(self, what: str, exc: StoreUnavailable) -> None:
+        if not self._store_was_away:
+            self._store_was_away = True
+            log.warning(f"{what}: the store is unreachable; the run goes on",
+                        extra={"job_id": self.job_id, "error": str(exc)})
 
     async def progress(self, percent: int) -> None:
         """Record progress 0..99 (100 is success); a no-op when the percentage did not move.
@@ -100,6 +119,12 @@ class JobContext:
             )
         except TransitionRejected as exc:
             raise JobLost(exc.reason) from exc
+        except StoreUnavailable as exc:
+            # Not recorded (``_progress`` stays): the next call that reaches the store records
+            # where the run is by then. The run goes on; its end waits for the store.
+            self._store_away("progress not recorded", exc)
+            return
+        self._store_was_away = False
         self._progress = percent
         if change.after.cancel_requested:
             raise JobCancelled()

@@ -14,8 +14,8 @@ import contextlib
 import functools
 import logging
 import time
-from collections.abc import Coroutine, Mapping
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from typing import Any, TypeVar
 
 from pathlib import Path
 
@@ -29,7 +29,7 @@ from herald.kinds import JSON_MEDIA_TYPE
 from herald.logs import log_event, log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
-from herald.jobs import JobRow, TransitionRejected
+from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.settings import Settings
 from herald.directory import running_directory
 from herald.storage import open_storage
@@ -58,6 +58,12 @@ FETCH_BATCH = 16  # at most this many slots handed out at once
 # and every result on a store that keeps none, go through the result store.
 ROW_RESULT_MAX_BYTES = 64 * 1024
 PARKED_POLL_S = 0.25  # a claim refused at the tenant's max_running tries again this often
+# A write the store could not take (StoreUnavailable: PostgreSQL restarting, failing over, a
+# connection lost mid-statement) is tried again after this, doubling up to the second.
+STORE_RETRY_FIRST_S = 0.1
+STORE_RETRY_MAX_S = 2.0
+
+T = TypeVar("T")
 
 
 class _Slot:
@@ -193,7 +199,12 @@ class Worker:
             log.error("undecodable job message dropped", extra={"subject": message.subject})
             await message.term()
             return
-        job = await job_of(work, self.store)
+        try:
+            job = await self._until_stored(lambda: job_of(work, self.store), work.job_id, "read", message)
+        except StoreUnavailable:  # stopping while the store is away: another worker takes the message
+            with contextlib.suppress(Exception):
+                await message.nak()
+            return
         kind = self.kinds.get(work.kind)
         if job is None or job.state != "queued" or kind is None:
             # Terminal, deleted, or running under another worker (whose death the sweeper
@@ -225,9 +236,14 @@ class Worker:
         or handed back on shutdown)."""
         while True:
             cap = self.limits.limits(job.tenant).max_running
+            claim = Change(expect={"queued"}, to="running", claim=True, max_running=cap)
             try:
-                return (await self.store.transition(
-                    job.id, Change(expect={"queued"}, to="running", claim=True, max_running=cap))).after
+                return (await self._until_stored(lambda: self.store.transition(job.id, claim), job.id, "claim",
+                                                 message)).after
+            except StoreUnavailable:  # stopping while the store is away: another worker takes the message
+                with contextlib.suppress(Exception):
+                    await message.nak()
+                return None
             except TransitionRejected as exc:
                 if exc.reason != TENANT_AT_CAP:
                     log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
@@ -309,11 +325,16 @@ class Worker:
                                  media_type=media_type)
             ending.set()
             try:
-                await self.store.transition(job.id, success)
+                await self._until_stored(lambda: self.store.transition(job.id, success), job.id, "success")
             except TransitionRejected as exc:
-                if key is not None:
-                    await self.results.discard(key)
-                log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
+                if _is_own_success(exc.current, success):
+                    # A try the store committed though its answer was lost (the connection
+                    # broke after the commit): the job is this run's, result and all.
+                    log_event(log, logging.INFO, "job succeeded", {"job_id": job.id})
+                else:
+                    if key is not None:
+                        await self.results.discard(key)
+                    log.warning("success not recorded", extra={"job_id": job.id, "reason": exc.reason})
             else:
                 log_event(log, logging.INFO, "job succeeded", {"job_id": job.id})
         except JobCancelled:
@@ -338,6 +359,14 @@ class Worker:
                                    ending)
                 log.info("job handed back on shutdown", extra={"job_id": job.id})
             raise  # cleaned up; the cancellation still ends this task (whoever cancelled awaits it)
+        except StoreUnavailable:
+            # The worker is stopping while the store is away (until then a write is tried again):
+            # the job's end is not recorded, and it is not the job's fault. The job stays running
+            # with no heartbeat, and the sweeper re-queues it, as it does a dead worker's. (The
+            # result, if stored, goes with the job at retention.)
+            _remove_scratch(context.output_made, json_scratch)
+            log.warning("job left to the sweeper: the store is unreachable and the worker is stopping",
+                        extra={"job_id": job.id})
         except Exception:
             _remove_scratch(context.output_made, json_scratch)
             log.exception("job handler raised", extra={"job_id": job.id})
@@ -358,9 +387,42 @@ class Worker:
     async def _finish(self, job: JobRow, change: Change, ending: asyncio.Event) -> None:
         ending.set()
         try:
-            await asyncio.shield(self.store.transition(job.id, change))
+            await asyncio.shield(self._until_stored(lambda: self.store.transition(job.id, change), job.id,
+                                                    change.to or "transition"))
         except TransitionRejected as exc:
             log.warning("transition rejected", extra={"job_id": job.id, "reason": exc.reason, "to": change.to})
+        except StoreUnavailable:  # stopping while the store is away: the sweeper re-queues the job
+            log.warning("transition not recorded: the store is unreachable and the worker is stopping",
+                        extra={"job_id": job.id, "to": change.to})
+
+    async def _until_stored(self, call: Callable[[], Awaitable[T]], job_id: str, what: str,
+                            message: Msg | None = None) -> T:
+        """``call()``, again until the store answers it. ``StoreUnavailable`` (PostgreSQL
+        restarting or failing over, a connection lost mid-statement) says nothing about the
+        job: a run whose end could not be written is not a failed job, and a message whose
+        claim could not be written must not be given back to JetStream, whose redeliveries
+        are counted (``max_deliver``): a few of them during an outage and the message was
+        never delivered again, its job queued until its deadline. So the call is repeated
+        (``message``'s lease extended meanwhile, where no heartbeat does it), and the outage
+        only delays the job. Raises ``StoreUnavailable`` once the worker is stopping."""
+        delay = STORE_RETRY_FIRST_S
+        said = False
+        while True:
+            try:
+                return await call()
+            except StoreUnavailable as exc:
+                if self._stopping.is_set():
+                    raise
+                if not said:
+                    said = True
+                    log.warning("the store is unreachable; trying again", extra={"job_id": job_id, "write": what,
+                                                                                 "error": str(exc)})
+            if message is not None:
+                with contextlib.suppress(Exception):
+                    await message.in_progress()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopping.wait(), timeout=delay)
+            delay = min(delay * 2, STORE_RETRY_MAX_S)
 
     async def _heartbeat(self, job: JobRow, message: Msg, runner: asyncio.Task[None] | None,
                          ending: asyncio.Event) -> None:
@@ -398,6 +460,13 @@ async def job_of(work: JobMessage, store: JobStore) -> JobRow | None:
     if job is not None:
         store.remember(job)
     return job
+
+
+def _is_own_success(current: JobRow | None, success: Change) -> bool:
+    """Whether the job as it is now is ``success`` committed: a success whose answer was lost."""
+    return (current is not None and current.state == "succeeded" and current.attempt == success.attempt
+            and current.result_path == success.result_path
+            and (success.result_body is None or current.result_body == success.result_body))
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
