@@ -2,7 +2,8 @@
 
 * running jobs whose heartbeat is older than HERALD_HEARTBEAT_TIMEOUT_S are re-queued
   (attempt + 1) or, after the last attempt (HERALD_MAX_ATTEMPTS, or the kind's own
-  ``max_attempts``), failed with /problems/worker-lost;
+  ``max_attempts``), failed with /problems/worker-lost; one whose cancel was asked for is
+  cancelled instead (SPEC §5: the client called the work off, and no worker does it now);
 * live jobs past their deadline fail with /problems/deadline-exceeded;
 * jobs past ``expires_at`` are deleted with their result, streamed output, key and history
   (tombstone left).
@@ -35,6 +36,11 @@ def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
     stale_before = at - settings.heartbeat_timeout_s
     if job.state != "running" or (job.heartbeat_at or 0) >= stale_before:
         return None
+    if job.cancel_requested:
+        # Its worker is gone before it saw the cancel: no work is left to stop, and that is the
+        # end the client asked for. Re-queued, the job was started again from the beginning,
+        # and a handler that never checks ran the work the client had called off to success.
+        return Change(expect={"running"}, to="cancelled", attempt=job.attempt, stale_before=stale_before)
     kind = get_kind(job.kind)
     attempts = kind.attempts(settings.max_attempts) if kind is not None else settings.max_attempts
     if job.attempt >= attempts:

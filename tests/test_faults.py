@@ -16,6 +16,8 @@ from tests.harness import Deployment, client, stream_state, wait_for_state, wait
 
 pytestmark = pytest.mark.slow
 
+EMIT_KIND = "tests.kinds_fixture:EMIT"  # streams output chunks and never checks for a cancel
+
 
 def result_files(deployment: Deployment, job_id: str) -> list[str]:
     return deployment.result_names(job_id)
@@ -43,6 +45,42 @@ def test_kill_9_worker_mid_job_another_finishes_it(fresh: Deployment) -> None:
         assert done["state"] == "succeeded" and done["attempt"] == 2
         assert_one_result(fresh, done)
         assert http.get(f"/reports/{job['id']}").content.startswith(b"%PDF")
+
+
+def test_a_cancel_asked_of_a_job_whose_worker_is_gone_ends_it_cancelled(fresh: Deployment) -> None:
+    """SPEC §5 and §9: a running job's cancel was asked for, and its worker is gone before it
+    checked: killed (kill -9), or stopped (SIGTERM), which hands the job back. Either way the
+    job ends ``cancelled``, never started again. It was re-queued like any other silent or
+    handed-back job and ran again from the beginning, so a handler that never checks (this
+    test kind's) ran the work the client had called off to ``succeeded``."""
+    fresh.env_overrides.update(HERALD_KINDS=EMIT_KIND, HERALD_WORKER_GRACE_S="0.2")
+    base = fresh.start_gateway()
+    fresh.start_worker("worker-1")
+    with client(base) as http:
+        def running_unchecked() -> dict[str, Any]:
+            job = http.post("/emits", json={"count": 100, "pause_ms": 100}).json()  # never checks
+            wait_until(lambda: http.get(f"/jobs/{job['id']}/output").text, what="job running (its first chunk)")
+            return job
+
+        killed = running_unchecked()
+        fresh.kill("worker-1", signal.SIGKILL)
+        asked = http.delete(f"/jobs/{killed['id']}")
+        assert asked.status_code == 202 and asked.json()["cancel_requested"] is True
+        fresh.start_worker("worker-2")
+        done = wait_for_state(http, killed["id"], {"succeeded", "failed", "cancelled"})
+        assert (done["state"], done["attempt"]) == ("cancelled", 1), done
+
+        handed_back = running_unchecked()
+        assert http.delete(f"/jobs/{handed_back['id']}").status_code == 202
+        fresh.kill("worker-2", signal.SIGTERM)  # hands the job back: queued, attempt 2, its cancel asked for
+        fresh.start_worker("worker-3")
+        done = wait_for_state(http, handed_back["id"], {"succeeded", "failed", "cancelled"})
+        assert done["state"] == "cancelled", done
+        feed = http.get("/events", params={"limit": 500}, headers={"Accept": "application/json"}).json()["events"]
+        for job, ends in ((killed, ["job.cancelled"]), (handed_back, ["job.queued", "job.cancelled"])):
+            types = [e["type"] for e in feed if e["data"]["id"] == job["id"]]
+            # one run only: the cancel is the end, not a second job.running
+            assert types == ["job.queued", "job.running", "job.cancel_requested", *ends], types
 
 
 def test_nats_restart_loses_no_job(fresh: Deployment) -> None:

@@ -213,6 +213,11 @@ class Worker:
                 log.error("no handler for kind", extra={"job_id": work.job_id, "kind": work.kind})
             await message.ack()
             return
+        if job.cancel_requested:
+            # Handed back (its worker stopping) after its cancel was asked for, before any run saw
+            # it: cancelled now, as the client asked (SPEC §5), not started again.
+            await self._cancel_handed_back(job, message)
+            return
         # The attempt's span, in the job's trace (continued from the message's headers).
         attributes = {"messaging.system": "nats", "messaging.operation.type": "process",
                       "messaging.destination.name": message.subject, "herald.job.id": job.id,
@@ -225,6 +230,20 @@ class Worker:
             span.set_attribute("herald.job.attempt", claimed.attempt)
             metrics().job_started(claimed, self.settings.metrics_tenant_labels)
             await self._run_claimed(claimed, kind, message)
+
+    async def _cancel_handed_back(self, job: JobRow, message: Msg) -> None:
+        cancel = Change(expect={"queued"}, to="cancelled")
+        try:
+            await self._until_stored(lambda: self.store.transition(job.id, cancel), job.id, "cancel", message)
+        except StoreUnavailable:  # stopping while the store is away: another worker takes the message
+            with contextlib.suppress(Exception):
+                await message.nak()
+            return
+        except TransitionRejected as exc:  # claimed or ended meanwhile: nothing left for this message
+            log.info("cancel rejected", extra={"job_id": job.id, "reason": exc.reason})
+        else:
+            log_event(log, logging.INFO, "job cancelled", {"job_id": job.id})
+        await message.ack()
 
     async def _claim(self, job: JobRow, message: Msg, slot: _Slot) -> JobRow | None:
         """``queued -> running``, within the tenant's max_running (counted by the store).
