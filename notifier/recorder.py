@@ -15,8 +15,9 @@ notifier waits only one loop turn. No timer, no fixed window.
 
 If a batch fails (the store is busy or away, or one attempt in it is refused), its attempts
 are recorded one by one, so one bad attempt cannot keep the others unrecorded; whatever
-still fails raises in its own attempt, whose lease then runs out and whose delivery is
-retried, as when a single ``finish`` failed.
+still fails raises in its own attempt. An attempt whose store was unreachable is recorded
+again by the scheduler while its lease lasts (``Scheduler._record``); one that still fails
+keeps its lease until it runs out, and its delivery is sent again.
 """
 
 from __future__ import annotations

@@ -29,12 +29,13 @@ from urllib.parse import urlsplit
 from opentelemetry.trace import Span, StatusCode
 
 from herald import tracing
+from herald.jobs import StoreUnavailable
 from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.timefmt import now
 from notifier.breaker import Breaker, origin_of
 from notifier.delivery import SUCCESS_WITHIN_S, Sender
-from herald.deliveries import Attempted, Claimed, LeaseOffer, Outcome
+from herald.deliveries import Attempted, Claimed, Finished, LeaseOffer, Outcome
 from herald.storage.ports import DeliveryQueue
 from notifier.notices import Notices
 from notifier.recorder import Recorder
@@ -55,6 +56,10 @@ PER_TARGET = FLOOR  # what the claim may lease per delivery target; a wider wind
 LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
 PRUNE_EVERY_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
+# An outcome the store could not take (StoreUnavailable: PostgreSQL restarting, failing over, a
+# connection cut mid-statement) is recorded again after this, doubling up to 2 s.
+RECORD_RETRY_FIRST_S = 0.1
+RECORD_RETRY_MAX_S = 2.0
 
 
 class Scheduler:
@@ -366,12 +371,14 @@ class Scheduler:
         if span is not None:
             tracing.inject(headers)
         started_at = now()
+        leased_until = time.monotonic() + LEASE_S
         outcome = await self.sender.send(item.url, item.body, headers)
         self.windows.ended(origin, outcome, was_full=self._origin_in_flight[origin] >= self.windows.size(origin))
         self._answered(item, origin)
         await self._pace(origin, outcome, probe)
         plan = self.policy.plan(outcome, d.attempts + 1, self._rng)
-        finished = await self.recorder.record(Attempted(claimed=item, started_at=started_at, outcome=outcome, plan=plan))
+        finished = await self._record(Attempted(claimed=item, started_at=started_at, outcome=outcome, plan=plan),
+                                      leased_until)
         if self.notices is not None and d.endpoint_id is not None:
             self.notices.note(d.tenant, d.endpoint_id)
         label = "retry" if finished.status == "pending" else finished.status
@@ -389,6 +396,28 @@ class Scheduler:
         )
         if finished.endpoint_disabled:
             log.warning("webhook endpoint disabled", extra={**context, "status_code": outcome.status_code})
+
+    async def _record(self, attempted: Attempted, leased_until: float) -> Finished:
+        """The attempt's outcome, recorded; again while the store is unreachable, as long as the
+        delivery's lease lasts. Left unrecorded, a delivery stays leased until its lease runs
+        out and is then sent again: a store that blinked (PostgreSQL restarting, a connection
+        cut mid-statement) cost every attempt in flight a second send, 30 s late, and held the
+        newer events of its job behind it. Recording again is safe: an outcome is recorded
+        only while this notifier holds the lease (``finish`` is fenced by it)."""
+        delay = RECORD_RETRY_FIRST_S
+        said = False
+        while True:
+            try:
+                return await self.recorder.record(attempted)
+            except StoreUnavailable as exc:
+                if self._stopping or time.monotonic() + delay >= leased_until:
+                    raise
+                if not said:
+                    said = True
+                    log.warning("recording a webhook attempt failed: the store is unreachable; trying again",
+                                extra={"delivery_id": attempted.claimed.delivery.id, "error": str(exc)})
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, RECORD_RETRY_MAX_S)
 
     async def _shutdown(self) -> None:
         if not self._tasks:

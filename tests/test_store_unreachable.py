@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -319,7 +320,7 @@ def test_an_event_stream_request_outwaits_a_store_outage(tmp_path: Path, server_
 
 OUTAGE_S = 5.0  # longer than JetStream redelivers a message handed back: ack_wait (1 s) x max_deliver (2)
 WRITE_WAITING = ("SELECT pid FROM pg_stat_activity WHERE $1 = ANY(pg_blocking_pids(pid))"
-                 " AND query LIKE '%herald_transition(%' AND NOT pid = ANY($2::int[])")
+                 " AND query LIKE $2 AND NOT pid = ANY($3::int[])")
 
 
 def _ended(http: httpx.Client, job_id: str, timeout: float = 30) -> dict[str, Any]:
@@ -339,24 +340,28 @@ def _making_progress(http: httpx.Client, job_id: str) -> None:
 
 
 class _RowHolder:
-    """A connection that holds a job's row (``SELECT ... FOR UPDATE``), so that the worker's next
-    write of the job waits for it; and another that cuts the connection under that write."""
+    """A connection that holds a row (``SELECT ... FOR UPDATE``: a job's, a delivery's), so that
+    the next write of it (a statement whose text is like ``write``) waits for it; and another
+    that cuts the connection under that write."""
 
-    def __init__(self, runner: asyncio.Runner, url: str, job_id: str) -> None:
+    def __init__(self, runner: asyncio.Runner, url: str, job_id: str,
+                 table: str = "jobs", column: str = "id", write: str = "%herald_transition(%") -> None:
         self.runner = runner
+        self.write = write
         self.holder: asyncpg.Connection = runner.run(asyncpg.connect(url))
         # (Another connection reads pg_stat_activity: a transaction sees it as it first read it.)
         self.observer: asyncpg.Connection = runner.run(asyncpg.connect(url))
         self.held = self.holder.transaction()
         runner.run(self.held.start())
-        runner.run(self.holder.execute("SELECT 1 FROM jobs WHERE id = $1 FOR UPDATE", job_id))
+        runner.run(self.holder.execute(f"SELECT 1 FROM {table} WHERE {column} = $1 FOR UPDATE", job_id))
         self.cut: list[int] = []
 
     def cut_the_waiting_write(self) -> None:
-        """Once a write of the job waits for the row, terminate its connection (mid-statement)."""
+        """Once a write of the row waits for it, terminate its connection (mid-statement)."""
         holder_pid = self.holder.get_server_pid()
-        waiting = wait_until(lambda: self.runner.run(self.observer.fetchval(WRITE_WAITING, holder_pid, self.cut)),
-                             what="the worker's write of the job waiting for its row")
+        waiting = wait_until(lambda: self.runner.run(self.observer.fetchval(WRITE_WAITING, holder_pid, self.write,
+                                                                            self.cut)),
+                             what=f"a write like {self.write!r} waiting for the row")
         assert self.runner.run(self.observer.fetchval("SELECT pg_terminate_backend($1)", waiting))
         self.cut.append(waiting)
 
@@ -431,3 +436,54 @@ def test_a_worker_rides_out_the_store_going_away_under_its_jobs(tmp_path: Path, 
         runner.close()
         deployment.stop()
         server.stop()
+
+
+def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """A webhook the receiver answered is recorded delivered though the connection under its
+    record was cut (a failover, a proxy, pg_terminate_backend): the notifier records it again.
+    The attempt crashed instead, its delivery stayed leased for the lease's 30 s and was then
+    sent again, a second time and late, for every attempt in flight when the store blinked."""
+    from tests.test_webhooks import Hit, Receiver
+
+    deployment = Deployment(tmp_path / "herald", database_url=postgres_server.create_database("notifier_cut"))
+    deployment.nats.start()
+    receiver = Receiver().start()
+    runner = asyncio.Runner()
+    answering = threading.Event()
+
+    def held_until_told(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        answering.wait(20)
+        return 200, {}
+
+    try:
+        base = deployment.start_gateway()
+        deployment.start_worker()
+        deployment.start_notifier()
+        with client(base) as http:
+            url = receiver.route("/cut", held_until_told)
+            endpoint = http.post("/webhooks", json={"url": url, "event_types": ["job.succeeded"]}).json()
+            receiver.routes["/cut"].hmac.append(endpoint["secret"])
+            job = http.post("/exports", json={"format": "csv", "rows": 10}).json()
+            wait_until(lambda: receiver.hits_for("/cut"), what="the attempt in flight")
+            record = _RowHolder(runner, deployment.database_url or "", job["id"], table="webhook_deliveries",
+                                column="job_id", write="%herald_webhook_finish%")
+            answering.set()
+            record.cut_the_waiting_write()
+            record.let_go()
+
+            def delivered() -> dict[str, Any] | None:
+                items = http.get(f"/webhooks/{endpoint['id']}/deliveries").json()["items"]
+                return items[0] if items and items[0]["status"] == "delivered" else None
+
+            done = wait_until(delivered, timeout=10, what="the delivery recorded delivered (well before its lease ends)")
+            assert [a["status_code"] for a in done["attempts"]] == [200], done["attempts"]
+        assert len(receiver.hits_for("/cut")) == 1
+        crashed = [e for e in deployment.log_events("notifier") if e.get("event") == "webhook attempt crashed"]
+        assert not crashed, crashed
+    finally:
+        answering.set()
+        runner.close()
+        receiver.stop()
+        deployment.stop()
