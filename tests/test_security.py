@@ -744,13 +744,18 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
         assert results and all(_mode(p) == 0o600 for p in results), [(p, oct(_mode(p))) for p in results]
         assert _mode(data / "nats") == 0o700
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        _stop_up(up)
         log.close()
+
+
+def _stop_up(up: subprocess.Popen[bytes]) -> None:
+    """Ctrl-C to ``herald up``; its whole group killed if it has not stopped within 30 s."""
+    up.send_signal(signal.SIGINT)
+    try:
+        up.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(up.pid, signal.SIGKILL)
+        up.wait()
 
 
 def test_herald_up_never_prints_an_admin_key_the_operator_set(tmp_path: Path) -> None:
@@ -779,12 +784,7 @@ def test_herald_up_never_prints_an_admin_key_the_operator_set(tmp_path: Path) ->
         assert admin.status_code == 200, admin.text  # the key works: it was set, only not shown
         assert not (tmp_path / "var" / "admin.key").exists()
     finally:
-        up.send_signal(signal.SIGINT)
-        try:
-            up.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
+        _stop_up(up)
         out.close()
         err.close()
     for name in ("up.out", "up.err"):
