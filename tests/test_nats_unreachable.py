@@ -21,7 +21,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -203,11 +203,7 @@ def test_sigterm_stops_a_component_that_never_reached_nats(tmp_path: Path, comma
 
         wait_until(tried_nats, timeout=60, what=f"{command} trying to reach NATS")
         process.send_signal(signal.SIGTERM)
-        try:
-            code = process.wait(STOP_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{command} still running {STOP_S:g} s after SIGTERM; its log ends:\n"
-                                 f"{deployment.log_text(command)[-3000:]}") from None
+        code = _exit_code(process, STOP_S, f"{command}, sent SIGTERM,", lambda: deployment.log_text(command))
         log = deployment.log_text(command)
         assert code == 0, log[-3000:]
         assert "shutdown took longer" not in log
@@ -291,11 +287,8 @@ def test_a_component_stops_at_once_on_a_nats_without_jetstream(tmp_path: Path, p
     try:
         process = deployment._spawn(command, [command], deployment.env(HERALD_NATS_URL=url,
                                                                         HERALD_HTTP_PORT=str(free_port())))
-        try:
-            code = process.wait(FAILS_WITHIN_S)
-        except subprocess.TimeoutExpired:
-            raise AssertionError(f"{command} still running {FAILS_WITHIN_S:g} s on a NATS without JetStream; "
-                                 f"its log ends:\n{deployment.log_text(command)[-3000:]}") from None
+        code = _exit_code(process, FAILS_WITHIN_S, f"{command} on a NATS without JetStream",
+                          lambda: deployment.log_text(command))
         events = deployment.log_events(command)
         assert code == 2, deployment.log_text(command)[-3000:]
         said = [e for e in events if "JetStream is not enabled" in str(e.get("event"))]
@@ -333,11 +326,15 @@ def herald_up(tmp_path: Path, nats_url: str, *args: str, **extra: str) -> Iterat
 
 
 def _ended(process: subprocess.Popen[bytes], output: Path, within: float) -> int:
+    return _exit_code(process, within, "herald up", lambda: output.read_text(errors="replace"))
+
+
+def _exit_code(process: subprocess.Popen[bytes], within: float, what: str, said: Callable[[], str]) -> int:
+    """The process's exit code once it ended, at most ``within`` s from now; else what it said."""
     try:
         return process.wait(within)
     except subprocess.TimeoutExpired:
-        raise AssertionError(f"herald up still running after {within:g} s; it said:\n"
-                             f"{output.read_text(errors='replace')[-3000:]}") from None
+        raise AssertionError(f"{what} still running after {within:g} s; it said:\n{said()[-3000:]}") from None
 
 
 def test_herald_up_gives_up_on_an_unreachable_nats_url_and_says_so(tmp_path: Path) -> None:
