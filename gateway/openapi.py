@@ -204,7 +204,7 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
 # a failed job's `error`, which has no status.
 _PROBLEM_ANSWER = {
     "description": "An RFC 9457 problem answering a request: `type` (relative, under /problems/), `title`, "
-                   "`status`, `detail`, and for an invalid request `errors` naming each bad field",
+                   "`status`, `detail`, and for an invalid request or cursor `errors` naming each bad field",
     "allOf": [{"$ref": "#/components/schemas/Problem"}],
     "properties": {"status": {"type": "integer", "minimum": 400, "maximum": 599}, "detail": {"type": "string"}},
     "required": ["type", "title", "status", "detail"],

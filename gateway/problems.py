@@ -76,10 +76,13 @@ class MalformedJson(ProblemError):
 
 
 class InvalidCursor(ProblemError):
+    """A ``cursor`` query parameter no list of this server gave out (named in ``errors``, as an
+    invalid field is)."""
+
     kind = INVALID_CURSOR
 
     def __init__(self, detail: str = "cursor is not one this server gave out") -> None:
-        super().__init__(detail)
+        super().__init__(detail, errors=[FieldError(field="cursor", message="not a next_cursor this server gave out")])
 
 
 class IdempotencyKeyRequired(ProblemError):

@@ -54,7 +54,7 @@ def _define(type_: str, title: str, status: int | None = None, note: str = "") -
 BAD_REQUEST = _define("/problems/bad-request", "Bad request", 400, "a parameter out of its range")
 INVALID_REQUEST = _define("/problems/invalid-request", "Invalid request", 400, "`errors` names each bad field")
 MALFORMED_JSON = _define("/problems/malformed-json", "Malformed JSON", 400)
-INVALID_CURSOR = _define("/problems/invalid-cursor", "Invalid cursor", 400)
+INVALID_CURSOR = _define("/problems/invalid-cursor", "Invalid cursor", 400, "`errors` names the `cursor`")
 IDEMPOTENCY_KEY_REQUIRED = _define("/problems/idempotency-key-required", "Idempotency-Key required", 400)
 INVALID_IDEMPOTENCY_KEY = _define("/problems/invalid-idempotency-key", "Invalid Idempotency-Key", 400)
 UNAUTHORIZED = _define("/problems/unauthorized", "Authentication required", 401, "missing or unknown key")

@@ -268,19 +268,23 @@ class Deployment:
 
     def count_rows(self, *tables: str) -> dict[str, int]:
         """Rows in the store's tables, read straight from the store (SQLite file or PostgreSQL)."""
+        return {t: int(self.store_rows(f"SELECT COUNT(*) FROM {t}")[0][0]) for t in tables}
+
+    def store_rows(self, sql: str) -> list[tuple[Any, ...]]:
+        """What a query (without parameters) reads straight from the store: what no API shows."""
         if self.database_url is None:
             import sqlite3
 
             with sqlite3.connect(f"file:{self.data_dir / 'herald.db'}?mode=ro", uri=True) as db:
-                return {t: db.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables}
+                return [tuple(row) for row in db.execute(sql).fetchall()]
         import asyncio
 
         import asyncpg
 
-        async def read() -> dict[str, int]:
+        async def read() -> list[tuple[Any, ...]]:
             conn = await asyncpg.connect(self.database_url)
             try:
-                return {t: int(await conn.fetchval(f"SELECT COUNT(*) FROM {t}")) for t in tables}
+                return [tuple(row) for row in await conn.fetch(sql)]
             finally:
                 await conn.close()
 

@@ -841,6 +841,114 @@ def test_recover_resends_the_failed_deliveries_since_a_time(http: httpx.Client, 
     assert refused.status_code == 409 and refused.json()["type"] == "/problems/endpoint-disabled"
 
 
+# ----- the deliveries cursor: nothing of other tenants' traffic -----------------------------------
+
+
+def _pages(http: httpx.Client, endpoint_id: str, cursor: str | None = None) -> tuple[list[str], list[str]]:
+    """Every delivery id of the endpoint from ``cursor`` on, one a page, and each page's next_cursor."""
+    ids: list[str] = []
+    cursors: list[str] = []
+    while True:
+        response = http.get(f"/webhooks/{endpoint_id}/deliveries",
+                            params={"limit": 1, **({"cursor": cursor} if cursor else {})})
+        assert response.status_code == 200, response.text
+        page = response.json()
+        ids += [d["id"] for d in page["items"]]
+        cursor = page["next_cursor"]
+        if cursor is None:
+            return ids, cursors
+        cursors.append(cursor)
+
+
+def _listed(http: httpx.Client, endpoint_id: str, jobs: list[dict[str, Any]]) -> None:
+    """Wait until each job's last event (and so every earlier one) has its delivery to the endpoint."""
+    wanted = {job["id"] for job in jobs}
+    wait_until(lambda: wanted <= {d["job_id"] for d in deliveries(http, endpoint_id) if d["type"] == "job.succeeded"},
+               what="the jobs' deliveries listed")
+
+
+def _unpadded_b64(raw: str) -> bytes:
+    return base64.urlsafe_b64decode(raw + "=" * (-len(raw) % 4))
+
+
+def test_a_tenants_deliveries_cursors_count_none_of_another_tenants_traffic(
+        http: httpx.Client, herald_wh: Deployment, receiver: Receiver) -> None:
+    """A delivery's ``seq`` is numbered across every tenant's deliveries. Shown in a cursor, the
+    gap between two of a tenant's cursors counted the deliveries every other tenant made
+    meanwhile (SPEC §2: another tenant's anything is as if it did not exist). Globex watches
+    (it starts no other job in this module), acme makes the traffic."""
+    theirs = register(http, receiver, "/cursor-acme")
+    with client(herald_wh.url(), "globex") as globex:
+        mine = register(globex, receiver, "/cursor-globex")
+        try:
+            first = [export(globex) for _ in range(2)]
+            _listed(globex, mine["id"], first)
+            before_ids, before = _pages(globex, mine["id"])
+
+            burst = [export(http) for _ in range(5)]
+            _listed(http, theirs["id"], burst)
+            after_ids, after = _pages(globex, mine["id"])
+            # The same list, and each cursor given before the burst still resumes where it was given.
+            assert after_ids == before_ids and len(after) == len(before) == len(before_ids) - 1
+            for n, cursor in enumerate(before):
+                assert _pages(globex, mine["id"], cursor)[0] == before_ids[n + 1:]
+
+            second = [export(globex) for _ in range(2)]
+            _listed(globex, mine["id"], first + second)
+            ids, cursors = _pages(globex, mine["id"])
+            seqs = dict(herald_wh.store_rows(f"SELECT id, seq FROM webhook_deliveries"
+                                             f" WHERE endpoint_id = '{mine['id']}'"))  # gone with the endpoint
+        finally:
+            globex.delete(f"/webhooks/{mine['id']}")
+
+    # The premise, read from the store: acme's deliveries were numbered between globex's two rounds.
+    burst_ids = {job["id"] for job in burst}
+    their_seqs = [seq for seq, job_id in herald_wh.store_rows(
+        f"SELECT seq, job_id FROM webhook_deliveries WHERE endpoint_id = '{theirs['id']}'") if job_id in burst_ids]
+    newest_first_round = max(seqs[d] for d in before_ids)
+    oldest_second_round = min(seqs[d] for d in ids if d not in before_ids)
+    assert len(their_seqs) >= 3 * len(burst)  # queued, running, succeeded
+    assert all(newest_first_round < seq < oldest_second_round for seq in their_seqs)
+
+    # What globex is shown carries none of it: every cursor is as long as any other, and none
+    # holds the seq of the delivery it pages after, as text (as it did) or as a 64-bit number.
+    shown = [*before, *after, *cursors]
+    assert len({len(c) for c in shown}) == 1, shown
+    for delivery_id, cursor in zip(ids, cursors, strict=False):
+        opened = _unpadded_b64(cursor)
+        seq = seqs[delivery_id]
+        assert not opened.isdigit() and seq.to_bytes(8, "big") not in opened, (cursor, seq)
+        assert seq.to_bytes(8, "little") not in opened, (cursor, seq)
+
+
+def test_a_deliveries_cursor_altered_or_taken_elsewhere_is_a_400_naming_it(
+        http: httpx.Client, herald_wh: Deployment, receiver: Receiver) -> None:
+    mine = register(http, receiver, "/cursor-tampered")
+    other = register(http, receiver, "/cursor-other")
+    jobs = [export(http) for _ in range(2)]
+    _listed(http, mine["id"], jobs)
+    _listed(http, other["id"], jobs)
+    ids, cursors = _pages(http, mine["id"])
+    _, other_cursors = _pages(http, other["id"])
+    cursor = cursors[0]
+    raw = bytearray(_unpadded_b64(cursor))
+    raw[len(raw) // 2] ^= 0x01
+    flipped = base64.urlsafe_b64encode(bytes(raw)).decode().rstrip("=")
+    old_style = base64.urlsafe_b64encode(b"9223372036854775807").decode().rstrip("=")
+    for bad in (flipped, cursor[:-4], cursor + "AAAA", other_cursors[0], old_style, "", "é", "%%", cursor * 3):
+        answer = http.get(f"/webhooks/{mine['id']}/deliveries", params={"limit": 1, "cursor": bad})
+        assert answer.status_code == 400, (bad, answer.text)
+        assert answer.headers["content-type"] == "application/problem+json"
+        problem = answer.json()
+        assert problem["type"] == "/problems/invalid-cursor", problem
+        assert [e["field"] for e in problem["errors"]] == ["cursor"] and "cursor" in problem["detail"], problem
+    # Another tenant holding a cursor of acme's still gets nothing but the 404 of an endpoint it lacks.
+    with client(herald_wh.url(), "globex") as globex:
+        answer = globex.get(f"/webhooks/{mine['id']}/deliveries", params={"cursor": cursor})
+        assert answer.status_code == 404, answer.text
+    assert _pages(http, mine["id"], cursor)[0] == ids[1:]
+
+
 # ----- outcomes recorded in batches (issue 14) ------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from litestar.params import Parameter
 
 from gateway.auth import note_stream_owner, require_webhook_tenant
 from gateway.bodies import read_body, url_errors
-from gateway.cursors import decode_position, decode_seq, encode_position, encode_seq
+from gateway.cursors import decode_position, encode_position, open_seq, seal_seq
 from gateway.ids import is_uuid
 from gateway.openapi import problems, with_body
 from gateway.problems import (
@@ -233,6 +233,11 @@ def delivery_view(row: DeliveryRow, attempts: list[AttemptRow], payload: bytes |
     )
 
 
+def _deliveries_scope(endpoint_id: str) -> str:
+    """What a deliveries cursor is bound to: it pages this endpoint's deliveries only."""
+    return f"webhook_deliveries|{endpoint_id}"
+
+
 async def _delivery_views(store: WebhookStore, rows: list[DeliveryRow]) -> list[Delivery]:
     attempts = await store.attempts([r.id for r in rows])
     bodies = await store.messages(sorted({r.event_id for r in rows}))
@@ -418,13 +423,16 @@ class WebhooksController(Controller):
             errors.append(FieldError(field="status", message=f"must be one of {', '.join(DELIVERY_STATUSES)}"))
         if errors:
             raise InvalidRequest(errors)
-        before = decode_seq(cursor) if cursor is not None else None
+        # A delivery's seq is numbered across every tenant's deliveries: sealed, so that the
+        # gaps between a tenant's cursors do not count the other tenants' webhook traffic.
+        sealer, scope = services(request).storage.sealer, _deliveries_scope(endpoint.id)
+        before = open_seq(sealer, cursor, scope) if cursor is not None else None
         store = _webhooks(request)
         rows = await store.list_deliveries(endpoint.id, status=status, before_seq=before, limit=size + 1)
         page = rows[:size]
         return DeliveryList(
             items=await _delivery_views(store, page),
-            next_cursor=encode_seq(page[-1].seq) if len(rows) > size else None,
+            next_cursor=seal_seq(sealer, page[-1].seq, scope) if len(rows) > size else None,
         )
 
     @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
