@@ -5,6 +5,7 @@ Nothing else in Herald reads ``os.environ``.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -17,6 +18,10 @@ from schemas.admin import TENANT_ID_PATTERN
 
 DEV_TENANT = "dev"
 DEV_KEY = "dev-key"
+# The shortest HERALD_API_KEYS key a gateway takes when it listens beyond loopback: there
+# anyone who reaches the port can try keys, and an operator's may be a word; on loopback
+# (a developer's machine, the README's `dev-key`) any length does.
+MIN_EXPOSED_API_KEY_LENGTH = 16
 
 
 class SettingsError(ValueError):
@@ -89,6 +94,36 @@ def _api_keys(name: str, raw: str) -> dict[str, str]:
     if not keys:
         raise SettingsError(f"{name} is set but holds no key")
     return keys
+
+
+def is_loopback_host(host: str) -> bool:
+    """Only this machine reaches a server bound to ``host``: ``localhost`` or a loopback
+    address (127.0.0.0/8, ::1). Any other name, and 0.0.0.0 or ::, is reachable from elsewhere."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.removeprefix("[").removesuffix("]")).is_loopback
+    except ValueError:
+        return False
+
+
+def check_exposed_api_keys(settings: Settings) -> None:
+    """A gateway listening beyond loopback takes no HERALD_API_KEYS key shorter than
+    ``MIN_EXPOSED_API_KEY_LENGTH``: raises ``SettingsError`` naming the variable and the
+    tenants whose keys are short (never a key). Keys the admin API issues are random
+    (``herald.tenants.issue_key``), and `herald up` generates its dev key there."""
+    if is_loopback_host(settings.http_host):
+        return
+    short = sorted({tenant for key, tenant in settings.api_keys.items() if len(key) < MIN_EXPOSED_API_KEY_LENGTH})
+    if short:
+        whose = (f"the key of tenant {short[0]!r} is" if len(short) == 1
+                 else f"keys of tenants {', '.join(repr(t) for t in short)} are")
+        raise SettingsError(
+            f"HERALD_API_KEYS: every key must be at least {MIN_EXPOSED_API_KEY_LENGTH} characters when the gateway "
+            f"listens beyond loopback (HERALD_HTTP_HOST or --host is {settings.http_host!r}); {whose} shorter: "
+            "choose a longer one (e.g. `python -c 'import secrets; print(secrets.token_urlsafe(24))'`), "
+            "or listen on 127.0.0.1"
+        )
 
 
 def _admin_key(name: str, raw: str) -> str:

@@ -19,7 +19,7 @@ import uvloop
 
 from herald.kinds import KindError, load_kinds
 from herald.logs import configure_logging
-from herald.settings import Settings, SettingsError
+from herald.settings import Settings, SettingsError, check_exposed_api_keys
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -274,6 +274,8 @@ def main(argv: list[str] | None = None) -> int:
         return int(args.handler(args))
     try:
         settings = _settings(args)
+        if args.command in ("gateway", "up"):  # a gateway listens: beyond loopback, no short key
+            check_exposed_api_keys(settings)
         if args.command in ("gateway", "worker", "notifier", "secrets") or (
                 args.command == "up" and not args.cluster):  # --cluster makes one for all its processes
             _check_secret_key(settings)

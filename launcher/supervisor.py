@@ -29,7 +29,7 @@ import bcrypt
 from herald import jetstream
 from herald.metrics import MULTIPROC_ENV, mark_process_dead
 from herald.keyfiles import load_or_create, private_dir, write_private
-from herald.settings import DEV_KEY, DEV_TENANT, Settings, redact_url
+from herald.settings import DEV_KEY, DEV_TENANT, Settings, is_loopback_host, redact_url
 
 STOP_TIMEOUT_S = 15.0
 NATS_WAIT_S = 10.0  # how long `herald up` waits for NATS to accept its first connection
@@ -167,7 +167,7 @@ class Supervisor:
         On loopback the dev key is the well-known `dev-key` of the README's walk-through;
         bound to any other address it is a generated one, kept beside the admin key."""
         if not self.settings.api_keys:
-            loopback = self.settings.http_host in ("127.0.0.1", "localhost", "::1")
+            loopback = is_loopback_host(self.settings.http_host)
             self.dev_key = DEV_KEY if loopback else load_or_create(self.settings.data_dir / DEV_KEY_FILE)
             self.env["HERALD_API_KEYS"] = f"{DEV_TENANT}:{self.dev_key}"
         else:

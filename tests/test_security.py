@@ -26,7 +26,7 @@ import httpx
 import msgspec
 import pytest
 
-from herald.settings import Settings, SettingsError
+from herald.settings import Settings, SettingsError, check_exposed_api_keys
 from tests.harness import ADMIN_KEY, KEYS, TLS, Deployment, client, free_port, wait_for_state
 
 # ``²`` passes str.isdigit() but not int(); ``é`` is a letter outside ASCII; the bytes are no UTF-8.
@@ -618,6 +618,56 @@ def test_a_key_given_twice_stops_the_gateway_naming_the_variable(api_keys: str, 
     assert run.returncode == 2, run.stderr[-2000:]
     assert "HERALD_API_KEYS" in run.stderr and "repeated" in run.stderr and "'alpha'" in run.stderr, run.stderr
     assert "shared-key-7f3a" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
+# ----- HERALD_API_KEYS beyond loopback --------------------------------------------------------------
+
+
+EXPOSED_HOSTS = ["0.0.0.0", "::", "192.0.2.10", "gateway.example.com"]
+LOOPBACK_HOSTS = ["127.0.0.1", "127.0.0.53", "::1", "localhost"]
+
+
+def test_short_api_keys_are_refused_only_where_the_gateway_listens_beyond_loopback() -> None:
+    """Anyone who reaches a gateway on a public address can try keys, and an operator's key may be
+    a word: there HERALD_API_KEYS takes only keys of at least 16 characters. On loopback (the
+    README's `dev-key`, the smoke check's `smoke-key`) any length still does."""
+    short = {"HERALD_API_KEYS": "acme:key-acme,globex:0123456789abcdef,initech:x"}
+    for host in EXPOSED_HOSTS:
+        with pytest.raises(SettingsError) as refused:
+            check_exposed_api_keys(Settings.from_env({**short, "HERALD_HTTP_HOST": host}))
+        message = str(refused.value)
+        assert message.startswith("HERALD_API_KEYS") and "16 characters" in message and repr(host) in message
+        assert "'acme'" in message and "'initech'" in message and "globex" not in message, message
+        assert "key-acme" not in message and "acme:x" not in message, message
+    for host in LOOPBACK_HOSTS:
+        check_exposed_api_keys(Settings.from_env({**short, "HERALD_HTTP_HOST": host}))
+        check_exposed_api_keys(Settings.from_env({"HERALD_API_KEYS": "dev:dev-key", "HERALD_HTTP_HOST": host}))
+    check_exposed_api_keys(Settings.from_env({"HERALD_API_KEYS": "acme:0123456789abcdef", "HERALD_HTTP_HOST": "0.0.0.0"}))
+    check_exposed_api_keys(Settings.from_env({"HERALD_HTTP_HOST": "0.0.0.0"}))  # no keys: /admin's only
+
+
+@pytest.mark.parametrize("argv", [["gateway"], ["gateway", "--host", "0.0.0.0"], ["up"], ["up", "--host", "0.0.0.0"]],
+                         ids=" ".join)
+def test_a_gateway_beyond_loopback_with_a_short_key_stops_at_start_naming_the_variable(
+        argv: list[str], tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_API_KEYS="acme:key-acme", HERALD_DATA_DIR=str(tmp_path), HERALD_NATS_URL="nats://127.0.0.1:9",
+               HERALD_HTTP_PORT=str(free_port()))
+    if "--host" not in argv:
+        env["HERALD_HTTP_HOST"] = "0.0.0.0"
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("herald: HERALD_API_KEYS") and "16 characters" in run.stderr, run.stderr[-2000:]
+    assert "'acme'" in run.stderr and "key-acme" not in run.stderr and "Traceback" not in run.stderr, run.stderr
+    assert not (tmp_path / "admin.key").exists()  # `herald up` stopped before it provisioned anything
+
+
+def test_a_gateway_beyond_loopback_serves_a_long_enough_key(fresh: Deployment) -> None:
+    key = "acme-key-0123456789"
+    base = fresh.start_gateway(HERALD_HTTP_HOST="0.0.0.0", HERALD_API_KEYS=f"acme:{key},globex:{'g' * 16}")
+    assert httpx.get(base + "/webhooks", headers={"Authorization": f"Bearer {key}"}, timeout=20).status_code == 200
+    assert httpx.get(base + "/webhooks", headers={"Authorization": "Bearer key-acme"}, timeout=20).status_code == 401
 
 
 def test_the_admin_api_refuses_a_tenant_id_with_a_trailing_newline(target: Target) -> None:
