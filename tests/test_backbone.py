@@ -52,6 +52,19 @@ def test_report_accept_poll_303_download_pdf(herald: Deployment) -> None:
         assert http.get(done.headers["location"], headers={"If-None-Match": weak}).status_code == 304
 
 
+def test_a_report_titled_in_any_script_succeeds(herald: Deployment) -> None:
+    """SPEC §3's title is any string of 1..200: one the PDF's built-in font cannot draw (an
+    emoji, CJK, Arabic digits) is accepted and rendered, not a job failed after its 202."""
+    title = "Q3 \U0001F600 报告 ٣ café"
+    with client(herald.url()) as http:
+        job = start(http, "/reports", {"title": title, "pages": 2}).json()
+        done = wait_for_state(http, job["id"], {"succeeded", "failed"})
+        assert done["state"] == "succeeded", done["error"]
+        reader = pypdf.PdfReader(io.BytesIO(http.get(f"/reports/{job['id']}").content))
+        assert len(reader.pages) == 2 and reader.metadata is not None and reader.metadata.title == title
+        assert "café" in reader.pages[0].extract_text()
+
+
 def test_progress_and_versions_move_while_running(herald: Deployment) -> None:
     with client(herald.url()) as http:
         job = start(http, "/reports", {"title": "slow", "pages": 30}).json()
