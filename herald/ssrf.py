@@ -20,6 +20,8 @@ import re
 import socket
 from urllib.parse import urlsplit
 
+from yarl import URL
+
 MAX_URL_LENGTH = 2048
 RESOLVE_WITHIN_S = 5.0  # the DNS lookup at registration; a slow name is refused like a private one
 NOT_PUBLIC = "must resolve to a public address"  # also for a name that does not resolve: no probing
@@ -94,6 +96,10 @@ def check_url_syntax(url: str, *, allow_private: bool) -> None:
     try:
         parts = urlsplit(url)
         port = parts.port
+        # The notifier's HTTP client (aiohttp) holds the URL as yarl reads it, and refuses what
+        # yarl refuses (a host with a soft hyphen or a zero-width space, which IDNA would map
+        # away here): a URL let in that it cannot read would fail every delivery, for ever.
+        URL(url)
     except ValueError as exc:
         raise UnsafeUrl(f"not a valid URL: {exc}") from exc
     schemes = ("https", "http") if allow_private else ("https",)

@@ -31,7 +31,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 import herald
 from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
-from herald.ssrf import is_public_address
+from herald.ssrf import UnsafeUrl, check_url_syntax, is_public_address
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SqliteJobStore as Store
 from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
@@ -388,6 +388,23 @@ def test_private_addresses_refused_without_the_flag(herald_wh: Deployment, recei
                                               "callback_url": f"https://{socket.gethostname()}/cb"})
         assert by_name.status_code == 400 and by_name.json()["errors"][0]["field"] == "callback_url"
     herald_wh.kill("strict", signal.SIGTERM)
+
+
+@pytest.mark.parametrize("host", ["hooks\u00ad.example.com", "hooks\u200b.example.com"], ids=["soft hyphen", "zero width"])
+def test_a_url_the_delivery_client_cannot_read_is_refused_at_registration(http: httpx.Client, host: str) -> None:
+    """IDNA maps these characters away, so the guard found the host fine, but the notifier's
+    client (aiohttp, by yarl) refuses the URL outright: registered, every delivery to it would
+    fail. Refused at once instead, naming the field, also where private targets are allowed."""
+    url = f"https://{host}/hook"
+    before = http.get("/webhooks", params={"limit": 100}).json()["items"]
+    refused = http.post("/webhooks", json={"url": url})
+    assert refused.status_code == 400, refused.text
+    assert [(e["field"], e["message"][:16]) for e in refused.json()["errors"]] == [("url", "not a valid URL:")]
+    assert http.get("/webhooks", params={"limit": 100}).json()["items"] == before
+    job = http.post("/exports", json={"format": "csv", "rows": 1, "callback_url": url})
+    assert job.status_code == 400 and [e["field"] for e in job.json()["errors"]] == ["callback_url"], job.text
+    with pytest.raises(UnsafeUrl, match="not a valid URL"):  # before DNS is asked, where only public ones are
+        check_url_syntax(url, allow_private=False)
 
 
 def test_delivery_time_guard_checks_the_resolved_address(receiver: Receiver) -> None:
