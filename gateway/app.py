@@ -17,7 +17,7 @@ from litestar.openapi.spec import Components, SecurityScheme
 
 import herald
 from gateway.hub import Hub
-from gateway.middleware import bind_job_context, instrument
+from gateway.middleware import before_request, instrument
 from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.queueing import QueueReasons
@@ -199,7 +199,7 @@ def create_app(settings: Settings, *, give_up: Callable[[], None] = _keep_servin
             portal.portal_session,
         ],
         lifespan=[lifespan],
-        before_request=bind_job_context,
+        before_request=before_request,
         exception_handlers={HTTPException: handle_http_exception, Exception: handle_unexpected},
         request_max_body_size=MAX_BODY_BYTES,
         openapi_config=OpenAPIConfig(

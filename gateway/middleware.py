@@ -10,8 +10,10 @@ route, while an unknown path (404) or a wrong method (405) must be counted and t
   by the route *template* (``/jobs/{job_id}``, never the raw path, so the label set
   stays bounded), and logs the access line with ``job_id`` when the route has one. Both
   name the method the client sent: a HEAD, which the app answers as a GET, is a HEAD.
-* ``bind_job_context`` is the app's ``before_request`` hook: once the route is known it
-  binds ``job_id`` so that every line a handler logs about a job carries it.
+* ``before_request`` is the app's hook, run once the route is known and before the framework
+  reads the request's parameters: it binds ``job_id`` (``bind_job_context``) so that every
+  line a handler logs about a job carries it, then checks the query string against what the
+  route declares (``gateway.query``).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.headers import SENT_METHOD
+from gateway.query import check_query
 from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.metrics import metrics as process_metrics
@@ -127,6 +130,12 @@ async def bind_job_context(request: Request[Any, Any, Any]) -> None:
     job_id = request.path_params.get("job_id")
     if job_id is not None:
         structlog.contextvars.bind_contextvars(job_id=job_id)
+
+
+async def before_request(request: Request[Any, Any, Any]) -> None:
+    """The app's ``before_request`` hook (see the module docstring)."""
+    await bind_job_context(request)
+    check_query(request)
 
 
 def instrument(app: Litestar, metrics: Metrics | None = None) -> Litestar:

@@ -165,6 +165,39 @@ def test_a_query_parameter_out_of_range_is_named_in_the_problem(target: Target, 
     assert name in problem["detail"], problem
 
 
+# (path template, header set, query string, the parameter it must name): an integer spelt as a
+# float (the framework read 2.0 as 2 and 1e1 as 10), a parameter given twice (it took the last).
+SPELLING_CASES: list[tuple[str, str, str, str]] = [
+    ("/jobs", "acme", "limit=2.0", "limit"),
+    ("/jobs", "acme", "limit=1e1", "limit"),
+    ("/jobs/{job}", "acme", "wait=1e1", "wait"),
+    ("/events", "json", "limit=5e1", "limit"),
+    ("/events", "json", "wait=1.0", "wait"),
+    ("/admin/audit", "admin", "limit=1.0", "limit"),
+    ("/jobs", "acme", "limit=1&limit=100", "limit"),
+    ("/jobs", "acme", "state=queued&state=failed", "state"),
+    ("/jobs/{job}", "acme", "wait=abc&wait=1", "wait"),
+    ("/events", "json", "after=1&after=2", "after"),
+    ("/webhooks/{endpoint}/deliveries", "acme", "status=failed&status=delivered", "status"),
+    ("/reports/{job}", "none", "exp=1&exp=2&sig=x", "exp"),
+    ("/events", "none", "exp=9999999999&sig=x&tenant=acme&tenant=globex", "tenant"),
+    ("/webhooks/events", "none", "exp=9999999999&sig=x&tenant=acme&tenant=globex", "tenant"),
+]
+
+
+@pytest.mark.parametrize(("template", "who", "query", "name"), SPELLING_CASES,
+                         ids=[f"{c[0]}?{c[2]}" for c in SPELLING_CASES])
+def test_a_float_for_an_integer_or_a_parameter_given_twice_is_named_in_the_problem(
+        target: Target, template: str, who: str, query: str, name: str) -> None:
+    path = template.format(job=target.job_id, endpoint=target.endpoint_id)
+    with httpx.Client(base_url=target.base, headers=_headers(who), timeout=20, verify=TLS) as http:
+        response = http.get(f"{path}?{query}")
+    assert response.status_code == 400, response.text
+    problem = response.json()
+    assert problem["type"] == "/problems/invalid-request", problem
+    assert [error["field"] for error in problem["errors"]] == [name], problem
+
+
 # (route, who, body, the field the answer must name: a field inside an object by its dotted path,
 # an item of a list by the list, its index leading the message; None: malformed JSON, no field)
 BAD_BODIES: list[tuple[str, str, bytes, str | None]] = [

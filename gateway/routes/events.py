@@ -167,12 +167,10 @@ async def job_events(
 # ----- the tenant's stream and feed ------------------------------------------------------
 
 
-def _tenant_for_feed(request: Request, svc: Services) -> str:
-    query = request.query_params
-    if "sig" in query or "exp" in query:
-        tenant = query.get("tenant") or ""
-        if len(tenant) > 64 or not svc.signer.verify("/events", TENANT_EVENTS_PURPOSE, query.get("exp"),
-                                                     query.get("sig"), extra=tenant):
+def _tenant_for_feed(request: Request, svc: Services, exp: str | None, sig: str | None, tenant: str | None) -> str:
+    if sig is not None or exp is not None:
+        tenant = tenant or ""
+        if len(tenant) > 64 or not svc.signer.verify("/events", TENANT_EVENTS_PURPOSE, exp, sig, extra=tenant):
             raise InvalidSignature("this signed stream URL is not valid; ask POST /events/link for a fresh one")
         note_stream_owner(request, svc, tenant)
         return tenant
@@ -293,9 +291,13 @@ async def tenant_events(
     limit: Annotated[int, Parameter(query="limit", ge=1, le=500)] = 100,
     wait: Annotated[int | None, Parameter(query="wait", ge=1, le=60)] = None,
     last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
+    exp: Annotated[str | None, Parameter(query="exp", description="of a signed URL from POST /events/link")] = None,
+    sig: Annotated[str | None, Parameter(query="sig", description="of a signed URL from POST /events/link")] = None,
+    signed_tenant: Annotated[str | None, Parameter(query="tenant",
+                                                   description="of a signed URL from POST /events/link")] = None,
 ) -> Any:
     svc = services(request)
-    tenant = _tenant_for_feed(request, svc)
+    tenant = _tenant_for_feed(request, svc, exp, sig, signed_tenant)
     kind = kind_filter(kind)
     if _wants_json(request):
         feed = await _feed(request, svc, tenant, kind, after, limit, wait)

@@ -508,7 +508,7 @@ class WebhooksController(Controller):
     @get("/events", operation_id="webhook_events", summary="Server-sent notices that the tenant's deliveries "
          "changed (event: deliveries, data: {endpoint_id}): read them again", media_type="text/event-stream",
          opt={EVENT_STREAM_OPT: True},
-         responses=problems(401, 403, 429))
+         responses=problems(400, 401, 403, 429))
     async def events(
         self,
         request: Request,
