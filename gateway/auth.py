@@ -44,7 +44,10 @@ _NO_LONGER_HOLDS = "this key was revoked or has expired, or its tenant was disab
 
 
 def _bearer_token(request: Request) -> str | None:
-    header = request.headers.get("authorization")
+    sent = request.headers.getall("authorization", [])
+    if len(sent) > 1:  # two credentials: which one speaks for the request cannot be told
+        raise Unauthorized("send one Authorization header, not several")
+    header = sent[0] if sent else None
     if not header or len(header) > 1024:
         return None
     scheme, _, token = header.partition(" ")

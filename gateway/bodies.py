@@ -21,10 +21,12 @@ T = TypeVar("T")
 
 
 def check_json_content_type(request: Request) -> None:
-    media_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    # Two Content-Type headers say two things about one body (the framework reads the first).
+    sent = request.headers.getall("content-type", [])
+    media_type = sent[0].split(";")[0].strip().lower() if len(sent) == 1 else ""
     if media_type != "application/json" and not (media_type.startswith("application/") and media_type.endswith("+json")):
         raise UnsupportedMediaType(
-            "send the body as JSON with Content-Type: application/json",
+            "send the body as JSON with one Content-Type: application/json",
             headers={"Accept-Post": "application/json"},
         )
 

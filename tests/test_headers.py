@@ -75,6 +75,26 @@ def test_header_names_are_found_in_any_case(herald: Deployment) -> None:
     connection.close()
 
 
+def test_a_header_read_once_and_sent_twice_is_refused_and_starts_nothing(herald: Deployment) -> None:
+    """Two keys, or two media types for one body: which one speaks for the request cannot be
+    told, and the framework read the first (acme's key, a start as application/json)."""
+    body = b'{"title": "twice", "pages": 1}'
+    acme, globex = (f"Bearer {KEYS[tenant]}" for tenant in ("acme", "globex"))
+    with httpx.Client(base_url=herald.url(), timeout=20) as http:
+        before = herald.count_rows("jobs")
+        two_keys = http.post("/reports", content=body, headers=httpx.Headers([
+            ("Authorization", acme), ("Authorization", globex), ("Content-Type", "application/json")]))
+        assert two_keys.status_code == 401, two_keys.text
+        assert "one Authorization header" in two_keys.json()["detail"]
+        assert http.get("/jobs", headers=httpx.Headers([("Authorization", acme), ("Authorization", acme)])
+                        ).status_code == 401
+        two_types = http.post("/reports", content=body, headers=httpx.Headers([
+            ("Authorization", acme), ("Content-Type", "application/json"), ("Content-Type", "text/plain")]))
+        assert two_types.status_code == 415, two_types.text
+        assert two_types.json()["type"] == "/problems/unsupported-media-type"
+        assert herald.count_rows("jobs") == before
+
+
 def test_head_answers_as_get_without_the_body(herald: Deployment) -> None:
     """HEAD is GET without the body (RFC 9110 §9.3.2): the same status and headers for a
     status, a result, a page and a stream (which must not be held open), 405 where GET is not."""

@@ -86,6 +86,22 @@ def test_bad_keys_are_400_and_create_nothing(herald: Deployment) -> None:
         assert [job["id"] for job in http.get("/jobs", params={"limit": 100}).json()["items"]] == before
 
 
+def test_two_keys_on_one_request_are_400_and_spend_neither(herald: Deployment) -> None:
+    """Which of two Idempotency-Key headers the client meant cannot be told: the first was
+    taken, so a retry that sent only the second started the same work again."""
+    first, second = str(uuid.uuid4()), str(uuid.uuid4())
+    with client(herald.url(), "globex") as http:
+        before = [job["id"] for job in http.get("/jobs", params={"limit": 100}).json()["items"]]
+        both = http.post("/reports", json=BODY, headers=httpx.Headers([("Idempotency-Key", first),
+                                                                        ("Idempotency-Key", second)]))
+        assert both.status_code == 400, both.text
+        assert both.json()["type"] == "/problems/invalid-idempotency-key"
+        assert [job["id"] for job in http.get("/jobs", params={"limit": 100}).json()["items"]] == before
+        for key in (first, second):  # neither was stored: each starts a job of its own now
+            started = http.post("/reports", json=BODY, headers={"Idempotency-Key": key})
+            assert started.status_code == 202 and "idempotent-replayed" not in started.headers
+
+
 def test_required_keys_and_expiry(fresh: Deployment) -> None:
     base = fresh.start_gateway(HERALD_REQUIRE_IDEMPOTENCY_KEY="1", HERALD_RETENTION_S="1")
     key = str(uuid.uuid4())

@@ -112,6 +112,11 @@ def test_finished_job_resumed_at_its_last_chunk_gets_204(out: Deployment) -> Non
         # The header wins over the query (a browser keeps the query on every reconnect).
         chunks, ended = read_output(http, f"/jobs/{job['id']}/output?last_event_id=3", headers={"Last-Event-ID": "1"})
         assert [n for n, _ in chunks] == [2, 3] and ended is not None and ended[0] == "job.succeeded"
+        # Two resume points: which is meant cannot be told (the first was read: 204, the stream's end).
+        twice = http.get(f"/jobs/{job['id']}/output", headers=httpx.Headers([*SSE.items(), ("Last-Event-ID", "3"),
+                                                                             ("Last-Event-ID", "1")]))
+        assert twice.status_code == 400, twice.text
+        assert [e["field"] for e in twice.json()["errors"]] == ["Last-Event-ID"]
 
 
 def _eventsource(http: httpx.Client, url: str) -> tuple[list[tuple[str, str]], int]:

@@ -70,6 +70,11 @@ def test_resume_with_last_event_id_misses_nothing_and_repeats_nothing(herald: De
         # ...also when it is no number at all, and the job has finished (not its terminal type).
         garbled = read_job_stream(http, f"/jobs/{job['id']}/events", headers={"Last-Event-ID": "not-an-id"})
         assert [(e["event"], e["data"]["state"]) for e in garbled] == [("job.snapshot", "succeeded")]
+        # Two resume points (the terminal event and the first): which is meant cannot be told, so
+        # neither is taken (the first was: a 204), and the current status comes as job.snapshot.
+        twice = httpx.Headers([("Last-Event-ID", rest[-1]["id"]), ("Last-Event-ID", "1")])
+        garbled = read_job_stream(http, f"/jobs/{job['id']}/events", headers=twice)  # type: ignore[arg-type]
+        assert [(e["event"], e["data"]["state"]) for e in garbled] == [("job.snapshot", "succeeded")]
 
 
 def test_signed_stream_url_works_without_a_key(herald: Deployment) -> None:

@@ -27,7 +27,12 @@ IDEMPOTENCY_HEADER = "idempotency-key"
 
 
 def _idempotency_key(request: Request, required: bool) -> str | None:
-    key = request.headers.get(IDEMPOTENCY_HEADER)
+    keys = request.headers.getall(IDEMPOTENCY_HEADER, [])
+    if len(keys) > 1:
+        # Which one the client meant cannot be told (the framework reads the first): a replay
+        # under the other would start a second job.
+        raise InvalidIdempotencyKey("send one Idempotency-Key header, not several")
+    key = keys[0] if keys else None
     if key is None:
         if required:
             raise IdempotencyKeyRequired("this server requires an Idempotency-Key header on every start request")

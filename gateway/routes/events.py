@@ -52,7 +52,10 @@ UNREPLAYABLE = -1  # a resume point that is no event id we gave out: answered wi
 def _resume_point(request: Request, query_value: str | None) -> int | None:
     """None: a fresh stream. An int: resume after it (``UNREPLAYABLE`` for ids we never gave out)."""
     # The header wins: a browser keeps the query string on every reconnect.
-    header = request.headers.get("last-event-id")
+    sent = request.headers.getall("last-event-id", [])
+    if len(sent) > 1:
+        return UNREPLAYABLE  # which one is the resume point cannot be told
+    header = sent[0] if sent else None
     try:
         return _parse_cursor(header if header is not None else query_value, "Last-Event-ID")
     except ValueError:

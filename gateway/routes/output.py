@@ -255,7 +255,10 @@ async def job_output(
         return _NdjsonStream(_ndjson(job, first, chunks, connection_abort(request.scope)),
                              headers={"Cache-Control": "no-store"})
     # The header wins: a browser keeps the query string on every reconnect.
-    header = request.headers.get("last-event-id")
+    sent = request.headers.getall("last-event-id", [])
+    if len(sent) > 1:
+        raise InvalidRequest([FieldError(field="Last-Event-ID", message="sent more than once: send it once")])
+    header = sent[0] if sent else None
     resume = _position(header, "Last-Event-ID") if header is not None else _position(last_event_id, "last_event_id")
     if js is None:
         return EventStream(_retry_later())
