@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from litestar import Request
 from litestar.datastructures import CacheControlHeader
 
 from herald.signing import UrlSigner
@@ -45,6 +46,14 @@ def retry_after(job: JobRow, at: float | None = None) -> int:
 
 def etag(job: JobRow) -> str:
     return f'W/"{job.version}"'
+
+
+def if_none_match_of(request: Request) -> str | None:
+    """Every ``If-None-Match`` line of the request as one list: it is a list field, so several
+    lines mean what one line with their values joined by commas does (RFC 9110 §5.3), where
+    reading only the first one missed a tag on the second."""
+    lines = request.headers.getall("if-none-match", [])
+    return ", ".join(lines) if lines else None
 
 
 def etag_matches(header: str | None, tag: str) -> bool:

@@ -175,6 +175,14 @@ def test_etag_and_if_none_match(herald: Deployment) -> None:
         assert response.headers["etag"] == f'W/"{failed["version"]}"'
         assert http.get(f"/jobs/{job['id']}", headers={"If-None-Match": response.headers["etag"]}).status_code == 304
         assert http.get(f"/jobs/{job['id']}", headers={"If-None-Match": 'W/"1"'}).status_code == 200
+        # A list field: its tags may come on several lines, each as good as one joined by commas.
+        two_lines = httpx.Headers([("If-None-Match", 'W/"1"'), ("If-None-Match", response.headers["etag"])])
+        assert http.get(f"/jobs/{job['id']}", headers=two_lines).status_code == 304
+        done = start(http, "/reports", {"title": "etag", "pages": 1}).json()
+        wait_for_state(http, done["id"], {"succeeded"})
+        result = http.get(f"/reports/{done['id']}")
+        two_lines = httpx.Headers([("If-None-Match", '"other"'), ("If-None-Match", result.headers["etag"])])
+        assert http.get(f"/reports/{done['id']}", headers=two_lines).status_code == 304
 
 
 def test_fail_on_page_ends_failed_with_a_problem(herald: Deployment) -> None:

@@ -16,7 +16,7 @@ from gateway.cursors import decode_position, encode_position
 from gateway.ids import is_uuid, kind_filter
 from gateway.openapi import problems
 from gateway.problems import Conflict, Gone, InvalidRequest, JobFinished, NotFound
-from gateway.render import etag, etag_matches, public_status
+from gateway.render import etag, etag_matches, if_none_match_of, public_status
 from gateway.services import Services, services
 from herald.jobs import JobRow, TransitionRejected
 from herald.transitions import Change
@@ -72,7 +72,7 @@ async def get_job(
     svc = services(request)
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     job = await find_job(svc, tenant, job_id)
-    if_none_match = request.headers.get("if-none-match")
+    if_none_match = if_none_match_of(request)
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
         svc.limiter.open_stream(tenant)
         try:

@@ -22,7 +22,7 @@ from gateway.auth import bearer_tenant
 from herald.tenants import SCOPE_JOBS_READ
 from gateway.openapi import problems
 from gateway.problems import Gone, InvalidSignature, NoResult, NotFound, ResultNotReady, Unauthorized, Unavailable
-from gateway.render import RESULT_PURPOSE, etag_matches
+from gateway.render import RESULT_PURPOSE, etag_matches, if_none_match_of
 from gateway.routes.jobs import find_job
 from gateway.services import services
 from herald.jobs import JobRow
@@ -67,7 +67,7 @@ async def serve_result(request: Request, kind: JobKind, job_id: str, exp: str | 
     if job.state != "succeeded" or (job.result_path is None and job.result_body is None):
         raise NoResult(f"the job ended {job.state} and has no result")
     tag = f'"{job.id}-{job.attempt}"'
-    if etag_matches(request.headers.get("if-none-match"), tag):
+    if etag_matches(if_none_match_of(request), tag):
         return Response(None, status_code=304, headers={"ETag": tag, **caching})
     media_type = job.media_type or "application/octet-stream"
     if job.result_body is not None:
