@@ -183,6 +183,7 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
                 continue
             if operation.request_body is not None:
                 _problem_response(operation, 413)  # any body over 1 MiB (SPEC §10)
+                _problem_response(operation, 408)  # a body that stops arriving (gateway/bodies.py)
             if operation.operation_id not in PUBLIC_OPERATIONS | STREAM_OPERATIONS:
                 # The store (PostgreSQL) unreachable, or the keys it holds not loaded yet.
                 _problem_response(operation, 503)

@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 import httpx
+import msgspec
 import pytest
 
 from tests.harness import ADMIN_KEY, KEYS, Deployment, client, new_database, wait_for_state, wait_until
@@ -156,6 +157,71 @@ def test_framework_errors_are_problems_and_leave_nothing_behind(herald: Deployme
         long_header = http.get("/jobs", headers={"X-Filler": "y" * 70_000})
         assert long_header.status_code in (400, 431)
     assert counts(herald)["jobs"] == before["jobs"]
+
+
+def test_a_body_that_stops_arriving_is_408_and_closes_the_connection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Content-Length larger than what is sent, then silence: the server bounds no body read,
+    so the request was never answered and held its connection for as long as the client
+    kept it. Each pause is bounded (``BODY_IDLE_S``, shortened here); a body that keeps
+    coming, however slowly, is read whole."""
+    import asyncio
+
+    from litestar import Litestar, Request, post
+    from litestar.exceptions import HTTPException
+
+    from gateway import bodies
+    from gateway.problems import handle_http_exception
+    from schemas import ReportParams
+
+    monkeypatch.setattr(bodies, "BODY_IDLE_S", 0.3)
+
+    @post("/reports", status_code=202)
+    async def start(request: Request) -> dict[str, Any]:
+        params, _document = await bodies.read_body(request, ReportParams)
+        return {"title": params.title}
+
+    app = Litestar([start], exception_handlers={HTTPException: handle_http_exception})
+
+    async def send_body(pieces: list[tuple[float, bytes]], length: int, *, stall: bool = False
+                        ) -> tuple[int, dict[bytes, bytes], bytes]:
+        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
+                 "path": "/reports", "raw_path": b"/reports", "query_string": b"", "root_path": "",
+                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(length).encode())],
+                 "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 80)}
+        queue = list(pieces)
+        answer: list[Any] = []
+
+        async def receive() -> dict[str, Any]:
+            if not queue:
+                await asyncio.Event().wait()  # the client sends no more, and keeps the connection
+            pause, piece = queue.pop(0)
+            await asyncio.sleep(pause)
+            return {"type": "http.request", "body": piece, "more_body": stall or bool(queue)}
+
+        async def send(message: dict[str, Any]) -> None:
+            answer.append(message)
+
+        await asyncio.wait_for(app(scope, receive, send), timeout=10)  # type: ignore[arg-type]
+        head = answer[0]
+        return head["status"], dict(head["headers"]), b"".join(m.get("body", b"") for m in answer[1:])
+
+    body = b'{"title": "slow", "pages": 1}'
+    status, headers, answered = asyncio.run(send_body([(0, body[:9])], len(body), stall=True))
+    assert status == 408 and headers[b"connection"] == b"close", (status, answered)
+    problem = msgspec.json.decode(answered)
+    assert problem["type"] == "/problems/request-timeout" and problem["status"] == 408, problem
+    slow = [(0.2, body[i:i + 5]) for i in range(0, len(body), 5)]  # each pause within the bound, 1.2 s in all
+    status, _, answered = asyncio.run(send_body(slow, len(body)))
+    assert status == 202 and msgspec.json.decode(answered) == {"title": "slow"}, answered
+
+
+def test_every_operation_with_a_body_documents_its_408(herald: Deployment) -> None:
+    spec = httpx.get(herald.url() + "/schema/openapi.json", timeout=20).json()
+    with_body = [(path, method) for path, item in spec["paths"].items() for method, operation in item.items()
+                 if isinstance(operation, dict) and "requestBody" in operation]
+    assert len(with_body) >= 9
+    for path, method in with_body:
+        assert "408" in spec["paths"][path][method]["responses"], (method, path)
 
 
 def test_rate_limit_answers_429_with_retry_after(fresh: Deployment) -> None:
