@@ -5,6 +5,12 @@
 * A head still incomplete after ``MAX_RAW_HEAD_BYTES`` have arrived (sent in pieces, or
   one endless header) is refused with ``431`` by the server's protocol (``HttpProtocol``)
   and the connection closed: httptools would otherwise keep collecting it without bound.
+* A head still incomplete ``HEAD_WITHIN_S`` after its connection opened (or after its
+  request's first byte, on a connection kept alive) is refused with ``408`` and the
+  connection closed, as nginx's ``client_header_timeout`` does: the server bounds no head
+  in time, so a head sent a byte now and then, or never finished, held its connection for
+  as long as the client wanted. A connection that sent nothing by then is closed without an
+  answer. (A body is bounded where it is read: ``gateway.bodies``.)
 * A head httptools cannot parse at all is answered ``400`` as problem+json, as every
   other error is (``HttpProtocol.send_400_response``).
 * A response can abort its connection (``connection_abort(scope)``): a stream that drops a
@@ -39,7 +45,7 @@ from litestar.types import ASGIApp, Receive, Scope, Send
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from gateway.problems import PROBLEM_MEDIA_TYPE, allow
-from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE
+from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE, REQUEST_TIMEOUT
 
 ABORT_EXTENSION = "herald.abort"  # scope["extensions"][ABORT_EXTENSION]["abort"]: reset the connection now
 SENT_METHOD = "herald.sent_method"  # scope[SENT_METHOD]: the client's method where the app runs another (HEAD as GET)
@@ -48,16 +54,24 @@ MAX_HEADER_BYTES = 16 * 1024
 # the cap on an unfinished head is looser; it bounds memory, ``edge`` enforces the limit.
 MAX_RAW_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 REFUSED_LINGER_S = 2.0  # how long a refused connection is drained before it is closed
+HEAD_WITHIN_S = 30.0  # the longest a request's head may take to arrive
 _TOO_LARGE = HEADERS_TOO_LARGE.problem(f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
 _TOO_LARGE_BODY = msgspec.json.encode(_TOO_LARGE)
 _TOO_LARGE_HEADERS = [
     (b"content-type", PROBLEM_MEDIA_TYPE.encode()), (b"content-length", str(len(_TOO_LARGE_BODY)).encode()),
 ]
-_TOO_LARGE_RAW = (
-    f"HTTP/1.1 {_TOO_LARGE.status} Request Header Fields Too Large\r\n".encode()
-    + b"".join(name + b": " + value + b"\r\n" for name, value in _TOO_LARGE_HEADERS)
-    + b"connection: close\r\n\r\n" + _TOO_LARGE_BODY
-)
+
+
+def _raw_answer(reason: str, body: bytes) -> bytes:
+    """A problem answered by the protocol itself, before any app sees the request."""
+    status = msgspec.json.decode(body)["status"]
+    return (f"HTTP/1.1 {status} {reason}\r\ncontent-type: {PROBLEM_MEDIA_TYPE}\r\n"
+            f"content-length: {len(body)}\r\nconnection: close\r\n\r\n").encode() + body
+
+
+_TOO_LARGE_RAW = _raw_answer("Request Header Fields Too Large", _TOO_LARGE_BODY)
+_HEAD_TOO_SLOW_RAW = _raw_answer("Request Timeout", msgspec.json.encode(REQUEST_TIMEOUT.problem(
+    f"the request's head did not arrive within {HEAD_WITHIN_S:g} s")))
 
 
 def connection_abort(scope: Mapping[str, Any]) -> Callable[[], None] | None:
@@ -149,11 +163,22 @@ class HttpProtocol(HttpToolsProtocol):
 
     _in_head = False  # a request's first bytes arrived, its headers are not complete yet
     _head_bytes = 0
-    _refused = False  # answered 431: what else arrives is dropped until the client closes
+    _refused = False  # answered 431 or 408: what else arrives is dropped until the client closes
+    _head_timer: asyncio.TimerHandle | None = None  # armed while a head is due
+
+    def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_head_timer()  # the first head is due from the connection's opening
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_timer()
+        super().connection_lost(exc)
 
     def on_message_begin(self) -> None:
         self._in_head = True
         self._head_bytes = 0
+        if self._head_timer is None:
+            self._arm_head_timer()  # a later request's head, from its first byte (idle between: keep-alive's)
         super().on_message_begin()
         self.scope["extensions"] = {ABORT_EXTENSION: {"abort": self.abort_connection}}  # type: ignore[typeddict-unknown-key]
 
@@ -169,7 +194,32 @@ class HttpProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        self._disarm_head_timer()
         super().on_headers_complete()
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = asyncio.get_running_loop().call_later(HEAD_WITHIN_S, self._head_too_slow)
+
+    def _disarm_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_too_slow(self) -> None:
+        self._head_timer = None
+        if self._refused or self.transport.is_closing():
+            return
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A head pipelined behind an answer still being sent (a stream): no bytes of ours may
+            # go between that answer's; the head is looked at again later.
+            self._arm_head_timer()
+            return
+        if not self._in_head:
+            # Not a byte of a request: closed as an idle connection kept alive is, without an
+            # answer, which a client sending its request just then could take for that request's.
+            self.transport.close()
+            return
+        self._refuse(_HEAD_TOO_SLOW_RAW)
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
@@ -178,7 +228,7 @@ class HttpProtocol(HttpToolsProtocol):
         if self._in_head:
             self._head_bytes += len(data)
             if self._head_bytes > MAX_RAW_HEAD_BYTES:
-                self._refuse()
+                self._refuse(_TOO_LARGE_RAW)
 
     def send_400_response(self, msg: str) -> None:
         """A request httptools cannot parse (raw non-ASCII in its target, a broken head) is
@@ -191,12 +241,13 @@ class HttpProtocol(HttpToolsProtocol):
         self.transport.write(b"".join(head) + body)
         self.transport.close()
 
-    def _refuse(self) -> None:
+    def _refuse(self, answer: bytes) -> None:
         # Closing at once with the client's bytes unread would reset the connection, and the
         # client might never read the answer: end our side, drop the rest, close soon.
         self._in_head = False
         self._refused = True
-        self.transport.write(_TOO_LARGE_RAW)
+        self._disarm_head_timer()
+        self.transport.write(answer)
         if self.transport.can_write_eof():
             self.transport.write_eof()
         asyncio.get_running_loop().call_later(REFUSED_LINGER_S, self.transport.close)

@@ -81,7 +81,7 @@ LIMIT_REACHED = _define("/problems/limit-reached", "Limit reached", 409,
                         "a per-tenant limit (SPEC §13) is used up, e.g. max_endpoints")
 GONE = _define("/problems/gone", "Gone", 410, "the job, or its result, passed its retention")
 REQUEST_TIMEOUT = _define("/problems/request-timeout", "Request timeout", 408,
-                          "the body stopped arriving (nothing of it for 30 s); the connection is closed")
+                          "the head or the body of the request stopped arriving (30 s); the connection is closed")
 PAYLOAD_TOO_LARGE = _define("/problems/payload-too-large", "Request body too large", 413, "body over 1 MiB")
 UNSUPPORTED_MEDIA_TYPE = _define("/problems/unsupported-media-type", "Unsupported media type", 415, "body is not JSON")
 UNPROCESSABLE = _define("/problems/unprocessable", "Unprocessable request", 422)

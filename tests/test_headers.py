@@ -8,8 +8,10 @@ import json
 import re
 import socket
 import uuid
+from typing import Any
 
 import httpx
+import pytest
 
 from gateway.headers import MAX_RAW_HEAD_BYTES
 from tests.harness import KEYS, Deployment, client, wait_for_state
@@ -49,6 +51,59 @@ def test_a_complete_head_over_the_limit_is_refused_with_431(herald: Deployment) 
     response = connection.getresponse()
     assert response.status == 431 and response.getheader("Content-Type") == "application/problem+json"
     connection.close()
+
+
+async def test_a_head_that_stops_arriving_is_408_and_an_idle_connection_is_closed(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server bounds no head in time: one sent in part, or nothing at all, held its
+    connection for as long as the client kept it open. The gateway's own protocol, on a
+    server of its own here, with ``HEAD_WITHIN_S`` shortened."""
+    import asyncio
+
+    import uvicorn
+
+    from gateway import headers
+    from launcher.cli import server_config
+
+    monkeypatch.setattr(headers, "HEAD_WITHIN_S", 0.5)
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+            await send({"type": "http.response.body", "body": b"ok"})
+
+    config = server_config(app, "127.0.0.1", 0)
+    config.lifespan, config.loop = "off", "asyncio"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[taken]))
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            port = taken.getsockname()[1]
+
+            async def exchange(*sends: bytes) -> tuple[bytes, float]:
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                started = asyncio.get_running_loop().time()
+                for data in sends:
+                    writer.write(data)
+                received = await asyncio.wait_for(reader.read(), timeout=5)  # to the server's close
+                writer.close()
+                return received, asyncio.get_running_loop().time() - started
+
+            partial, waited = await exchange(b"GET /jobs HTTP/1.1\r\nHost: h\r\n")
+            assert partial.startswith(b"HTTP/1.1 408 ") and b"connection: close" in partial.lower(), partial
+            assert json.loads(partial.partition(b"\r\n\r\n")[2])["type"] == "/problems/request-timeout"
+            assert 0.4 < waited < 3, waited
+            idle, _ = await exchange()
+            assert idle == b""  # closed, no answer to a request that never began
+            # Kept alive: the next head is due from its own first byte, and a whole one is served.
+            kept, _ = await exchange(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", b"GET /b HTTP/1.1\r\n")
+            assert kept.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in kept, kept
+        finally:
+            server.should_exit = True
+            await serving
 
 
 def test_a_large_body_in_the_same_packets_as_its_head_is_no_long_head(herald: Deployment) -> None:
