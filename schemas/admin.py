@@ -78,8 +78,11 @@ class TenantList(msgspec.Struct, kw_only=True):
 class KeyCreate(_Body, kw_only=True):
     """``POST /admin/tenants/{id}/keys``."""
 
-    # No control characters: a name is shown in tables and logs, and PostgreSQL text holds no NUL.
-    name: Annotated[str, msgspec.Meta(min_length=1, max_length=100, pattern="^[^\\x00-\\x1f\\x7f]+$(?!\\n)")]
+    # No control characters (C0, C1, and the line and paragraph separators): a name is shown in
+    # tables and logs, and PostgreSQL text holds no NUL. Not only spaces: a name is what tells
+    # the keys apart, and a blank one tells nothing.
+    name: Annotated[str, msgspec.Meta(min_length=1, max_length=100,
+                                      pattern="^(?=.*\\S)[^\\x00-\\x1f\\x7f-\\x9f\\u2028\\u2029]+$(?!\\n)")]
     scopes: Annotated[list[Scope], msgspec.Meta(min_length=1, max_length=3)] | None = None  # None: every scope
     expires_at: Annotated[datetime, msgspec.Meta(tz=True, description="RFC 3339 time with an offset")] | None = None
 

@@ -55,6 +55,10 @@ def test_every_bad_field_inside_an_admin_body_is_named_by_its_path(herald: Deplo
         # A list's item is named by the list, its index leading the message.
         scopes = _fields(http.post("/admin/tenants/contract/keys", json={"name": "k", "scopes": ["jobs:read", "root"]}))
         assert list(scopes) == ["scopes"] and scopes["scopes"].startswith("[1]: ")
+        # A key's name tells the keys apart in tables and logs: not blank, no line breaks of any kind.
+        for name in ("   ", "\u00a0", "a\u0085b", "a\u2028b"):
+            assert list(_fields(http.post("/admin/tenants/contract/keys", json={"name": name}))) == ["name"], name
+        assert http.get("/admin/tenants/contract/keys").json()["items"] == [], "no key was made"
         assert http.get("/admin/tenants/contract").json()["limits"]["max_endpoints"] == 100, "nothing changed"
 
 
