@@ -6,6 +6,7 @@ webhook routes. Nothing here knows about SQL.
 
 from __future__ import annotations
 
+import secrets
 import uuid
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field, fields
@@ -265,12 +266,24 @@ class Plan:
     disable_endpoint: bool = False
 
 
+def new_attempt_id() -> str:
+    """An attempt's own id (``Attempted.id``): unique among its delivery's attempts."""
+    return secrets.token_hex(8)
+
+
 @dataclass(frozen=True, slots=True)
 class Attempted:
     """One finished attempt, to be recorded (``DeliveryQueue.finish_many``): what was sent, when, its answer
-    and what the retry policy made of it."""
+    and what the retry policy made of it.
+
+    ``id`` is the attempt's own, chosen when it is made, before its first record: a store
+    that already holds an attempt of that id for the delivery records nothing again and
+    answers the delivery as it stands. So the notifier may record an attempt again when the
+    answer to a record was lost (a connection cut after the commit) without the delivery's
+    history showing one POST twice."""
 
     claimed: Claimed
     started_at: float
     outcome: Outcome
     plan: Plan
+    id: str = field(default_factory=new_attempt_id)

@@ -18,6 +18,8 @@ what the answer says.
   endpoint's failing streak starts with its first failure and ends with a success; a
   ``410`` or ``ENDPOINT_DISABLE_AFTER_S`` of failing disables the endpoint, whose pending
   deliveries then fail (the one just attempted keeps its attempt count).
+  An attempt is recorded once: recording the same attempt again (``settled_before``) writes
+  nothing and answers the delivery as it stands.
 * **Fan-out share** (``share_fan_out``): how much of a batch of events one fan-out records
   now. One tenant's events add at most ``FAN_OUT_SHARE`` deliveries to one transaction (the
   first event always goes); the rest of that tenant's events, and every event of a tenant
@@ -209,6 +211,19 @@ def settle(
     if disabled and status == "pending":
         status, next_at = "failed", None
     return Settlement(status, next_at, failing_since, disable=disable, endpoint_disabled=disabled)
+
+
+def settled_before(
+    status: Literal["delivered", "pending", "failed", "superseded"], next_attempt_at: float | None, *, ok: bool,
+    endpoint: EndpointState | None,
+) -> Settlement:
+    """What recording an attempt the store already holds (the same ``Attempted.id``: its first
+    record committed and the answer to it was lost) answers: nothing is written again, and the
+    delivery is as it stands (``status``, ``next_attempt_at``), its endpoint disabled as the
+    first record said when a failed attempt finds it so."""
+    disabled = endpoint is not None and not ok and endpoint.status != "enabled"
+    return Settlement(status, next_attempt_at if status == "pending" else None,
+                      endpoint.failing_since if endpoint is not None else None, endpoint_disabled=disabled)
 
 
 def settles_alone(plan: Plan, *, ok: bool) -> bool:

@@ -17,7 +17,9 @@ If a batch fails (the store is busy or away, or one attempt in it is refused), i
 are recorded one by one, so one bad attempt cannot keep the others unrecorded; whatever
 still fails raises in its own attempt. An attempt whose store was unreachable is recorded
 again by the scheduler while its lease lasts (``Scheduler._record``); one that still fails
-keeps its lease until it runs out, and its delivery is sent again.
+keeps its lease until it runs out, and its delivery is sent again. Recording an attempt again
+(here one by one, or by the scheduler) never logs it twice: the store knows it by its id
+(``Attempted.id``), so a record that committed but whose answer was lost is a no-op.
 """
 
 from __future__ import annotations

@@ -402,8 +402,10 @@ class Scheduler:
         delivery's lease lasts. Left unrecorded, a delivery stays leased until its lease runs
         out and is then sent again: a store that blinked (PostgreSQL restarting, a connection
         cut mid-statement) cost every attempt in flight a second send, 30 s late, and held the
-        newer events of its job behind it. Recording again is safe: an outcome is recorded
-        only while this notifier holds the lease (``finish`` is fenced by it)."""
+        newer events of its job behind it. Recording again is safe: the delivery is settled
+        only while this notifier holds the lease (``finish`` is fenced by it), and the attempt
+        is logged once, by its id (``Attempted.id``, made once, before the first try): a record
+        that committed and whose answer was lost is not written a second time."""
         delay = RECORD_RETRY_FIRST_S
         said = False
         while True:

@@ -13,7 +13,9 @@ queued, are delayed by it and end as they would have without it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import socket
 import threading
 import time
 from collections.abc import Awaitable, Callable
@@ -355,18 +357,29 @@ class _RowHolder:
         runner.run(self.held.start())
         runner.run(self.holder.execute(f"SELECT 1 FROM {table} WHERE {column} = $1 FOR UPDATE", job_id))
         self.cut: list[int] = []
+        self.released = False
+
+    def waiting_write(self) -> int:
+        """The server pid of a write of the row waiting for it, once there is one."""
+        holder_pid = self.holder.get_server_pid()
+        return wait_until(lambda: self.runner.run(self.observer.fetchval(WRITE_WAITING, holder_pid, self.write,
+                                                                         self.cut)),
+                          what=f"a write like {self.write!r} waiting for the row")
 
     def cut_the_waiting_write(self) -> None:
         """Once a write of the row waits for it, terminate its connection (mid-statement)."""
-        holder_pid = self.holder.get_server_pid()
-        waiting = wait_until(lambda: self.runner.run(self.observer.fetchval(WRITE_WAITING, holder_pid, self.write,
-                                                                            self.cut)),
-                             what=f"a write like {self.write!r} waiting for the row")
+        waiting = self.waiting_write()
         assert self.runner.run(self.observer.fetchval("SELECT pg_terminate_backend($1)", waiting))
         self.cut.append(waiting)
 
+    def release(self) -> None:
+        """Let the waiting write have the row (the observer stays open)."""
+        if not self.released:
+            self.released = True
+            self.runner.run(self.held.rollback())
+
     def let_go(self) -> None:
-        self.runner.run(self.held.rollback())
+        self.release()
         for connection in (self.holder, self.observer):
             self.runner.run(connection.close())
 
@@ -487,3 +500,150 @@ def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
         runner.close()
         receiver.stop()
         deployment.stop()
+
+
+class _AnswerLoser:
+    """A TCP proxy on 127.0.0.1 in front of PostgreSQL that can lose a connection's answers:
+    ``swallow(port)`` drops what the server sends on the connection the proxy opened from
+    ``port`` (the ``client_port`` pg_stat_activity shows for it), ``cut(port)`` closes it. So a
+    statement that commits on the server never gets its answer back to the client, as when a
+    connection breaks after the commit (a failover, a proxy's idle timeout, a network fault)."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream_port = upstream_port
+        self.port = free_port()
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._connections: dict[int, tuple[socket.socket, socket.socket]] = {}  # by the upstream local port
+        self._swallowed: set[int] = set()
+        self._threads: list[threading.Thread] = []
+        self._lock = threading.Lock()
+        self._accepting = threading.Thread(target=self._accept, daemon=True)
+        self._accepting.start()
+
+    def url(self, database_url: str) -> str:
+        """``database_url`` (of the server behind the proxy) through the proxy."""
+        return database_url.replace(f":{self.upstream_port}/", f":{self.port}/", 1)
+
+    def swallow(self, port: int) -> None:
+        self._swallowed.add(port)
+
+    def cut(self, port: int) -> None:
+        with self._lock:
+            pair = self._connections[port]
+        for sock in pair:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            pairs = list(self._connections.values())
+        for pair in pairs:
+            for sock in pair:
+                with contextlib.suppress(OSError):
+                    sock.shutdown(socket.SHUT_RDWR)
+        self._accepting.join(5)
+        for thread in self._threads:
+            thread.join(5)
+        for pair in pairs:
+            for sock in pair:
+                sock.close()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                downstream, _ = self._listener.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(("127.0.0.1", self.upstream_port))
+            port = upstream.getsockname()[1]
+            with self._lock:
+                self._connections[port] = (downstream, upstream)
+            for source, sink, answers in ((downstream, upstream, False), (upstream, downstream, True)):
+                thread = threading.Thread(target=self._pump, args=(source, sink, port if answers else None),
+                                          daemon=True)
+                self._threads.append(thread)
+                thread.start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, answers_of: int | None) -> None:
+        with contextlib.suppress(OSError):
+            while chunk := source.recv(65536):
+                if answers_of is None or answers_of not in self._swallowed:
+                    sink.sendall(chunk)
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_an_attempt_recorded_again_after_its_answer_was_lost_is_logged_once(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """The record of an answered attempt commits, and its answer never reaches the notifier (the
+    connection breaks after the commit): the notifier records the attempt again, as it does
+    through any cut connection, and the store, which holds the attempt already (its own id),
+    writes nothing again. The repeat added a second attempt row, so the delivery's history
+    (GET /webhooks/{id}/deliveries, the portal) showed one POST twice."""
+    from tests.test_webhooks import Hit, Receiver
+
+    url = postgres_server.create_database("notifier_answer_lost")
+    deployment = Deployment(tmp_path / "herald", database_url=url)
+    deployment.nats.start()
+    proxy = _AnswerLoser(postgres_server.port)
+    receiver = Receiver().start()
+    runner = asyncio.Runner()
+    answering = threading.Event()
+
+    def held_until_told(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        answering.wait(20)
+        return 200, {}
+
+    try:
+        base = deployment.start_gateway()
+        deployment.start_worker()
+        deployment.start_notifier(HERALD_DATABASE_URL=proxy.url(url))
+        with client(base) as http:
+            hook = receiver.route("/lost", held_until_told)
+            endpoint = http.post("/webhooks", json={"url": hook, "event_types": ["job.succeeded"]}).json()
+            receiver.routes["/lost"].hmac.append(endpoint["secret"])
+            job = http.post("/exports", json={"format": "csv", "rows": 10}).json()
+            wait_until(lambda: receiver.hits_for("/lost"), what="the attempt in flight")
+            record = _RowHolder(runner, url, job["id"], table="webhook_deliveries", column="job_id",
+                                write="%herald_webhook_finish%")
+            answering.set()
+            writer = record.waiting_write()
+            port = runner.run(record.observer.fetchval("SELECT client_port FROM pg_stat_activity WHERE pid = $1",
+                                                       writer))
+            proxy.swallow(port)
+            record.release()
+
+            def committed() -> bool:
+                return bool(runner.run(record.observer.fetchval(
+                    "SELECT count(*) FROM webhook_attempts a JOIN webhook_deliveries d ON d.id = a.delivery_id"
+                    " WHERE d.job_id = $1", job["id"]))) and runner.run(record.observer.fetchval(
+                        "SELECT state FROM pg_stat_activity WHERE pid = $1", writer)) == "idle"
+
+            wait_until(committed, what="the record committed, its answer swallowed")
+            proxy.cut(port)  # the answer is lost with the connection
+            record.let_go()
+            # The notifier recorded the attempt again and was answered (its line for the attempt
+            # is written once the record returns), well before the lease would have run out...
+            wait_until(lambda: deployment.logged("notifier", "webhook attempt", outcome="delivered"), timeout=10,
+                       what="the attempt recorded again and logged")
+            assert deployment.logged("notifier",
+                                     "recording a webhook attempt failed: the store is unreachable; trying again")
+            # ...and one POST is one attempt in the delivery's history.
+            [done] = http.get(f"/webhooks/{endpoint['id']}/deliveries").json()["items"]
+            assert done["status"] == "delivered"
+            assert [a["status_code"] for a in done["attempts"]] == [200], done["attempts"]
+        assert len(receiver.hits_for("/lost")) == 1
+        assert deployment.count_rows("webhook_attempts") == {"webhook_attempts": 1}
+        crashed = [e for e in deployment.log_events("notifier") if e.get("event") == "webhook attempt crashed"]
+        assert not crashed, crashed
+    finally:
+        answering.set()
+        runner.close()
+        receiver.stop()
+        deployment.stop()
+        proxy.close()

@@ -977,6 +977,52 @@ async def test_many_attempts_recorded_in_one_batch(stores: Stores) -> None:
     assert health is not None and health.failing_since is None  # a success ends the failing streak
 
 
+async def test_an_attempt_recorded_again_is_recorded_once(stores: Stores) -> None:
+    """The notifier records an attempt again when the answer to its record was lost (a
+    connection cut after the commit); the store that already holds that attempt (its
+    ``Attempted.id``) writes nothing and answers the delivery as the first record left it, so
+    the delivery's history shows each POST once. In a batch or alone, delivered (the bulk path),
+    retried or failing its endpoint (one by one)."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+
+    async def add(path: str, types: list[str]) -> str:
+        row, _ = await webhooks.create_endpoint("t1", url=f"https://hooks.example.com/{path}", event_types=types,
+                                                kinds=None, signature="hmac-sha256")
+        return row.id
+
+    thanking, failing = await add("ok", ["job.succeeded"]), await add("boom", ["job.succeeded"])
+    gone = await add("gone", ["job.failed"])
+    events = [_typed_event(f"job-{n}", "job.succeeded") for n in range(2)] + [_typed_event("job-x", "job.failed")]
+    await queue.fan_out(events)
+    claimed = await queue.claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
+    assert len(claimed) == 5
+
+    def attempted(item: Claimed) -> Attempted:
+        outcome, plan = {thanking: (THANKED, Plan("delivered")), failing: (BOOM, Plan("retry", delay_s=RETRY_IN_S)),
+                         gone: (GONE, Plan("failed", disable_endpoint=True))}[item.delivery.endpoint_id or ""]
+        return Attempted(claimed=item, started_at=time.time(), outcome=outcome, plan=plan)
+
+    attempts = [attempted(item) for item in claimed]
+    first = await queue.finish_many(attempts, "n1")
+    assert sorted(f.status for f in first) == ["delivered", "delivered", "failed", "pending", "pending"]
+    assert await queue.finish_many(attempts, "n1") == first  # the whole batch again
+    for attempt, answer in zip(attempts, first, strict=True):  # and each alone, as the recorder's fallback does
+        assert await queue.finish_many([attempt], "n1") == [answer]
+
+    logged = await webhooks.attempts([item.delivery.id for item in claimed])
+    assert {d: [a.n for a in rows] for d, rows in logged.items()} == {item.delivery.id: [1] for item in claimed}
+    assert await stores.count("webhook_attempts") == 5
+    rows = {r["id"]: r for r in await deliveries(stores)}
+    assert all(rows[item.delivery.id]["attempts"] == 1 for item in claimed)
+    # A delivery retried later is a new attempt, with an id of its own: logged as the second.
+    retried = next(item for item in claimed if item.delivery.endpoint_id == failing)
+    await webhooks.retry_now(failing, retried.delivery.id)
+    [again] = await queue.claim("n1", lease_s=30, per_target=10, limit=100, in_flight={})
+    assert again.delivery.id == retried.delivery.id
+    assert [f.status for f in await queue.finish_many([attempted(again)], "n1")] == ["pending"]
+    assert [a.n for a in (await webhooks.attempts([again.delivery.id]))[again.delivery.id]] == [1, 2]
+
+
 # ----- retention -----------------------------------------------------------------------------------
 
 

@@ -44,7 +44,9 @@ Concurrency, and why each lock is there:
   re-checks the ordering rule after taking its row locks (second statement, newer
   snapshot), so an older delivery committed meanwhile holds the newer one back. ``finish``
   takes the same advisory lock, so its "a newer version exists: superseded" check sees a
-  fan-out that ran meanwhile, and two finishes of one delivery number attempts in turn. ``finish_many`` (the
+  fan-out that ran meanwhile, two finishes of one delivery number attempts in turn, and a
+  finish recorded again (the same ``Attempted.id``, the answer to the first lost) finds the
+  first one's row and writes nothing. ``finish_many`` (the
   attempts one notifier saw finish together, in one transaction) takes all its order
   locks first, sorted as fan-out's are.
 * **Endpoints deleted or disabled meanwhile.** Fan-out holds the matching endpoints
@@ -99,6 +101,7 @@ from herald.deliveries import (
     TestEventsLimited,
     callback_owner,
     event_id,
+    new_attempt_id,
 )
 from herald import delivery_rules as rules
 from herald.delivery_rules import (
@@ -607,13 +610,15 @@ class PgDeliveryQueue:
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Log the attempt and apply its plan (delivered, retry later, superseded, failed) in one transaction."""
         d = claimed.delivery
+        attempt_id = new_attempt_id()  # one attempt, whichever try of the call below records it
 
         async def call() -> Finished:
             row = await self.db.pool.fetchrow(
-                "SELECT * FROM herald_webhook_finish($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)",
+                "SELECT * FROM herald_webhook_finish($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14,"
+                " $15)",
                 d.id, d.target, d.job_id, owner, started_at, outcome.status_code,
                 round(outcome.latency_s * 1000, 3), outcome.error, outcome.response[:RESPONSE_KEEP_BYTES] or None,
-                outcome.ok, plan.status, plan.delay_s, plan.disable_endpoint, ENDPOINT_DISABLE_AFTER_S)
+                outcome.ok, plan.status, plan.delay_s, plan.disable_endpoint, ENDPOINT_DISABLE_AFTER_S, attempt_id)
             assert row is not None
             return Finished(status=row["o_status"], next_attempt_at=row["o_next_attempt_at"],
                             endpoint_disabled=bool(row["o_endpoint_disabled"]))
@@ -631,13 +636,13 @@ class PgDeliveryQueue:
             [round(a.outcome.latency_s * 1000, 3) for a in attempts], [a.outcome.error for a in attempts],
             [a.outcome.response[:RESPONSE_KEEP_BYTES] or None for a in attempts], [a.outcome.ok for a in attempts],
             [a.plan.status for a in attempts], [a.plan.delay_s for a in attempts],
-            [a.plan.disable_endpoint for a in attempts], ENDPOINT_DISABLE_AFTER_S,
+            [a.plan.disable_endpoint for a in attempts], ENDPOINT_DISABLE_AFTER_S, [a.id for a in attempts],
         )
 
         async def call() -> list[Finished]:
             rows = await self.db.pool.fetch(
-                "SELECT * FROM herald_webhook_finish_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14)"
-                " ORDER BY o_ord", *args)
+                "SELECT * FROM herald_webhook_finish_many($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14,"
+                " $15) ORDER BY o_ord", *args)
             return [Finished(status=r["o_status"], next_attempt_at=r["o_next_attempt_at"],
                              endpoint_disabled=bool(r["o_endpoint_disabled"])) for r in rows]
 

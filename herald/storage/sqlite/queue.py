@@ -8,7 +8,9 @@
 * ``claim`` leases due deliveries to one notifier process, so any number of them share
   the work and a killed one's deliveries come back when its lease runs out.
 * ``finish`` records an attempt and its consequence in one transaction; ``finish_many``
-  records many (the notifier's attempts that finished together) in one transaction.
+  records many (the notifier's attempts that finished together) in one transaction. An
+  attempt is recorded once: one whose ``Attempted.id`` the delivery's log already holds (the
+  notifier recording it again after the answer to its record was lost) writes nothing.
 
 Order per job and target: a delivery is claimable only while no older version of the
 same job is pending for the same target. Where a new event goes (superseded at once, or
@@ -511,13 +513,15 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
         ids = [attempts[i].claimed.delivery.id for i in fast]
         present: set[str] = set()
         last_n: dict[str, int] = {}
+        logged_ids: set[tuple[str, str]] = set()
         for start in range(0, len(ids), _CHUNK):
             chunk = ids[start:start + _CHUNK]
             marks = ",".join("?" * len(chunk))
             present.update(r[0] for r in conn.execute(f"SELECT id FROM webhook_deliveries WHERE id IN ({marks})", chunk))
-            last_n.update((r[0], r[1]) for r in conn.execute(
-                f"SELECT delivery_id, MAX(n) FROM webhook_attempts WHERE delivery_id IN ({marks}) GROUP BY delivery_id",
-                chunk))
+            for delivery_id, n, attempt_id in conn.execute(
+                    f"SELECT delivery_id, n, attempt_id FROM webhook_attempts WHERE delivery_id IN ({marks})", chunk):
+                last_n[delivery_id] = max(n, last_n.get(delivery_id, 0))
+                logged_ids.add((delivery_id, attempt_id))
         logged, settled, healthy = [], [], set()
         for i in fast:
             attempt = attempts[i]
@@ -525,16 +529,18 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
             if d.id not in present:
                 results[i] = _DROPPED
                 continue
+            if (d.id, attempt.id) in logged_ids:
+                continue  # recorded before (the answer to that record was lost): _finish answers it
             n = last_n.get(d.id, 0) + 1
             logged.append((d.id, n, attempt.started_at, outcome.status_code, round(outcome.latency_s * 1000, 3),
-                           outcome.error, outcome.response[:RESPONSE_KEEP_BYTES] or None))
+                           outcome.error, outcome.response[:RESPONSE_KEEP_BYTES] or None, attempt.id))
             settled.append((n, ts, d.id, owner))
             if d.endpoint_id is not None:
                 healthy.add(d.endpoint_id)
             results[i] = _DELIVERED
         conn.executemany(
-            "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)"
-            " VALUES (?,?,?,?,?,?,?)", logged)
+            "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response, attempt_id)"
+            " VALUES (?,?,?,?,?,?,?,?)", logged)
         conn.executemany(
             "UPDATE webhook_deliveries SET status = 'delivered', attempts = ?, next_attempt_at = NULL,"
             " lease_owner = NULL, lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?", settled)
@@ -547,23 +553,28 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
 def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float) -> Finished:
     """Log one attempt and settle it (``delivery_rules.settle``), inside the caller's transaction."""
     d, outcome, plan = attempt.claimed.delivery, attempt.outcome, attempt.plan
-    if not conn.execute("SELECT 1 FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone():
+    current = conn.execute("SELECT status, next_attempt_at FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone()
+    if current is None:
         return _DROPPED
-    (n,) = conn.execute("SELECT COALESCE(MAX(n), 0) + 1 FROM webhook_attempts WHERE delivery_id = ?",
-                        (d.id,)).fetchone()
+    n, seen = conn.execute("SELECT COALESCE(MAX(n), 0) + 1, COALESCE(MAX(attempt_id = ?), 0) FROM webhook_attempts"
+                           " WHERE delivery_id = ?", (attempt.id, d.id)).fetchone()
+    row = conn.execute("SELECT status, failing_since FROM webhook_endpoints WHERE id = ?",
+                       (d.endpoint_id,)).fetchone() if d.endpoint_id is not None else None
+    endpoint = rules.EndpointState(row["status"], row["failing_since"]) if row is not None else None
+    if seen:  # recorded before: the answer to that record was lost, not the record
+        again = rules.settled_before(current["status"], current["next_attempt_at"], ok=outcome.ok, endpoint=endpoint)
+        return Finished(status=again.status, next_attempt_at=again.next_attempt_at,
+                        endpoint_disabled=again.endpoint_disabled)
     conn.execute(
-        "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)"
-        " VALUES (?,?,?,?,?,?,?)",
+        "INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response, attempt_id)"
+        " VALUES (?,?,?,?,?,?,?,?)",
         (d.id, n, attempt.started_at, outcome.status_code, round(outcome.latency_s * 1000, 3), outcome.error,
-         outcome.response[:RESPONSE_KEEP_BYTES] or None),
+         outcome.response[:RESPONSE_KEEP_BYTES] or None, attempt.id),
     )
     newer = conn.execute(
         "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ? LIMIT 1",
         (d.target, d.job_id, d.version),
     ).fetchone() is not None
-    row = conn.execute("SELECT status, failing_since FROM webhook_endpoints WHERE id = ?",
-                       (d.endpoint_id,)).fetchone() if d.endpoint_id is not None else None
-    endpoint = rules.EndpointState(row["status"], row["failing_since"]) if row is not None else None
     settled = rules.settle(plan, ok=outcome.ok, newer=newer, endpoint=endpoint, at=ts)
     if endpoint is not None and d.endpoint_id is not None:
         if settled.failing_since != endpoint.failing_since:

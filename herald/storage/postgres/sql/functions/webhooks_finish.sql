@@ -7,10 +7,13 @@
 -- decided and written, in one transaction (SQLite's _finish calls the rulebook itself). Its
 -- numbers come in as arguments (p_disable_after: ENDPOINT_DISABLE_AFTER_S), and
 -- tests/store_contract/test_rulebook.py holds its decisions to the rulebook's, case by case.
+-- p_attempt_id: the attempt's own id (herald.deliveries.Attempted.id); an attempt the delivery's
+-- log already holds is not recorded again (NULL: no such check, a caller from before it).
 CREATE OR REPLACE FUNCTION herald_webhook_finish(
     p_id TEXT, p_target TEXT, p_job_id TEXT, p_owner TEXT, p_started_at DOUBLE PRECISION,
     p_status_code INTEGER, p_latency_ms DOUBLE PRECISION, p_error TEXT, p_response BYTEA, p_ok BOOLEAN,
     p_plan TEXT, p_delay_s DOUBLE PRECISION, p_gone BOOLEAN, p_disable_after DOUBLE PRECISION,
+    p_attempt_id TEXT DEFAULT NULL,
     OUT o_status TEXT, OUT o_next_attempt_at DOUBLE PRECISION, OUT o_endpoint_disabled BOOLEAN
 ) LANGUAGE plpgsql SET enable_seqscan = off AS $$
 #variable_conflict use_column
@@ -31,9 +34,20 @@ BEGIN
         o_status := 'dropped';  -- its endpoint was deleted meanwhile
         RETURN;
     END IF;
+    -- Recorded before (herald.delivery_rules.settled_before): the answer to that record was
+    -- lost, not the record. Nothing is written again; the delivery is answered as it stands.
+    IF p_attempt_id IS NOT NULL AND EXISTS (
+        SELECT 1 FROM webhook_attempts a WHERE a.delivery_id = p_id AND a.attempt_id = p_attempt_id
+    ) THEN
+        o_status := d.status;
+        o_next_attempt_at := CASE WHEN d.status = 'pending' THEN d.next_attempt_at END;
+        o_endpoint_disabled := NOT p_ok AND EXISTS (
+            SELECT 1 FROM webhook_endpoints e WHERE e.id = d.endpoint_id AND e.status <> 'enabled');
+        RETURN;
+    END IF;
     SELECT coalesce(max(a.n), 0) + 1 INTO n FROM webhook_attempts a WHERE a.delivery_id = p_id;
-    INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)
-    VALUES (p_id, n, p_started_at, p_status_code, p_latency_ms, p_error, p_response);
+    INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response, attempt_id)
+    VALUES (p_id, n, p_started_at, p_status_code, p_latency_ms, p_error, p_response, p_attempt_id);
 
     IF p_plan = 'delivered' OR p_plan = 'failed' THEN
         o_status := p_plan;
@@ -84,7 +98,7 @@ CREATE OR REPLACE FUNCTION herald_webhook_finish_many(
     p_ids TEXT[], p_targets TEXT[], p_job_ids TEXT[], p_owner TEXT, p_started_at DOUBLE PRECISION[],
     p_status_codes INTEGER[], p_latency_ms DOUBLE PRECISION[], p_errors TEXT[], p_responses BYTEA[],
     p_ok BOOLEAN[], p_plans TEXT[], p_delays_s DOUBLE PRECISION[], p_gone BOOLEAN[],
-    p_disable_after DOUBLE PRECISION
+    p_disable_after DOUBLE PRECISION, p_attempt_ids TEXT[] DEFAULT NULL
 ) RETURNS TABLE (o_ord INTEGER, o_status TEXT, o_next_attempt_at DOUBLE PRECISION, o_endpoint_disabled BOOLEAN)
 LANGUAGE plpgsql SET enable_seqscan = off AS $$
 DECLARE
@@ -102,14 +116,17 @@ BEGIN
     END LOOP;
     ts := {now};
 
-    -- The common case set-based: a 2xx answer (delivered), each delivery once in the batch.
+    -- The common case set-based: a 2xx answer (delivered), each delivery once in the batch,
+    -- not recorded before (one that was goes to herald_webhook_finish below, which answers it).
     -- What herald_webhook_finish does for one such attempt (lock the row, number and log the
     -- attempt, settle the delivery, end its endpoint's failing streak), for all of them in
     -- a few statements instead of seven per attempt.
     SELECT coalesce(array_agg(x.ord::INTEGER ORDER BY x.ord), '{}') INTO fast
       FROM unnest(p_ids, p_ok, p_plans) WITH ORDINALITY AS x(id, ok, plan, ord)
      WHERE x.ok AND x.plan = 'delivered'
-       AND x.id IN (SELECT y.id FROM unnest(p_ids) AS y(id) GROUP BY y.id HAVING count(*) = 1);
+       AND x.id IN (SELECT y.id FROM unnest(p_ids) AS y(id) GROUP BY y.id HAVING count(*) = 1)
+       AND NOT EXISTS (SELECT 1 FROM webhook_attempts a
+                        WHERE a.delivery_id = x.id AND a.attempt_id = p_attempt_ids[x.ord]);
     IF cardinality(fast) > 0 THEN
         PERFORM 1 FROM webhook_deliveries d
          WHERE d.id IN (SELECT p_ids[o] FROM unnest(fast) AS o) ORDER BY d.id FOR UPDATE;
@@ -121,9 +138,9 @@ BEGIN
                    coalesce((SELECT max(a.n) FROM webhook_attempts a WHERE a.delivery_id = fx.id), 0) + 1 AS n
               FROM fx JOIN webhook_deliveries d ON d.id = fx.id
         ), logged AS (
-            INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response)
+            INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response, attempt_id)
             SELECT pr.id, pr.n, p_started_at[pr.ord], p_status_codes[pr.ord], p_latency_ms[pr.ord],
-                   p_errors[pr.ord], p_responses[pr.ord]
+                   p_errors[pr.ord], p_responses[pr.ord], p_attempt_ids[pr.ord]
               FROM pr
         ), settled AS (
             UPDATE webhook_deliveries d SET status = 'delivered', attempts = pr.n, next_attempt_at = NULL,
@@ -143,7 +160,8 @@ BEGIN
         CONTINUE WHEN i = ANY(fast);
         SELECT * INTO f FROM herald_webhook_finish(
             p_ids[i], p_targets[i], p_job_ids[i], p_owner, p_started_at[i], p_status_codes[i], p_latency_ms[i],
-            p_errors[i], p_responses[i], p_ok[i], p_plans[i], p_delays_s[i], p_gone[i], p_disable_after);
+            p_errors[i], p_responses[i], p_ok[i], p_plans[i], p_delays_s[i], p_gone[i], p_disable_after,
+            p_attempt_ids[i]);
         o_ord := i;
         o_status := f.o_status;
         o_next_attempt_at := f.o_next_attempt_at;
