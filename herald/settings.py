@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
 
 from herald.constants import ISSUED_KEY_PREFIX, PORTAL_TOKEN_PREFIX
+from herald.resolver import dns_server
 from schemas.admin import TENANT_ID_PATTERN
 
 DEV_TENANT = "dev"
@@ -164,6 +165,13 @@ def _secret_keys(name: str, raw: str) -> tuple[str, ...]:
     return keys
 
 
+def _dns_servers(name: str, raw: str) -> tuple[str, ...]:
+    try:
+        return tuple(dns_server(item) for item in raw.split(",") if item.strip())
+    except ValueError as exc:
+        raise SettingsError(f"{name} must be comma-separated addresses, each 'ip', 'ip:port' or '[ipv6]:port': {exc}") from exc
+
+
 def _names(name: str, raw: str) -> tuple[str, ...]:
     return tuple(item.strip() for item in raw.split(",") if item.strip())
 
@@ -256,6 +264,8 @@ class Settings:
     )
     webhook_min_backoff_s: Annotated[float, NUMBER] = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
     webhook_pause_s: Annotated[float, NUMBER] = 5.0  # a paced target's first pause before its probe (SPEC §13)
+    # The DNS servers webhook and callback hosts are looked up with (herald.resolver); empty: /etc/resolv.conf's.
+    webhook_dns_servers: Annotated[tuple[str, ...], Env(_dns_servers)] = ()
     report_page_ms: Annotated[float, NUMBER] = 200.0
     metrics_port: Annotated[int | None, PORT] = None
     workers: Annotated[int, AT_LEAST_ONE] = 2

@@ -11,6 +11,13 @@ one that was checked (no window for DNS rebinding between check and connect), an
 addresses (a host written as a number too, dialled as the address it denotes) are checked
 by ``check_url_syntax`` before every attempt. Proxies from the
 environment are ignored (a proxy would dial on our behalf, past the guard).
+
+Names are looked up by ``herald.resolver`` (c-ares), not by aiohttp's default
+``getaddrinfo`` in threads: a tenant's hosts whose DNS never answers held every lookup
+thread of the process, and every other tenant's attempt to a name waited behind them. A
+lookup now holds no thread and ends within ``RESOLVE_WITHIN_S``: a name that does not
+resolve by then is a failed attempt, timed out and unreachable (retried with backoff, and
+counted by the breaker like a host that does not take the connection).
 """
 
 from __future__ import annotations
@@ -21,16 +28,17 @@ import errno
 import functools
 import socket
 import time
+from collections.abc import Sequence
 from types import TracebackType
 
 import aiohttp
 from aiohttp.abc import AbstractResolver, ResolveResult
-from aiohttp.resolver import ThreadedResolver
 from yarl import URL
 
 import herald
 from herald.deliveries import Outcome
 from herald.delivery_rules import RESPONSE_KEEP_BYTES
+from herald.resolver import RESOLVE_WITHIN_S, NameNotResolved, Resolver
 from herald.ssrf import NOT_PUBLIC, UnsafeUrl, check_url_syntax, is_public_address, literal_address, numeric_host
 
 SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
@@ -48,16 +56,18 @@ class NonPublicAddress(OSError):
 
 
 class PublicOnlyResolver(AbstractResolver):
-    """Resolves like the default resolver, then refuses names with any non-public address."""
+    """Resolves with ``herald.resolver``, then refuses names with any non-public address."""
 
-    def __init__(self, *, allow_private: bool) -> None:
-        self._inner = ThreadedResolver()
+    def __init__(self, *, allow_private: bool, dns_servers: Sequence[str] = ()) -> None:
+        self._inner = Resolver(dns_servers)
         self._allow_private = allow_private
 
     async def resolve(
         self, host: str, port: int = 0, family: socket.AddressFamily = socket.AF_INET
     ) -> list[ResolveResult]:
-        results = await self._inner.resolve(host, port, family)
+        results = [ResolveResult(hostname=host, host=a.host, port=a.port, family=a.family, proto=0,
+                                 flags=socket.AI_NUMERICHOST | socket.AI_NUMERICSERV)
+                   for a in await self._inner.resolve(host, port, family)]
         if not self._allow_private and not all(is_public_address(r["host"]) for r in results):
             raise NonPublicAddress(host)
         return results
@@ -118,16 +128,21 @@ def _describe(exc: BaseException) -> str:
 class Sender:
     """Owns the one HTTP client of a notifier process. ``aclose()`` is safe to call twice."""
 
-    def __init__(self, *, allow_private: bool, max_connections: int = MAX_CONNECTIONS) -> None:
+    def __init__(self, *, allow_private: bool, dns_servers: Sequence[str] = (),
+                 max_connections: int = MAX_CONNECTIONS) -> None:
         self._allow_private = allow_private
+        self._dns_servers = tuple(dns_servers)
         self._max_connections = max_connections
         self._session: aiohttp.ClientSession | None = None
+        self._resolver: PublicOnlyResolver | None = None
 
     async def __aenter__(self) -> Sender:
+        # Ours to close: a connector closes only a resolver it made itself.
+        self._resolver = PublicOnlyResolver(allow_private=self._allow_private, dns_servers=self._dns_servers)
         connector = aiohttp.TCPConnector(
             limit=self._max_connections,
             limit_per_host=0,  # the scheduler bounds work per endpoint
-            resolver=PublicOnlyResolver(allow_private=self._allow_private),
+            resolver=self._resolver,
         )
         self._session = aiohttp.ClientSession(
             connector=connector,
@@ -149,6 +164,9 @@ class Sender:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+        resolver, self._resolver = self._resolver, None
+        if resolver is not None:
+            await resolver.close()
 
     async def send(self, url: str, body: bytes, headers: dict[str, str]) -> Outcome:
         """POST ``body``; a 2xx within ``SUCCESS_WITHIN_S`` is success. Never raises for network trouble."""
@@ -173,15 +191,19 @@ class Sender:
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True, unreachable=True,
                            error=f"no answer within {SUCCESS_WITHIN_S:g} s")
         except (aiohttp.ClientConnectionError, OSError) as exc:  # refused, reset, unreachable
+            if _cause(exc, NameNotResolved):  # no answer from DNS: a timeout, like a host that does not connect
+                return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True,
+                               unreachable=True, error=f"the name did not resolve within {RESOLVE_WITHIN_S:g} s")
             # (unless our own SSRF guard refused the name: that says nothing about the target)
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc),
-                           unreachable=not _guard_refused(exc))
+                           unreachable=not _cause(exc, NonPublicAddress))
         except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc))
 
 
-def _guard_refused(exc: BaseException) -> bool:
-    return isinstance(exc, NonPublicAddress) or isinstance(getattr(exc, "os_error", None), NonPublicAddress)
+def _cause(exc: BaseException, kind: type[OSError]) -> bool:
+    """Whether ``exc`` is ``kind``, or aiohttp's connection error made of one."""
+    return isinstance(exc, kind) or isinstance(getattr(exc, "os_error", None), kind)
 
 
 async def _read_head(response: aiohttp.ClientResponse) -> bytes:

@@ -96,7 +96,8 @@ async def run_notifier(settings: Settings, stop: asyncio.Event) -> None:
         storage = await open_storage(settings)
         owner.push_async_callback(storage.close)
         queue = storage.deliveries
-        sender = await owner.enter_async_context(Sender(allow_private=settings.webhook_allow_private))
+        sender = await owner.enter_async_context(Sender(allow_private=settings.webhook_allow_private,
+                                                        dns_servers=settings.webhook_dns_servers))
         notices = Notices()
         owner.spawn(notices.run(), "delivery-notices")
         scheduler = Scheduler(

@@ -13,6 +13,7 @@ nats-server, gateway, worker and notifier processes, real receivers on 127.0.0.1
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -23,6 +24,7 @@ import httpx
 import pytest
 
 from bench.hanging import HangingReceivers
+from herald.settings import Settings, SettingsError
 from notifier.breaker import FAILURES_TO_OPEN
 from notifier.window import FLOOR
 from tests.harness import Deployment, client, free_port, new_database, wait_until
@@ -98,6 +100,117 @@ def test_a_tenant_whose_receivers_hang_does_not_delay_another_tenants_webhooks(
     assert max(lags) < QUIET_LAG_LIMIT_S, lags
     noisy.close()
     quiet.close()
+
+
+class DnsServer:
+    """A DNS server on 127.0.0.1 (UDP) that answers names under ``ok.test`` with 127.0.0.1 and
+    never answers any other: the name servers of a tenant's hosts that do not respond (a fake
+    for what lies outside the machine). It keeps the names it left unanswered."""
+
+    def __init__(self) -> None:
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind(("127.0.0.1", free_port()))
+        self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
+        self.unanswered: set[str] = set()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+
+    def __enter__(self) -> DnsServer:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.sock.close()  # recvfrom then fails: the thread ends
+        self._thread.join(5)
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                query, peer = self.sock.recvfrom(4096)
+            except OSError:
+                return
+            labels, at = [], 12
+            while at < len(query) and query[at]:
+                labels.append(query[at + 1:at + 1 + query[at]].decode("ascii", "replace").lower())
+                at += 1 + query[at]
+            name, question = ".".join(labels), query[12:at + 5]
+            qtype = int.from_bytes(query[at + 1:at + 3], "big")
+            if not name.endswith(".ok.test"):
+                self.unanswered.add(name)
+                continue
+            # One A record (127.0.0.1) for an A question; for any other (AAAA), none: no such data.
+            answers = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04\x7f\x00\x00\x01" if qtype == 1 else b""
+            header = query[:2] + b"\x81\x80\x00\x01" + (b"\x00\x01" if answers else b"\x00\x00") + b"\x00\x00\x00\x00"
+            self.sock.sendto(header + question + answers, peer)
+
+
+HANGING_NAMES = 40
+
+
+def test_a_tenant_whose_hosts_never_resolve_does_not_delay_another_tenants_webhooks(
+    fresh: Deployment, healthy: Receiver
+) -> None:
+    """A tenant's forty endpoints at names whose DNS never answers: every attempt to them waits
+    in a lookup. Another tenant's webhook to a name that resolves (on the same DNS server)
+    still goes out within about a second, while those lookups hang; and each hanging lookup
+    ends after 5 s as a failed attempt, retried later. Names were looked up by getaddrinfo in
+    threads (libuv's four, under uvloop), which the hanging lookups held until the system
+    resolver gave up, whatever the attempt's timeout: every other tenant's lookup waited."""
+    with DnsServer() as dns:
+        settings = {"HERALD_WEBHOOK_DNS_SERVERS": dns.address}
+        fresh.start_gateway(**settings)
+        fresh.start_worker(**settings)
+        fresh.start_notifier(**settings)
+        noisy = client(fresh.url(), "acme")
+        quiet = client(fresh.url(), "globex")
+        for i in range(HANGING_NAMES):
+            hook = noisy.post("/webhooks", json={"url": f"http://h{i}.never.test:9/hook", "event_types": ["job.succeeded"]})
+            assert hook.status_code == 201, hook.text
+        arrived: dict[str, float] = {}
+
+        def note(hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+            arrived.setdefault(hit.job_id, time.time())
+            return 200, {}
+
+        url = healthy.route("/quiet", note).replace("127.0.0.1", "quiet.ok.test")
+        endpoint = quiet.post("/webhooks", json={"url": url, "event_types": ["job.succeeded"]}).json()
+        healthy.routes["/quiet"].hmac.append(endpoint["secret"])
+        for _ in range(2):
+            assert noisy.post("/exports", json={"format": "csv", "rows": 10}).status_code == 202
+        wait_until(lambda: len(dns.unanswered) >= HANGING_NAMES // 2, timeout=30,
+                   what="the noisy tenant's lookups hanging")
+        job = quiet.post("/exports", json={"format": "csv", "rows": 10}).json()
+        wait_until(lambda: job["id"] in arrived, timeout=30, what="the quiet tenant's webhook")
+        status = quiet.get(f"/jobs/{job['id']}", follow_redirects=False).json()
+        lag = arrived[job["id"]] - _at(status["updated_at"])
+        assert lag < QUIET_LAG_LIMIT_S, lag
+
+        # The hanging lookups end as failed attempts, timed out after 5 s, and are retried.
+        def failed_attempts() -> list[dict[str, Any]]:
+            found = []
+            for hook in noisy.get("/webhooks", params={"limit": 100}).json()["items"]:
+                for delivery in noisy.get(f"/webhooks/{hook['id']}/deliveries").json()["items"]:
+                    found += [{**a, "status": delivery["status"]} for a in delivery["attempts"]]
+            return found if len(found) >= 2 * HANGING_NAMES else []
+
+        attempts = wait_until(failed_attempts, timeout=60, interval=0.5, what="the hanging attempts recorded")
+        assert {(a["status_code"], a["error"], a["status"]) for a in attempts} == {
+            (None, "the name did not resolve within 5 s", "pending")}, attempts[:3]
+        # (Attempts to one name share its lookup: one that joined it late waited less.)
+        latencies = [a["latency_ms"] / 1000 for a in attempts]
+        assert 4.5 < max(latencies) < 10, latencies
+        # ...and the quiet tenant's webhook went out while they hung.
+        assert arrived[job["id"]] < min(_at(a["at"]) + a["latency_ms"] / 1000 for a in attempts)
+        assert not any(e.get("level") == "error" for e in fresh.log_events("notifier")), "the notifier logged errors"
+        noisy.close()
+        quiet.close()
+
+
+def test_the_dns_servers_setting_takes_addresses_with_or_without_a_port() -> None:
+    settings = Settings.from_env({"HERALD_WEBHOOK_DNS_SERVERS": " 10.0.0.53, 127.0.0.1:5353,[::1]:53,::1"})
+    assert settings.webhook_dns_servers == ("10.0.0.53", "127.0.0.1:5353", "[::1]:53", "::1")
+    for bad in ("dns.example.com", "10.0.0.53:", "127.0.0.1:²", "127.0.0.1:70000", "[::1", "[::1]53"):
+        with pytest.raises(SettingsError, match="HERALD_WEBHOOK_DNS_SERVERS"):
+            Settings.from_env({"HERALD_WEBHOOK_DNS_SERVERS": bad})
 
 
 def test_a_refusing_target_is_paced_one_probe_at_a_time_and_resumes_when_it_answers(fresh: Deployment) -> None:
