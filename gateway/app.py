@@ -34,6 +34,7 @@ from herald.logs import log_transition
 from herald.output import purge as purge_output
 from herald.metrics import metrics as process_metrics
 from herald.relay import Relay
+from herald.resolver import Resolver
 from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage import build_storage
@@ -134,6 +135,8 @@ def create_app(settings: Settings, *, give_up: Callable[[], None] = _keep_servin
             storage = build_storage(settings)
             store = storage.jobs
             owner.push_async_callback(storage.close)
+            resolver = Resolver(settings.webhook_dns_servers)
+            owner.push_async_callback(resolver.close)
             metrics = process_metrics()
             hub = Hub(metrics)
             directory = Directory(settings, storage.tenants, storage.sealer)
@@ -154,6 +157,7 @@ def create_app(settings: Settings, *, give_up: Callable[[], None] = _keep_servin
                 directory=directory,
                 backlog=BacklogGuard(store.tenant_queued_age, settings.max_queue_age_s),
                 queue_reasons=QueueReasons(store, directory),
+                resolver=resolver,
             )
             app.state.services = svc
             opening = owner.spawn(_open_store(svc, owner, give_up), "store-open")

@@ -20,6 +20,7 @@ from typing import Any, TypeVar
 from litestar import Request
 
 from gateway.problems import InvalidRequest, MalformedJson, RequestTimeout, UnsupportedMediaType
+from herald.resolver import Resolver
 from herald.settings import Settings
 from herald.ssrf import UnsafeUrl, check_url_resolves_public
 from schemas import FieldError
@@ -74,7 +75,7 @@ async def _body_bytes(request: Request) -> bytes:
         await stream.aclose()
 
 
-async def url_errors(settings: Settings, field: str, url: str | None) -> list[FieldError]:
+async def url_errors(settings: Settings, resolver: Resolver, field: str, url: str | None) -> list[FieldError]:
     """The SSRF guard (https to a public address, resolved now) as field errors."""
     if url is None:
         return []
@@ -83,7 +84,7 @@ async def url_errors(settings: Settings, field: str, url: str | None) -> list[Fi
         # PostgreSQL text holds no NUL: refused here, named, rather than failing later.
         return [FieldError(field=field, message="must not contain spaces or control characters (percent-encode them)")]
     try:
-        await check_url_resolves_public(url, allow_private=settings.webhook_allow_private)
+        await check_url_resolves_public(url, allow_private=settings.webhook_allow_private, resolver=resolver)
     except UnsafeUrl as exc:
         return [FieldError(field=field, message=str(exc))]
     return []

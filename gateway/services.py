@@ -14,6 +14,7 @@ from gateway.queueing import QueueReasons
 from gateway.ratelimit import BacklogGuard, TenantLimits
 from herald.directory import Directory
 from herald.metrics import Metrics
+from herald.resolver import Resolver
 from herald.settings import Settings
 from herald.signing import UrlSigner
 from herald.storage.ports import JobStore, ResultStore, Storage
@@ -34,6 +35,7 @@ class Services:
     hub: Hub
     directory: Directory  # tenants, keys and limits, cached (herald.directory)
     queue_reasons: QueueReasons  # why a queued job waits (SPEC §13)
+    resolver: Resolver  # the SSRF guard's lookups of webhook and callback hosts (herald.resolver)
     nats: NATS | None = field(default=None)
     watch: DeliveryWatch = field(default_factory=DeliveryWatch)  # the portal's delivery notices
     answers: WokenAnswers = field(default_factory=WokenAnswers)  # shared by the long polls one change wakes

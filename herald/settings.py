@@ -264,7 +264,8 @@ class Settings:
     )
     webhook_min_backoff_s: Annotated[float, NUMBER] = 60.0  # a timeout or 429 waits at least this long (SPEC §7)
     webhook_pause_s: Annotated[float, NUMBER] = 5.0  # a paced target's first pause before its probe (SPEC §13)
-    # The DNS servers webhook and callback hosts are looked up with (herald.resolver); empty: /etc/resolv.conf's.
+    # The DNS servers webhook and callback hosts are looked up with (herald.resolver: the gateway's SSRF guard,
+    # the notifier's attempts); empty: /etc/resolv.conf's.
     webhook_dns_servers: Annotated[tuple[str, ...], Env(_dns_servers)] = ()
     report_page_ms: Annotated[float, NUMBER] = 200.0
     metrics_port: Annotated[int | None, PORT] = None

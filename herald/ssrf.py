@@ -1,8 +1,9 @@
 """The SSRF guard for webhook and callback URLs: https to public addresses only (SPEC §7, §10).
 
-Checked at registration (syntax, literal addresses, and the name resolved then, within
-``RESOLVE_WITHIN_S``) and again before every delivery (the name is resolved then, since DNS
-can change between the two; ``notifier.delivery`` dials the very addresses it judged).
+Checked at registration (syntax, literal addresses, and the name resolved then by
+``herald.resolver``, within its ``RESOLVE_WITHIN_S``) and again before every delivery (the
+name is resolved then, since DNS can change between the two; ``notifier.delivery`` dials the
+very addresses it judged).
 
 An address is public only if it is global unicast and not one of the IPv6 forms that carry
 an IPv4 address (mapped, compatible, NAT64, 6to4, Teredo): those reach whatever IPv4 address
@@ -14,16 +15,15 @@ characters that IDNA maps to such a number (fullwidth digits, ideographic full s
 
 from __future__ import annotations
 
-import asyncio
 import ipaddress
 import re
-import socket
 from urllib.parse import urlsplit
 
 from yarl import URL
 
+from herald.resolver import Resolver
+
 MAX_URL_LENGTH = 2048
-RESOLVE_WITHIN_S = 5.0  # the DNS lookup at registration; a slow name is refused like a private one
 NOT_PUBLIC = "must resolve to a public address"  # also for a name that does not resolve: no probing
 
 GLOBAL_UNICAST_V6 = ipaddress.ip_network("2000::/3")
@@ -134,8 +134,11 @@ def ascii_host(hostname: str) -> str:
         raise UnsafeUrl("the host is not a valid domain name") from None
 
 
-async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
-    """Syntax, then every address the host resolves to must be public."""
+async def check_url_resolves_public(url: str, *, allow_private: bool, resolver: Resolver) -> None:
+    """Syntax, then every address the host resolves to must be public. Looked up with
+    ``resolver`` (``herald.resolver``: no thread per lookup, ``RESOLVE_WITHIN_S`` at most), so a
+    start or a registration naming a host whose DNS never answers holds nothing that another
+    tenant's needs."""
     check_url_syntax(url, allow_private=allow_private)
     if allow_private:
         return
@@ -145,15 +148,12 @@ async def check_url_resolves_public(url: str, *, allow_private: bool) -> None:
     if literal_address(host) is not None:
         return  # judged by check_url_syntax
     try:
-        async with asyncio.timeout(RESOLVE_WITHIN_S):
-            infos = await asyncio.get_running_loop().getaddrinfo(
-                host, parts.port or 443, type=socket.SOCK_STREAM
-            )
-    except (OSError, UnicodeError, ValueError, TimeoutError):
+        addresses = await resolver.resolve(host, parts.port or 443)
+    except (OSError, UnicodeError, ValueError):
         # The same answer as for a private address: the guard must not tell which internal
         # names exist (a probe of names that resolve only inside the network).
         raise UnsafeUrl(NOT_PUBLIC) from None
-    if not infos or not all(_is_public(str(info[4][0])) for info in infos):
+    if not addresses or not all(_is_public(a.host) for a in addresses):
         raise UnsafeUrl(NOT_PUBLIC)
 
 

@@ -103,11 +103,12 @@ def test_a_tenant_whose_receivers_hang_does_not_delay_another_tenants_webhooks(
 
 
 class DnsServer:
-    """A DNS server on 127.0.0.1 (UDP) that answers names under ``ok.test`` with 127.0.0.1 and
+    """A DNS server on 127.0.0.1 (UDP) that answers names under ``ok.test`` with ``answer`` and
     never answers any other: the name servers of a tenant's hosts that do not respond (a fake
     for what lies outside the machine). It keeps the names it left unanswered."""
 
-    def __init__(self) -> None:
+    def __init__(self, answer: str = "127.0.0.1") -> None:
+        self.answer = socket.inet_aton(answer)
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", free_port()))
         self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
@@ -137,8 +138,8 @@ class DnsServer:
             if not name.endswith(".ok.test"):
                 self.unanswered.add(name)
                 continue
-            # One A record (127.0.0.1) for an A question; for any other (AAAA), none: no such data.
-            answers = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04\x7f\x00\x00\x01" if qtype == 1 else b""
+            # One A record for an A question; for any other (AAAA), none: no such data.
+            answers = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + self.answer if qtype == 1 else b""
             header = query[:2] + b"\x81\x80\x00\x01" + (b"\x00\x01" if answers else b"\x00\x00") + b"\x00\x00\x00\x00"
             self.sock.sendto(header + question + answers, peer)
 
@@ -203,6 +204,44 @@ def test_a_tenant_whose_hosts_never_resolve_does_not_delay_another_tenants_webho
         assert not any(e.get("level") == "error" for e in fresh.log_events("notifier")), "the notifier logged errors"
         noisy.close()
         quiet.close()
+
+
+def test_starts_naming_callback_hosts_that_never_resolve_do_not_delay_another_tenants_starts(
+    fresh: Deployment
+) -> None:
+    """The gateway's SSRF guard looks a start's callback_url up before it accepts the job (and
+    a webhook's URL before it registers it). A tenant's starts naming hosts whose DNS never
+    answers are refused after 5 s (``must resolve to a public address``, as a name that does
+    not resolve is); meanwhile another tenant's start naming a host that resolves is accepted
+    at once. The lookups ran in libuv's four threads, which the hanging names held."""
+    with DnsServer(answer="93.184.215.14") as dns:  # a public address: the guard judges it, nothing dials it
+        base = fresh.start_gateway(HERALD_WEBHOOK_DNS_SERVERS=dns.address, HERALD_WEBHOOK_ALLOW_PRIVATE="0")
+        refused: list[httpx.Response] = []
+
+        def hanging_start(i: int) -> None:
+            with client(base, "acme") as noisy:
+                refused.append(noisy.post("/exports", json={"format": "csv", "rows": 1,
+                                                            "callback_url": f"https://h{i}.never.test/done"}))
+
+        starts = [threading.Thread(target=hanging_start, args=(i,)) for i in range(HANGING_NAMES // 4)]
+        for thread in starts:
+            thread.start()
+        try:
+            wait_until(lambda: len(dns.unanswered) >= len(starts), timeout=30, what="the noisy starts' lookups hanging")
+            with client(base, "globex") as quiet:
+                began = time.monotonic()
+                accepted = quiet.post("/exports", json={"format": "csv", "rows": 1,
+                                                        "callback_url": "https://hooks.ok.test/done"})
+                took = time.monotonic() - began
+            assert accepted.status_code == 202, accepted.text
+            assert took < QUIET_LAG_LIMIT_S, took
+            assert not refused, "the quiet start was answered while the noisy ones still waited"
+        finally:
+            for thread in starts:
+                thread.join(30)
+        assert {(r.status_code, r.json()["errors"][0]["field"], r.json()["errors"][0]["message"]) for r in refused} \
+            == {(400, "callback_url", "must resolve to a public address")}
+        assert len(refused) == len(starts)
 
 
 def test_the_dns_servers_setting_takes_addresses_with_or_without_a_port() -> None:

@@ -72,7 +72,7 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     key = _idempotency_key(request, svc.settings.require_idempotency_key)
     params, document = await read_body(request, kind.params)
     # The same guard as a webhook registration: https to a public address (resolved now).
-    if errors := await url_errors(svc.settings, "callback_url", params.callback_url):
+    if errors := await url_errors(svc.settings, svc.resolver, "callback_url", params.callback_url):
         raise InvalidRequest(errors)
     await svc.backlog.check(kind.name, tenant)
     claim = None

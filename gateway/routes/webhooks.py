@@ -119,7 +119,8 @@ def _kind_errors(kinds: list[str] | None) -> list[FieldError]:
 
 
 async def _url_errors(request: Request, url: str) -> list[FieldError]:
-    return await url_errors(services(request).settings, "url", url)
+    svc = services(request)
+    return await url_errors(svc.settings, svc.resolver, "url", url)
 
 
 def _unique(values: list[str]) -> list[str]:
