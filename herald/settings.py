@@ -305,6 +305,11 @@ class Settings:
         return self.data_dir / "herald.db"
 
     @property
+    def scratch_dir(self) -> Path:
+        """Where each process that writes results keeps its scratch files, a directory each (herald.scratch)."""
+        return self.data_dir / "scratch"
+
+    @property
     def results_dir(self) -> Path:
         return self.data_dir / "results"
 

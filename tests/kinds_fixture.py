@@ -77,3 +77,16 @@ SIZED = KindDeclaration(
     example={"size": 10},
     description="Returns a JSON result of about `size` bytes (a test kind).",
 )
+
+
+PARTIAL = KindDeclaration(
+    name="partial",
+    params=EchoParams,
+    collection="/partials",
+    handler="tests.kinds_fixture_handlers:partial",
+    media_type="text/plain",
+    suffix=".txt",
+    concurrency=1,
+    example={"message": "hello", "sleep_ms": 10},
+    description="Writes its message to its result file, waits, then ends the file (a test kind).",
+)

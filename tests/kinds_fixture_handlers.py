@@ -36,3 +36,13 @@ def not_async(ctx: JobContext, params: Any) -> None:
 
 async def sized(ctx: JobContext, params: Any) -> dict[str, Any]:
     return {"data": "x" * params.size}
+
+
+async def partial(ctx: JobContext, params: Any) -> None:
+    """Half a result file on disk (flushed) for ``sleep_ms``, then the rest of it."""
+    with open(ctx.output, "wb") as out:
+        out.write(f"{params.message}\n".encode())
+        out.flush()
+        await ctx.progress(50)
+        await asyncio.sleep(params.sleep_ms / 1000)
+        out.write(b"done\n")

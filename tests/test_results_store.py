@@ -82,7 +82,7 @@ async def nats_store(js: JetStreamContext, scratch: Path) -> NatsResultStore:
 @pytest.fixture(params=["file", "nats"])
 async def results(request: pytest.FixtureRequest, tmp_path: Path, js: JetStreamContext) -> ResultStore:
     if request.param == "file":
-        return FileResultStore(tmp_path / "results", tmp_path / "results")
+        return FileResultStore(tmp_path / "results", tmp_path / "scratch")
     return await nats_store(js, tmp_path / "scratch")
 
 
@@ -193,18 +193,21 @@ async def test_an_unread_body_holds_nothing_open(results: ResultStore) -> None:
 
 
 async def test_file_store_keeps_todays_layout(tmp_path: Path) -> None:
-    store = FileResultStore(tmp_path)
+    """Results where they always were; scratch files in the process's own scratch dir (herald.scratch)."""
+    store = FileResultStore(tmp_path / "results", tmp_path / "scratch")
     job_id = new_job_id()
     scratch = store.scratch_path(job_id, 2, ".csv")
-    assert scratch == tmp_path / job_id[:2] / job_id / "2.csv.part"
+    assert scratch.parent.parent == tmp_path / "scratch" and scratch.name == f"{job_id}.2.csv.part"
     scratch.write_bytes(b"a,b\n")
     key = await store.commit(job_id, 2, scratch)
     assert key == f"{job_id[:2]}/{job_id}/2.csv"
-    assert (tmp_path / key).read_bytes() == b"a,b\n"
+    assert (tmp_path / "results" / key).read_bytes() == b"a,b\n"
+    await store.close()
+    assert list((tmp_path / "scratch").iterdir()) == [], "a store closed takes its scratch dir along"
 
 
 async def test_file_store_refuses_keys_outside_its_root(tmp_path: Path) -> None:
-    store = FileResultStore(tmp_path / "results")
+    store = FileResultStore(tmp_path / "results", tmp_path / "scratch")
     (tmp_path / "secret").write_bytes(b"no")
     with pytest.raises(ValueError):
         await store.open("../secret")

@@ -34,6 +34,7 @@ from herald.settings import Settings
 from herald.directory import running_directory
 from herald.storage import open_storage
 from herald.storage.ports import JobStore, ResultStore
+from herald.scratch import remove_orphans_every
 from herald.storage.results import open_result_store
 from herald.tasks import TaskOwner
 from herald.tasks import stop as stop_task
@@ -545,7 +546,12 @@ async def run_worker(settings: Settings, stop: asyncio.Event, limits: LimitsSour
         dispatch = Dispatch(nc, js, settings, (kind.declaration for kind in kinds.values()), limits)
         await dispatch.start()
         owner.push_async_callback(dispatch.stop)
-        worker = Worker(settings, store, await open_result_store(settings, js), kinds, limits, js=js)
+        results = await open_result_store(settings, js)
+        owner.push_async_callback(results.close)  # after the runs below: its scratch dir goes with it
+        # Scratch dirs of workers that are gone (killed mid-job): this worker's restart, or a
+        # sibling on the same data dir, removes them (herald.scratch).
+        owner.spawn(remove_orphans_every(settings.scratch_dir), "scratch-orphans")
+        worker = Worker(settings, store, results, kinds, limits, js=js)
         owner.push_async_callback(worker.shutdown, settings.worker_grace_s)
         owner.spawn(worker.run(dispatch, stop), "fetch")
         log.info("worker ready", extra={

@@ -1,8 +1,9 @@
 """Result stores (``ResultStore`` in ``herald.storage.ports``): local files, or the NATS object store.
 
-A handler writes its result to a local scratch file; ``commit`` makes it the job's result
-before the job is marked succeeded (SPEC §6), and the gateway streams it back with
-``open``. ``FileResultStore`` keeps results under ``HERALD_DATA_DIR`` (one machine);
+A handler writes its result to a local scratch file, in its process's own scratch directory
+(``herald.scratch``: removed by another process once this one is gone); ``commit`` makes it
+the job's result before the job is marked succeeded (SPEC §6), and the gateway streams it
+back with ``open``. ``FileResultStore`` keeps results under ``HERALD_DATA_DIR`` (one machine);
 ``NatsResultStore`` keeps them in a JetStream object store bucket, so any gateway can
 serve a result any worker wrote, with no shared disk (SPEC §11).
 
@@ -41,6 +42,7 @@ from nats.js.object_store import ObjectStore
 
 from herald.constants import RESULTS_BUCKET
 from herald.keyfiles import private_dir
+from herald.scratch import ScratchDir
 from herald.settings import Settings
 from herald.storage.ports import ResultBody, ResultStore
 
@@ -80,13 +82,15 @@ class ResultStoreUnavailable(RuntimeError):
     """The result store cannot be used yet (the NATS store before NATS is connected)."""
 
 
-def _scratch_name(attempt: int, suffix: str) -> str:
-    return f"{attempt}{suffix}{SCRATCH_SUFFIX}"
+def _scratch_name(job_id: str, attempt: int, suffix: str) -> str:
+    # One flat file per attempt in the process's scratch dir: a late attempt cleaning up after
+    # itself must never remove anything another attempt of the job is writing.
+    return f"{job_id}.{attempt}{suffix}{SCRATCH_SUFFIX}"
 
 
-def _final_name(scratch: Path) -> str:
-    """``<attempt><suffix>``: the scratch file's name without ``.part``."""
-    return scratch.name.removesuffix(SCRATCH_SUFFIX)
+def _final_name(job_id: str, scratch: Path) -> str:
+    """``<attempt><suffix>``: the scratch file's name without its job id and ``.part``."""
+    return scratch.name.removesuffix(SCRATCH_SUFFIX).removeprefix(job_id + ".")
 
 
 # ----- local files ------------------------------------------------------------------------
@@ -94,26 +98,24 @@ def _final_name(scratch: Path) -> str:
 
 class FileResultStore:
     """Results as files under ``root``: ``<id[:2]>/<id>/<attempt><suffix>``, the key being
-    that path relative to ``root``. Attempts write ``<attempt><suffix>.part`` under
-    ``scratch`` (by default ``root`` itself, so commit is a rename in place)."""
+    that path relative to ``root``. Attempts write ``<id>.<attempt><suffix>.part`` in this
+    process's directory under ``scratch`` (``HERALD_DATA_DIR/scratch``, beside ``root``:
+    commit is a rename on the same filesystem)."""
 
-    def __init__(self, root: Path, scratch: Path | None = None) -> None:
+    def __init__(self, root: Path, scratch: Path) -> None:
         self.root = root
-        self.scratch = scratch if scratch is not None else root
+        self.scratch = ScratchDir(scratch)
 
     @staticmethod
     def _job_dir(base: Path, job_id: str) -> Path:
         return base / job_id[:2] / job_id
 
     def scratch_path(self, job_id: str, attempt: int, suffix: str) -> Path:
-        for base in {self.root, self.scratch}:
-            private_dir(base)  # results are the tenants' data: the owner's only (0700), also when found open
-        directory = self._job_dir(self.scratch, job_id)
-        directory.mkdir(parents=True, exist_ok=True)
-        return directory / _scratch_name(attempt, suffix)
+        private_dir(self.root)  # results are the tenants' data: the owner's only (0700), also when found open
+        return self.scratch.path / _scratch_name(job_id, attempt, suffix)
 
     async def commit(self, job_id: str, attempt: int, scratch: Path) -> str:
-        final = self._job_dir(self.root, job_id) / _final_name(scratch)
+        final = self._job_dir(self.root, job_id) / _final_name(job_id, scratch)
         await asyncio.to_thread(_install, scratch, final)
         return str(final.relative_to(self.root))
 
@@ -129,11 +131,13 @@ class FileResultStore:
         await asyncio.to_thread(self._path(key).unlink, missing_ok=True)
 
     async def delete_job(self, job_id: str) -> None:
-        for base in {self.root, self.scratch}:
-            await asyncio.to_thread(shutil.rmtree, self._job_dir(base, job_id), ignore_errors=True)
+        # (An older Herald's scratch files, beside the results, go with the job's directory.)
+        await asyncio.to_thread(shutil.rmtree, self._job_dir(self.root, job_id), ignore_errors=True)
+        if (own := self.scratch.made) is not None:
+            await asyncio.to_thread(_remove_job_scratch, own, job_id)
 
     async def close(self) -> None:
-        return None
+        await asyncio.to_thread(self.scratch.close)
 
     def _path(self, key: str) -> Path:
         # Keys come from our own job rows, but a key must never name a file outside the store.
@@ -276,15 +280,17 @@ async def _ensure_stream(
 class NatsResultStore:
     """Results in a JetStream object store bucket, keyed ``<job id>/<attempt><suffix>``.
 
-    Attempts write scratch files under the local ``scratch_dir``; ``commit`` uploads one and
-    removes it. Every key is also recorded in the bucket's index (``index_bucket``) before
-    its upload starts, so ``delete_job`` finds it with a subject filter, even one left by a
-    worker that died between its upload and the job's transition."""
+    Attempts write scratch files in this process's directory under the local ``scratch_dir``
+    (``herald.scratch``); ``commit`` uploads one and removes it. Every key is also recorded in
+    the bucket's index (``index_bucket``) before its upload starts, so ``delete_job`` finds it
+    with a subject filter, even one left by a worker that died between its upload and the
+    job's transition."""
 
     def __init__(self, js: JetStreamContext, bucket: str, scratch_dir: Path, replicas: int) -> None:
         self._js = js
         self._bucket = bucket
         self._scratch_dir = scratch_dir
+        self._scratch = ScratchDir(scratch_dir)
         self._replicas = replicas
         self._objects = ObjectStore(name=bucket, stream=object_stream(bucket), js=js)
 
@@ -298,17 +304,12 @@ class NatsResultStore:
         await retry_nats(lambda: ensure_result_buckets(self._js, self._bucket, self._replicas), for_s=60.0)
 
     def scratch_path(self, job_id: str, attempt: int, suffix: str) -> Path:
-        # One flat file per attempt, no directory per job: a late attempt cleaning up after
-        # itself must never remove anything another attempt of the job is writing.
         _check_job_id(job_id)
-        # The tenants' results as they are written: the owner's only (0700), as the file store's
-        # root, also when the directory was there before (a handler writes with its umask, 0644).
-        private_dir(self._scratch_dir)
-        return self._scratch_dir / f"{job_id}.{_scratch_name(attempt, suffix)}"
+        return self._scratch.path / _scratch_name(job_id, attempt, suffix)
 
     async def commit(self, job_id: str, attempt: int, scratch: Path) -> str:
         _check_job_id(job_id)
-        key = f"{job_id}/{_final_name(scratch).removeprefix(job_id + '.')}"
+        key = f"{job_id}/{_final_name(job_id, scratch)}"
         # Index first: whatever reaches the bucket is then findable by delete_job, even if
         # this process dies halfway through the upload.
         subject = _index_subject(self._bucket, job_id, attempt)
@@ -402,10 +403,12 @@ class NatsResultStore:
         # Only once the objects are gone: a failure above leaves the index for the next sweep.
         subject = _index_subject(self._bucket, job_id, "*")
         await retry_nats(lambda: self._js.purge_stream(index_stream(self._bucket), subject=subject))
-        await asyncio.to_thread(_remove_job_scratch, self._scratch_dir, job_id)
+        for scratch_dir in (self._scratch_dir, self._scratch.made):  # an older Herald's flat dir; this process's
+            if scratch_dir is not None:
+                await asyncio.to_thread(_remove_job_scratch, scratch_dir, job_id)
 
     async def close(self) -> None:
-        return None  # the NATS connection is the caller's
+        await asyncio.to_thread(self._scratch.close)  # the NATS connection is the caller's
 
     async def _info(self, key: str) -> ObjectInfo | None:
         try:
@@ -466,7 +469,9 @@ def _remove_scratch(scratch: Path) -> None:
 
 
 def _remove_job_scratch(scratch_dir: Path, job_id: str) -> None:
-    """Whatever attempts of the job left in this process's scratch dir (a worker that died)."""
+    """Whatever attempts of the job left in ``scratch_dir`` (an older Herald's flat one, where a
+    worker that died left its files; a process's own directory goes when it is gone:
+    ``herald.scratch``)."""
     for leftover in scratch_dir.glob(f"{job_id}.*{SCRATCH_SUFFIX}"):
         leftover.unlink(missing_ok=True)
 
@@ -507,9 +512,9 @@ async def open_result_store(settings: Settings, js: JetStreamContext | None) -> 
     the NATS bucket (created if missing; scratch files under HERALD_DATA_DIR/scratch).
     ``js`` None with the NATS store: a stand-in that refuses until NATS is connected."""
     if settings.effective_result_store == "file":
-        return FileResultStore(settings.results_dir)
+        return FileResultStore(settings.results_dir, settings.scratch_dir)
     if js is None:
         return UnavailableResultStore()
-    store = NatsResultStore(js, RESULTS_BUCKET, settings.data_dir / "scratch", settings.nats_replicas)
+    store = NatsResultStore(js, RESULTS_BUCKET, settings.scratch_dir, settings.nats_replicas)
     await store.ensure()
     return store
