@@ -392,6 +392,44 @@ async def test_a_statement_grouped_alone_is_its_own_transaction_in_one_round_tri
     assert len(set(together)) == 1
 
 
+async def test_a_statement_queued_while_a_batch_waits_is_sent_without_waiting_for_it(
+    pg: PgJobStore, fresh_database: str
+) -> None:
+    """Two batches of a process are under way at once (``BATCHES_IN_FLIGHT``): a statement
+    queued while the last batch waits in the server (for its WAL flush, or here for a lock)
+    goes at once on another connection, and its caller hears back before that batch ends;
+    a third waits for one of the two."""
+    db = pg._db
+    holder = await asyncpg.connect(fresh_database)
+    try:
+        await holder.execute("SELECT pg_advisory_lock(4242)")
+        held = asyncio.ensure_future(db.fetchval_grouped("SELECT pg_advisory_xact_lock(4242)::text"))
+        await _until(lambda: _waiting_for_advisory_lock(holder), "the first batch waiting in the server")
+        assert await asyncio.wait_for(db.fetchval_grouped("SELECT 'second'"), timeout=10) == "second"
+        assert not held.done()
+        other_held = asyncio.ensure_future(db.fetchval_grouped("SELECT pg_advisory_xact_lock(4242)::text"))
+        await _until(lambda: _waiting_for_advisory_lock(holder, 2), "two batches waiting in the server")
+        third = asyncio.ensure_future(db.fetchval_grouped("SELECT 'third'"))
+        await asyncio.sleep(0.2)  # a third batch would have been sent by now: it waits for a free one
+        assert not third.done()
+        await holder.execute("SELECT pg_advisory_unlock(4242)")
+        assert await asyncio.wait_for(asyncio.gather(held, other_held, third), timeout=10) == ["", "", "third"]
+    finally:
+        await holder.close()
+
+
+async def _waiting_for_advisory_lock(conn: asyncpg.Connection, sessions: int = 1) -> bool:
+    waiting = await conn.fetchval("SELECT count(*) FROM pg_stat_activity WHERE wait_event = 'advisory'")
+    return int(waiting) >= sessions
+
+
+async def _until(check: Callable[[], Awaitable[bool]], what: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not await check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.02)
+
+
 async def _record_outbox_deletes(url: str) -> None:
     """A trigger that writes down, for each outbox row deleted, the top-level statement that
     deleted it (``current_query()``: the text the client sent) and its transaction."""
