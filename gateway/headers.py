@@ -13,6 +13,13 @@
   answer. (A body is bounded where it is read: ``gateway.bodies``.)
 * A head httptools cannot parse at all is answered ``400`` as problem+json, as every
   other error is (``HttpProtocol.send_400_response``).
+* An answer whose client takes none of it for ``SEND_WITHIN_S`` (the connection's write
+  buffer stays above its high-water mark) has its connection reset, as nginx's
+  ``send_timeout`` does: the server bounds no write in time, so a client that stopped reading
+  a download (a result, a job's NDJSON output) held its connection, its task and what the
+  answer holds open (a file, a JetStream consumer) for as long as it kept the socket, and a
+  tenant opening many such held the gateway's file descriptors, which every tenant's
+  requests need (``gateway.sse`` drops a stalled event stream sooner, on its own bound).
 * A response can abort its connection (``connection_abort(scope)``): a stream that drops a
   reader who stopped reading (``gateway.sse``) must not leave its socket open with megabytes
   queued, which is what ending the response does (uvicorn closes the transport, and a close
@@ -33,6 +40,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import socket
 import struct
 from collections.abc import Callable, Mapping
@@ -47,6 +55,8 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from gateway.problems import PROBLEM_MEDIA_TYPE, allow
 from schemas.problems import BAD_REQUEST, HEADERS_TOO_LARGE, REQUEST_TIMEOUT
 
+log = logging.getLogger("herald.http")
+
 ABORT_EXTENSION = "herald.abort"  # scope["extensions"][ABORT_EXTENSION]["abort"]: reset the connection now
 SENT_METHOD = "herald.sent_method"  # scope[SENT_METHOD]: the client's method where the app runs another (HEAD as GET)
 MAX_HEADER_BYTES = 16 * 1024
@@ -55,6 +65,7 @@ MAX_HEADER_BYTES = 16 * 1024
 MAX_RAW_HEAD_BYTES = 2 * MAX_HEADER_BYTES
 REFUSED_LINGER_S = 2.0  # how long a refused connection is drained before it is closed
 HEAD_WITHIN_S = 30.0  # the longest a request's head may take to arrive
+SEND_WITHIN_S = 60.0  # the longest an answer's client may take none of what is queued for it
 _TOO_LARGE = HEADERS_TOO_LARGE.problem(f"the request's headers exceed {MAX_HEADER_BYTES} bytes")
 _TOO_LARGE_BODY = msgspec.json.encode(_TOO_LARGE)
 _TOO_LARGE_HEADERS = [
@@ -165,6 +176,7 @@ class HttpProtocol(HttpToolsProtocol):
     _head_bytes = 0
     _refused = False  # answered 431 or 408: what else arrives is dropped until the client closes
     _head_timer: asyncio.TimerHandle | None = None  # armed while a head is due
+    _send_timer: asyncio.TimerHandle | None = None  # armed while writing is paused (the client takes nothing)
 
     def connection_made(self, transport: Any) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -172,7 +184,31 @@ class HttpProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_timer()
+        self._disarm_send_timer()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = asyncio.get_running_loop().call_later(SEND_WITHIN_S, self._send_too_slow)
+
+    def resume_writing(self) -> None:
+        self._disarm_send_timer()
+        super().resume_writing()
+
+    def _disarm_send_timer(self) -> None:
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_too_slow(self) -> None:
+        """The client took nothing for ``SEND_WITHIN_S``: reset the connection (a close would wait
+        for it to read what is queued, which it does not), which ends the answer's send."""
+        self._send_timer = None
+        if not self.transport.is_closing():
+            log.warning("client took none of its answer in time: connection reset",
+                        extra={"within_s": SEND_WITHIN_S, "path": getattr(self, "scope", {}).get("path")})
+            self.abort_connection()
 
     def on_message_begin(self) -> None:
         self._in_head = True

@@ -3,6 +3,7 @@ httptools, whichever way a head arrives, and response header names read in any c
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import re
@@ -101,6 +102,72 @@ async def test_a_head_that_stops_arriving_is_408_and_an_idle_connection_is_close
             # Kept alive: the next head is due from its own first byte, and a whole one is served.
             kept, _ = await exchange(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", b"GET /b HTTP/1.1\r\n")
             assert kept.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in kept, kept
+        finally:
+            server.should_exit = True
+            await serving
+
+
+async def test_an_answer_its_client_stops_taking_is_reset_and_one_it_takes_is_sent_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server bounds no write in time: a client that read a download's first bytes and then
+    nothing held its connection, and what its answer held open, for as long as it kept the
+    socket (a tenant holding hundreds such took the gateway's file descriptors, and every other
+    tenant's requests were reset). Now its connection is reset once it has taken nothing for
+    ``SEND_WITHIN_S``; a client that keeps reading gets every byte. A server of its own, with
+    the bound shortened."""
+    import asyncio
+
+    import uvicorn
+
+    from gateway import headers
+    from launcher.cli import server_config
+
+    monkeypatch.setattr(headers, "SEND_WITHIN_S", 0.5)
+    piece, pieces = b"x" * 65536, 512  # 32 MiB: far more than the sockets' buffers hold
+    answered: list[asyncio.Event] = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            done = asyncio.Event()
+            answered.append(done)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(piece) * pieces).encode())]})
+            for _ in range(pieces):
+                await send({"type": "http.response.body", "body": piece, "more_body": True})
+            await send({"type": "http.response.body", "body": b""})
+            done.set()
+
+    config = server_config(app, "127.0.0.1", 0)
+    config.lifespan, config.loop = "off", "asyncio"
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        server = uvicorn.Server(config)
+        serving = asyncio.create_task(server.serve(sockets=[taken]))
+        try:
+            while not server.started:
+                await asyncio.sleep(0.01)
+            port = taken.getsockname()[1]
+            request = b"GET /download HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=65536)
+            writer.write(request)
+            assert (await reader.read(4096)).startswith(b"HTTP/1.1 200 ")
+            # Then nothing more is read: the server's send stops, and its answer ends once the bound passed.
+            await asyncio.wait_for(answered[0].wait(), timeout=30)
+            received = 0
+            with contextlib.suppress(ConnectionError):
+                while chunk := await asyncio.wait_for(reader.read(1 << 20), timeout=30):
+                    received += len(chunk)
+            assert received < len(piece) * pieces, "cut off, not sent whole"
+            writer.close()
+
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(request)
+            whole = b""
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), timeout=30):
+                whole += chunk
+            assert whole.endswith(piece) and len(whole.partition(b"\r\n\r\n")[2]) == len(piece) * pieces
+            writer.close()
         finally:
             server.should_exit = True
             await serving
