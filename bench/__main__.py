@@ -25,7 +25,6 @@ bench starts (``bench/otlpsink.py``): tracing on, as against a collector.
 from __future__ import annotations
 
 import argparse
-import resource
 import shutil
 import sys
 import tempfile
@@ -43,14 +42,9 @@ from bench.scenario import STORES, Context, Outcome
 from bench.scenarios import CLUSTER_SHAPED, SCENARIOS
 from bench.systems import INSTALL_HINT, nchan_missing
 from bench.wrk import wrk_path
+from launcher.open_files import raise_open_files_limit
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "out"
-
-
-def _raise_fd_limit() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or hard > soft:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 65536, hard))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -97,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown scenario(s): {', '.join(unknown)}")
 
     without = {w.strip() for w in args.without.split(",") if w.strip()}
-    _raise_fd_limit()
+    raise_open_files_limit()
     sizes = SMOKE if args.smoke else FULL
     missing = []
     have_wrk = wrk_path() is not None and "wrk" not in without

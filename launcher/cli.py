@@ -66,6 +66,13 @@ def run_gateway(settings: Settings) -> int:
     from gateway.app import create_app
     from gateway.headers import edge
     from launcher.gateway_server import GatewayServer
+    from launcher.open_files import raise_open_files_limit
+
+    open_files = raise_open_files_limit()
+    if open_files < 2 * settings.max_held_per_tenant:
+        logging.getLogger("herald.gateway").warning(
+            "this process may open %d files; one tenant may hold %d streams (HERALD_MAX_HELD_PER_TENANT): "
+            "raise the hard limit (ulimit -Hn) or lower that", open_files, settings.max_held_per_tenant)
 
     # Called once the server runs (from the lifespan's NATS task), when ``server`` is set.
     app = edge(create_app(settings, give_up=lambda: server.give_up(CANNOT_RUN)))

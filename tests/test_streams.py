@@ -491,3 +491,42 @@ def test_a_reader_that_stops_reading_its_output_is_dropped_by_the_send_bound_and
                timeout=40, interval=0.2, what="the stuck output stream dropped by the send bound")
     _assert_reset_not_left_open(fresh, slow)
     assert b"herald_sse_streams 0.0" in httpx.get(base + "/metrics").content
+
+
+def test_a_gateway_raises_its_open_files_limit_to_what_the_system_allows(fresh: Deployment) -> None:
+    """Every held stream, poll and download is a descriptor, and a tenant may hold
+    ``max_streams`` of them (10 000 by default): at the soft limit a process starts with
+    (often 1 024), one tenant's streams used up the gateway's descriptors and every other
+    tenant's requests were refused. A gateway started at a soft limit of 256 runs at its
+    hard limit, and says so when even that is below twice a tenant's share."""
+    import resource
+    import subprocess
+    import sys
+
+    from tests.harness import free_port
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = min(4096, hard)
+    port = free_port()
+    log = fresh.logs / "gateway-low-limit.log"
+    with open(log, "wb") as out:
+        gateway = subprocess.Popen(
+            [sys.executable, "-m", "launcher.cli", "gateway"], env=fresh.env(HERALD_HTTP_PORT=str(port)),
+            stdout=out, stderr=subprocess.STDOUT,
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, ceiling)))
+    try:
+        wait_until(lambda: _ready(f"http://127.0.0.1:{port}"), timeout=30, what="the gateway ready")
+        limits = open(f"/proc/{gateway.pid}/limits").read()
+        row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        assert row.split()[3:5] == [str(ceiling), str(ceiling)], row
+        assert f"this process may open {ceiling} files" in log.read_text(), log.read_text()[-2000:]
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+
+
+def _ready(base: str) -> bool:
+    try:
+        return httpx.get(base + "/readyz", timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
