@@ -21,7 +21,7 @@ from gateway.middleware import before_request, instrument
 from gateway.openapi import complete_document
 from gateway.problems import handle_http_exception, handle_unexpected
 from gateway.queueing import QueueReasons
-from gateway.ratelimit import BacklogGuard, TenantLimits
+from gateway.ratelimit import BacklogGuard, TenantLimits, held_budget
 from gateway.routes import apidocs, events, health, jobs, output, page, portal
 from gateway.routes.accept import accept_route
 from gateway.routes.admin import AdminController
@@ -151,7 +151,7 @@ def create_app(settings: Settings, *, give_up: Callable[[], None] = _keep_servin
                 results=await open_result_store(settings, None),
                 signer=UrlSigner(settings.configured_signing_keys(), settings.signed_url_ttl_s),
                 metrics=metrics,
-                limiter=TenantLimits(directory),
+                limiter=TenantLimits(directory, held_budget()),
                 limits=directory,
                 hub=hub,
                 directory=directory,

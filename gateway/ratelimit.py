@@ -8,6 +8,7 @@ Held connections are counted per gateway process: they are a process's own resou
 from __future__ import annotations
 
 import math
+import resource
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
@@ -32,9 +33,14 @@ class TenantLimits:
     held long polls and held feed polls (``GET /events?wait=`` answered as JSON) are one
     count against the tenant's ``max_streams``."""
 
-    def __init__(self, limits: LimitsSource) -> None:
+    def __init__(self, limits: LimitsSource, held_budget: int | None = None) -> None:
+        """``held_budget``: how many held connections this process can take in all (its open
+        files, less what it needs besides: ``held_budget``); None: no bound but each
+        tenant's own."""
         self.limits = limits
+        self.held_budget = held_budget
         self._held: Counter[str] = Counter()
+        self._total = 0
 
     def start_budget(self, tenant: str) -> StartBudget | None:
         rate = self.limits.limits(tenant).rate_limit
@@ -57,14 +63,26 @@ class TenantLimits:
     def open_stream(self, tenant: str) -> None:
         """Count one held connection (SSE stream, long poll, held feed poll) or refuse it with 429."""
         cap = self.limits.limits(tenant).max_streams
-        if self.held(tenant) >= cap:
+        held = self.held(tenant)
+        if held >= cap:
             raise TooManyStreams(
                 f"this tenant already holds {cap} streams and long polls (max_streams) on this gateway;"
                 " close some first", retry_after=STREAM_RETRY_AFTER_S)
+        if self.held_budget is not None and self._total >= self.held_budget:
+            # The process is out of room: a tenant holding its fair part of it or more waits,
+            # one holding less still gets in (from the reserve left out of the budget), so a
+            # tenant that filled the gateway first cannot keep every other tenant out.
+            share = self.held_budget // (len(self._held) + (tenant not in self._held))
+            if held >= share:
+                raise TooManyStreams(
+                    f"this gateway holds all the streams and long polls it can, and this tenant holds"
+                    f" {held} of them, its share; close some first", retry_after=STREAM_RETRY_AFTER_S)
         self._held[tenant] += 1
+        self._total += 1
 
     def close_stream(self, tenant: str) -> None:
         self._held[tenant] -= 1
+        self._total -= 1
         if self._held[tenant] <= 0:
             del self._held[tenant]
 
@@ -83,6 +101,19 @@ class TenantLimits:
                 self.close_stream(tenant)
 
         return close
+
+
+# Open files a gateway keeps for everything but held connections: its listening socket, NATS,
+# the store, logs, and the requests that are answered at once; and the room a tenant below its
+# share is let into once the budget is spent.
+HELD_RESERVE = 128
+
+
+def held_budget() -> int | None:
+    """The held connections this process can take in all: its open-files limit (raised to the
+    hard one at start, ``launcher.open_files``) less ``HELD_RESERVE``; None when unlimited."""
+    soft, _hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return None if soft == resource.RLIM_INFINITY else max(1, soft - HELD_RESERVE)
 
 
 class BacklogGuard:

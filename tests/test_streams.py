@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -500,26 +501,74 @@ def test_a_gateway_raises_its_open_files_limit_to_what_the_system_allows(fresh: 
     tenant's requests were refused. A gateway started at a soft limit of 256 runs at its
     hard limit, and says so when even that is below twice a tenant's share."""
     import resource
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    ceiling = min(4096, hard)
+    gateway, _base, log = _start_gateway_with_open_files(fresh, 256, ceiling)
+    try:
+        limits = open(f"/proc/{gateway.pid}/limits").read()
+        row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
+        assert row.split()[3:5] == [str(ceiling), str(ceiling)], row
+        assert f"this process may open {ceiling} files" in log.read_text(), log.read_text()[-2000:]
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=30)
+
+
+def _start_gateway_with_open_files(deployment: Deployment, soft: int, hard: int) -> tuple[Any, str, Path]:
+    import resource
     import subprocess
     import sys
 
     from tests.harness import free_port
 
-    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    ceiling = min(4096, hard)
     port = free_port()
-    log = fresh.logs / "gateway-low-limit.log"
+    log = deployment.logs / f"gateway-{port}.log"
     with open(log, "wb") as out:
         gateway = subprocess.Popen(
-            [sys.executable, "-m", "launcher.cli", "gateway"], env=fresh.env(HERALD_HTTP_PORT=str(port)),
+            [sys.executable, "-m", "launcher.cli", "gateway"], env=deployment.env(HERALD_HTTP_PORT=str(port)),
             stdout=out, stderr=subprocess.STDOUT,
-            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (256, ceiling)))
+            preexec_fn=lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard)))
+    base = f"http://127.0.0.1:{port}"
+    wait_until(lambda: _ready(base), timeout=30, what="the gateway ready")
+    return gateway, base, log
+
+
+def test_a_tenant_that_filled_a_gateways_streams_cannot_keep_another_out(fresh: Deployment) -> None:
+    """A gateway can hold as many connections as its open files allow, less a reserve
+    (``gateway.ratelimit.HELD_RESERVE``), whatever each tenant's ``max_streams``: once one
+    tenant holds them all, another tenant still gets streams up to its fair part, and the
+    first gets none more until it holds no more than its part. Before, the first tenant's
+    streams (up to 10 000 each by default) used up the descriptors, and every other tenant's
+    requests were refused at ``accept()``."""
+    from gateway.ratelimit import HELD_RESERVE
+
+    open_files = HELD_RESERVE + 40
+    budget = open_files - HELD_RESERVE
+    gateway, base, _log = _start_gateway_with_open_files(fresh, open_files, open_files)
+
+    async def probe() -> None:
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=0)
+        async with contextlib.AsyncExitStack() as held, httpx.AsyncClient(base_url=base, limits=limits,
+                                                                           timeout=20) as http:
+            async def open_stream(tenant: str) -> httpx.Response:
+                return await held.enter_async_context(http.stream(
+                    "GET", "/events", headers={"Authorization": f"Bearer {KEYS[tenant]}",
+                                               "Accept": "text/event-stream"}))
+
+            first = [await open_stream("acme") for _ in range(budget)]
+            assert [r.status_code for r in first] == [200] * budget
+            assert (await open_stream("globex")).status_code == 200  # the gateway is full, globex holds none
+            refused = await open_stream("acme")
+            assert refused.status_code == 429, refused.status_code
+            await refused.aread()
+            problem = refused.json()
+            assert problem["type"].endswith("too-many-streams") and "share" in problem["detail"], problem
+            assert refused.headers["retry-after"]
+            assert (await open_stream("globex")).status_code == 200  # still below its part (budget / 2)
+
     try:
-        wait_until(lambda: _ready(f"http://127.0.0.1:{port}"), timeout=30, what="the gateway ready")
-        limits = open(f"/proc/{gateway.pid}/limits").read()
-        row = next(line for line in limits.splitlines() if line.startswith("Max open files"))
-        assert row.split()[3:5] == [str(ceiling), str(ceiling)], row
-        assert f"this process may open {ceiling} files" in log.read_text(), log.read_text()[-2000:]
+        asyncio.run(probe())
     finally:
         gateway.terminate()
         gateway.wait(timeout=30)
