@@ -9,6 +9,7 @@ import json
 import re
 import socket
 import uuid
+from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -61,10 +62,7 @@ async def test_a_head_that_stops_arriving_is_408_and_an_idle_connection_is_close
     server of its own here, with ``HEAD_WITHIN_S`` shortened."""
     import asyncio
 
-    import uvicorn
-
     from gateway import headers
-    from launcher.cli import server_config
 
     monkeypatch.setattr(headers, "HEAD_WITHIN_S", 0.5)
 
@@ -73,38 +71,26 @@ async def test_a_head_that_stops_arriving_is_408_and_an_idle_connection_is_close
             await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
             await send({"type": "http.response.body", "body": b"ok"})
 
-    config = server_config(app, "127.0.0.1", 0)
-    config.lifespan, config.loop = "off", "asyncio"
-    with socket.socket() as taken:
-        taken.bind(("127.0.0.1", 0))
-        server = uvicorn.Server(config)
-        serving = asyncio.create_task(server.serve(sockets=[taken]))
-        try:
-            while not server.started:
-                await asyncio.sleep(0.01)
-            port = taken.getsockname()[1]
+    async with _serving(app) as port:
 
-            async def exchange(*sends: bytes) -> tuple[bytes, float]:
-                reader, writer = await asyncio.open_connection("127.0.0.1", port)
-                started = asyncio.get_running_loop().time()
-                for data in sends:
-                    writer.write(data)
-                received = await asyncio.wait_for(reader.read(), timeout=5)  # to the server's close
-                writer.close()
-                return received, asyncio.get_running_loop().time() - started
+        async def exchange(*sends: bytes) -> tuple[bytes, float]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            started = asyncio.get_running_loop().time()
+            for data in sends:
+                writer.write(data)
+            received = await asyncio.wait_for(reader.read(), timeout=5)  # to the server's close
+            writer.close()
+            return received, asyncio.get_running_loop().time() - started
 
-            partial, waited = await exchange(b"GET /jobs HTTP/1.1\r\nHost: h\r\n")
-            assert partial.startswith(b"HTTP/1.1 408 ") and b"connection: close" in partial.lower(), partial
-            assert json.loads(partial.partition(b"\r\n\r\n")[2])["type"] == "/problems/request-timeout"
-            assert 0.4 < waited < 3, waited
-            idle, _ = await exchange()
-            assert idle == b""  # closed, no answer to a request that never began
-            # Kept alive: the next head is due from its own first byte, and a whole one is served.
-            kept, _ = await exchange(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", b"GET /b HTTP/1.1\r\n")
-            assert kept.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in kept, kept
-        finally:
-            server.should_exit = True
-            await serving
+        partial, waited = await exchange(b"GET /jobs HTTP/1.1\r\nHost: h\r\n")
+        assert partial.startswith(b"HTTP/1.1 408 ") and b"connection: close" in partial.lower(), partial
+        assert json.loads(partial.partition(b"\r\n\r\n")[2])["type"] == "/problems/request-timeout"
+        assert 0.4 < waited < 3, waited
+        idle, _ = await exchange()
+        assert idle == b""  # closed, no answer to a request that never began
+        # Kept alive: the next head is due from its own first byte, and a whole one is served.
+        kept, _ = await exchange(b"GET /a HTTP/1.1\r\nHost: h\r\n\r\n", b"GET /b HTTP/1.1\r\n")
+        assert kept.startswith(b"HTTP/1.1 200 ") and b"HTTP/1.1 408 " in kept, kept
 
 
 async def test_an_answer_its_client_stops_taking_is_reset_and_one_it_takes_is_sent_whole(
@@ -117,10 +103,7 @@ async def test_an_answer_its_client_stops_taking_is_reset_and_one_it_takes_is_se
     the bound shortened."""
     import asyncio
 
-    import uvicorn
-
     from gateway import headers
-    from launcher.cli import server_config
 
     monkeypatch.setattr(headers, "SEND_WITHIN_S", 0.5)
     piece, pieces = b"x" * 65536, 512  # 32 MiB: far more than the sockets' buffers hold
@@ -137,6 +120,40 @@ async def test_an_answer_its_client_stops_taking_is_reset_and_one_it_takes_is_se
             await send({"type": "http.response.body", "body": b""})
             done.set()
 
+    async with _serving(app) as port:
+        request = b"GET /download HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=65536)
+        writer.write(request)
+        assert (await reader.read(4096)).startswith(b"HTTP/1.1 200 ")
+        # Then nothing more is read: the server's send stops, and its answer ends once the bound passed.
+        await asyncio.wait_for(answered[0].wait(), timeout=30)
+        received = 0
+        with contextlib.suppress(ConnectionError):
+            while chunk := await asyncio.wait_for(reader.read(1 << 20), timeout=30):
+                received += len(chunk)
+        assert received < len(piece) * pieces, "cut off, not sent whole"
+        writer.close()
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(request)
+        whole = b""
+        while chunk := await asyncio.wait_for(reader.read(1 << 20), timeout=30):
+            whole += chunk
+        assert whole.endswith(piece) and len(whole.partition(b"\r\n\r\n")[2]) == len(piece) * pieces
+        writer.close()
+
+
+@contextlib.asynccontextmanager
+async def _serving(app: Any) -> AsyncIterator[int]:
+    """``app`` behind the gateway's own protocol (``launcher.cli.server_config``), on a server of
+    its own on 127.0.0.1; yields its port."""
+    import asyncio
+
+    import uvicorn
+
+    from launcher.cli import server_config
+
     config = server_config(app, "127.0.0.1", 0)
     config.lifespan, config.loop = "off", "asyncio"
     with socket.socket() as taken:
@@ -146,28 +163,7 @@ async def test_an_answer_its_client_stops_taking_is_reset_and_one_it_takes_is_se
         try:
             while not server.started:
                 await asyncio.sleep(0.01)
-            port = taken.getsockname()[1]
-            request = b"GET /download HTTP/1.1\r\nHost: h\r\nConnection: close\r\n\r\n"
-
-            reader, writer = await asyncio.open_connection("127.0.0.1", port, limit=65536)
-            writer.write(request)
-            assert (await reader.read(4096)).startswith(b"HTTP/1.1 200 ")
-            # Then nothing more is read: the server's send stops, and its answer ends once the bound passed.
-            await asyncio.wait_for(answered[0].wait(), timeout=30)
-            received = 0
-            with contextlib.suppress(ConnectionError):
-                while chunk := await asyncio.wait_for(reader.read(1 << 20), timeout=30):
-                    received += len(chunk)
-            assert received < len(piece) * pieces, "cut off, not sent whole"
-            writer.close()
-
-            reader, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.write(request)
-            whole = b""
-            while chunk := await asyncio.wait_for(reader.read(1 << 20), timeout=30):
-                whole += chunk
-            assert whole.endswith(piece) and len(whole.partition(b"\r\n\r\n")[2]) == len(piece) * pieces
-            writer.close()
+            yield taken.getsockname()[1]
         finally:
             server.should_exit = True
             await serving
