@@ -283,7 +283,8 @@ def _describe_headers(paths: Any, kinds: list[JobKind]) -> None:
     status = paths["/jobs/{job_id}"].get
     _answer_headers(status, {"200": {"ETag": _ETAG, "Retry-After": _RETRY_AFTER, "Cache-Control": _NO_STORE},
                              "303": {"Location": _LOCATION, "ETag": _ETAG, "Cache-Control": _NO_STORE},
-                             "304": {"ETag": _ETAG}})
+                             # A 304 carries what its 200 would (RFC 9110 §15.4.5), as answer_response sends it.
+                             "304": {"ETag": _ETAG, "Retry-After": _RETRY_AFTER, "Cache-Control": _NO_STORE}})
     _add_parameters(status, _request_header("If-None-Match", "a tag this route gave: `304` while it is current "
                                             "(with `wait`, held until it is not)"))
     for kind in kinds:

@@ -4,6 +4,7 @@ variable it reads."""
 from __future__ import annotations
 
 import re
+import warnings
 from pathlib import Path
 
 from schemas.problems import PROBLEM_TYPES
@@ -41,3 +42,20 @@ def test_readme_configuration_table_is_every_variable_herald_reads() -> None:
     read = _environment_variables()
     assert not read - listed, f"README.md's Configuration table lacks {sorted(read - listed)}"
     assert not listed - read, f"README.md's Configuration table lists what Herald never reads: {sorted(listed - read)}"
+
+
+def test_openapi_documents_the_headers_a_status_304_carries(tmp_path: Path) -> None:
+    # GET /jobs/{id} answers 304 with the headers of the 200 it stands for (ETag, and while
+    # the job is queued or running Retry-After and Cache-Control: a long poll that timed
+    # out says when to ask again); the document named only the ETag.
+    from herald.settings import Settings
+
+    # Litestar 2.25 deprecates Parameter(query=...), which the routes use; the gateway's own
+    # processes import them, this one only for the document.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from gateway.app import create_app
+
+        app = create_app(Settings.from_env({}).with_changes(data_dir=tmp_path))
+    responses = app.openapi_schema.to_schema()["paths"]["/jobs/{job_id}"]["get"]["responses"]
+    assert set(responses["304"]["headers"]) == set(responses["200"]["headers"]) == {"ETag", "Retry-After", "Cache-Control"}
