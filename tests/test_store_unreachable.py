@@ -458,26 +458,19 @@ def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
     record was cut (a failover, a proxy, pg_terminate_backend): the notifier records it again.
     The attempt crashed instead, its delivery stayed leased for the lease's 30 s and was then
     sent again, a second time and late, for every attempt in flight when the store blinked."""
-    from tests.test_webhooks import Hit, Receiver
+    from tests.test_webhooks import Receiver
 
     deployment = Deployment(tmp_path / "herald", database_url=postgres_server.create_database("notifier_cut"))
     deployment.nats.start()
     receiver = Receiver().start()
     runner = asyncio.Runner()
     answering = threading.Event()
-
-    def held_until_told(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
-        answering.wait(20)
-        return 200, {}
-
     try:
         base = deployment.start_gateway()
         deployment.start_worker()
         deployment.start_notifier()
         with client(base) as http:
-            url = receiver.route("/cut", held_until_told)
-            endpoint = http.post("/webhooks", json={"url": url, "event_types": ["job.succeeded"]}).json()
-            receiver.routes["/cut"].hmac.append(endpoint["secret"])
+            endpoint = _endpoint_answered_when(answering, http, receiver, "/cut")
             job = http.post("/exports", json={"format": "csv", "rows": 10}).json()
             wait_until(lambda: receiver.hits_for("/cut"), what="the attempt in flight")
             record = _RowHolder(runner, deployment.database_url or "", job["id"], table="webhook_deliveries",
@@ -493,13 +486,32 @@ def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
             done = wait_until(delivered, timeout=10, what="the delivery recorded delivered (well before its lease ends)")
             assert [a["status_code"] for a in done["attempts"]] == [200], done["attempts"]
         assert len(receiver.hits_for("/cut")) == 1
-        crashed = [e for e in deployment.log_events("notifier") if e.get("event") == "webhook attempt crashed"]
-        assert not crashed, crashed
+        _no_attempt_crashed(deployment)
     finally:
         answering.set()
         runner.close()
         receiver.stop()
         deployment.stop()
+
+
+def _endpoint_answered_when(answering: threading.Event, http: httpx.Client, receiver: Any, path: str) -> dict[str, Any]:
+    """A ``job.succeeded`` endpoint whose receiver (``tests.test_webhooks.Receiver``) holds each
+    POST on ``path`` until ``answering`` is set, then answers 200."""
+    from tests.test_webhooks import Hit
+
+    def held_until_told(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        answering.wait(20)
+        return 200, {}
+
+    hook = receiver.route(path, held_until_told)
+    endpoint: dict[str, Any] = http.post("/webhooks", json={"url": hook, "event_types": ["job.succeeded"]}).json()
+    receiver.routes[path].hmac.append(endpoint["secret"])
+    return endpoint
+
+
+def _no_attempt_crashed(deployment: Deployment) -> None:
+    crashed = [e for e in deployment.log_events("notifier") if e.get("event") == "webhook attempt crashed"]
+    assert not crashed, crashed
 
 
 class _AnswerLoser:
@@ -585,7 +597,7 @@ def test_an_attempt_recorded_again_after_its_answer_was_lost_is_logged_once(
     through any cut connection, and the store, which holds the attempt already (its own id),
     writes nothing again. The repeat added a second attempt row, so the delivery's history
     (GET /webhooks/{id}/deliveries, the portal) showed one POST twice."""
-    from tests.test_webhooks import Hit, Receiver
+    from tests.test_webhooks import Receiver
 
     url = postgres_server.create_database("notifier_answer_lost")
     deployment = Deployment(tmp_path / "herald", database_url=url)
@@ -594,19 +606,12 @@ def test_an_attempt_recorded_again_after_its_answer_was_lost_is_logged_once(
     receiver = Receiver().start()
     runner = asyncio.Runner()
     answering = threading.Event()
-
-    def held_until_told(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
-        answering.wait(20)
-        return 200, {}
-
     try:
         base = deployment.start_gateway()
         deployment.start_worker()
         deployment.start_notifier(HERALD_DATABASE_URL=proxy.url(url))
         with client(base) as http:
-            hook = receiver.route("/lost", held_until_told)
-            endpoint = http.post("/webhooks", json={"url": hook, "event_types": ["job.succeeded"]}).json()
-            receiver.routes["/lost"].hmac.append(endpoint["secret"])
+            endpoint = _endpoint_answered_when(answering, http, receiver, "/lost")
             job = http.post("/exports", json={"format": "csv", "rows": 10}).json()
             wait_until(lambda: receiver.hits_for("/lost"), what="the attempt in flight")
             record = _RowHolder(runner, url, job["id"], table="webhook_deliveries", column="job_id",
@@ -639,8 +644,7 @@ def test_an_attempt_recorded_again_after_its_answer_was_lost_is_logged_once(
             assert [a["status_code"] for a in done["attempts"]] == [200], done["attempts"]
         assert len(receiver.hits_for("/lost")) == 1
         assert deployment.count_rows("webhook_attempts") == {"webhook_attempts": 1}
-        crashed = [e for e in deployment.log_events("notifier") if e.get("event") == "webhook attempt crashed"]
-        assert not crashed, crashed
+        _no_attempt_crashed(deployment)
     finally:
         answering.set()
         runner.close()
