@@ -217,6 +217,13 @@ def test_json_feed_pages_in_commit_order_and_long_polls(herald: Deployment) -> N
         assert result["page"]["events"][0]["data"]["id"] == another["id"]
         for bad in ({"after": "x"}, {"limit": 0}, {"limit": 501}, {"wait": 0}, {"wait": 61}):
             assert http.get("/events", params=bad, headers=json_accept).status_code == 400
+        # A cursor past the newest event was answered as the next cursor: following it, a
+        # client would have skipped every event numbered up to it.
+        newest = int(result["page"]["next_cursor"])
+        beyond = http.get("/events", params={"after": newest + 1000, "wait": 1}, headers=json_accept)
+        assert beyond.status_code == 400 and beyond.json()["errors"][0]["field"] == "after", beyond.text
+        at_newest = http.get("/events", params={"after": newest}, headers=json_accept).json()
+        assert at_newest["events"] == [] or int(at_newest["events"][0]["id"]) > newest
 
 
 def test_tenant_stream_via_signed_link(herald: Deployment) -> None:

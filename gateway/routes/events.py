@@ -245,6 +245,10 @@ async def _feed(
         raise InvalidRequest([FieldError(field="after", message=str(exc))]) from exc
     position = cursor or 0
     events = await svc.store.tenant_events(tenant, position, limit, kind)
+    if not events and position > 0 and position > await svc.store.last_event_seq(tenant):
+        # No event of this tenant has been given that number: answered with it as the next
+        # cursor, a client would skip every event numbered up to it.
+        raise InvalidRequest([FieldError(field="after", message="is past the newest event: use a cursor this feed gave")])
     if not events and wait is not None:
         # A held feed poll holds a connection like a stream: it counts against max_streams (SPEC §13).
         svc.limiter.open_stream(tenant)
