@@ -4,7 +4,8 @@ in the run's temp dir, on a free port, started on first use and stopped when the
 Every Herald deployment of the run gets a database of its own (``database()``), so no
 scenario sees another's rows, as every SQLite deployment has a file of its own. The server
 runs with ``PostgresServer``'s settings, the ones ``herald up --cluster`` runs with (fsync
-and synchronous commit on), plus ``--pg-set`` what-ifs.
+and synchronous commit on), plus ``track_wal_io_timing`` (so a run says how long its WAL
+writes and flushes took: two clock reads each) and ``--pg-set`` what-ifs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from launcher.pgserver import PostgresServer
 class BenchPostgres:
     def __init__(self, data_dir: Path, settings: dict[str, str] | None = None) -> None:
         self.data_dir = data_dir
-        self.settings = dict(settings or {})
+        self.settings = {"track_wal_io_timing": "on", **(settings or {})}
         self.server: PostgresServer | None = None
         self.created: list[str] = []
         self.start_s = 0.0
@@ -70,6 +71,8 @@ WHERE datname = current_database() AND pid <> pg_backend_pid() AND backend_type 
 COUNTERS_SQL = """
 SELECT (SELECT xact_commit FROM pg_stat_database WHERE datname = current_database()) AS commits,
        (SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io WHERE object = 'wal') AS wal_fsyncs,
+       (SELECT coalesce(sum(fsync_time), 0) FROM pg_stat_io WHERE object = 'wal') AS wal_fsync_ms,
+       (SELECT coalesce(sum(write_time), 0) FROM pg_stat_io WHERE object = 'wal') AS wal_write_ms,
        (SELECT wal_records FROM pg_stat_wal) AS wal_records,
        (SELECT wal_bytes FROM pg_stat_wal) AS wal_bytes
 """
@@ -172,8 +175,13 @@ class PgWaits:
         """The counters divided by ``jobs`` (commits, WAL fsyncs and records per job, WAL kB per job)."""
         if not jobs or not self.counters:
             return {}
-        per = {name: round(value / jobs, 2) for name, value in self.counters.items() if name != "wal_bytes"}
+        per = {name: round(value / jobs, 2) for name, value in self.counters.items()
+               if name not in ("wal_bytes", "wal_fsync_ms", "wal_write_ms")}
         per["wal_kb"] = round(self.counters["wal_bytes"] / jobs / 1024, 2)
+        fsyncs = self.counters.get("wal_fsyncs", 0.0)
+        if fsyncs:  # the mean flush, and the WAL's write() per flush, in ms
+            per["ms_per_wal_fsync"] = round(self.counters.get("wal_fsync_ms", 0.0) / fsyncs, 3)
+            per["write_ms_per_wal_fsync"] = round(self.counters.get("wal_write_ms", 0.0) / fsyncs, 3)
         per.update({f"calls {name}": round(n / jobs, 2) for name, n in sorted(self.calls.items()) if n})
         per.update({f"ms in {name}": round(ms / jobs, 3) for name, ms in sorted(self.call_ms.items()) if ms})
         return per

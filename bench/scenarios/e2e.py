@@ -384,7 +384,8 @@ def run(ctx: Context) -> Outcome:
         if phase.get("postgres_per_job"):
             per = phase["postgres_per_job"]
             out.notes.append(f"{label}, PostgreSQL per job: {per['commits']:g} commits, {per['wal_fsyncs']:g} WAL "
-                             f"fsyncs, {per['wal_records']:g} WAL records, {per['wal_kb']:g} kB of WAL")
+                             f"fsyncs ({per.get('ms_per_wal_fsync', 0):g} ms each, after {per.get('write_ms_per_wal_fsync', 0):g} ms"
+                             f" of write), {per['wal_records']:g} WAL records, {per['wal_kb']:g} kB of WAL")
     if h.get("sse_streams_dropped"):
         out.notes.append(f"the gateway dropped {h['sse_streams_dropped']} SSE stream(s) as slow readers "
                          "(hub queue full) during the run")
