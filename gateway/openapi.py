@@ -188,6 +188,7 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
                 # The store (PostgreSQL) unreachable, or the keys it holds not loaded yet.
                 _problem_response(operation, 503)
             _problems_everywhere(operation)
+            _canonical_header_names(operation)
             _answer_headers(operation, {"429": {"Retry-After": _RETRY_AFTER}, "503": {"Retry-After": _RETRY_AFTER}})
             if operation.operation_id not in PUBLIC_OPERATIONS:
                 # Every key-protected route can refuse a missing key and a key without its scope.
@@ -264,6 +265,15 @@ def _answer_headers(operation: Operation, by_status: dict[str, dict[str, OpenAPI
             response.headers = {**(response.headers or {}), **headers}
 
 
+def _canonical_header_names(operation: Operation) -> None:
+    """A route's ``cache_control=`` reaches the document as ``cache-control``; every other header
+    is named as the SPEC writes it, so a client reading the document sees one spelling."""
+    for response in (operation.responses or {}).values():
+        if isinstance(response, OpenAPIResponse) and response.headers and "cache-control" in response.headers:
+            response.headers = {("Cache-Control" if name == "cache-control" else name): header
+                                for name, header in response.headers.items()}
+
+
 def _add_parameters(operation: Operation, *parameters: Parameter) -> None:
     known = {p.name for p in operation.parameters or () if isinstance(p, Parameter)}
     operation.parameters = [*(operation.parameters or ()), *(p for p in parameters if p.name not in known)]
@@ -285,6 +295,8 @@ def _describe_headers(paths: Any, kinds: list[JobKind]) -> None:
                              "303": {"Location": _LOCATION, "ETag": _ETAG, "Cache-Control": _NO_STORE},
                              # A 304 carries what its 200 would (RFC 9110 §15.4.5), as answer_response sends it.
                              "304": {"ETag": _ETAG, "Retry-After": _RETRY_AFTER, "Cache-Control": _NO_STORE}})
+    _answer_headers(paths["/jobs/{job_id}"].delete, {"200": {"Cache-Control": _NO_STORE},
+                                                     "202": {"Cache-Control": _NO_STORE}})
     _add_parameters(status, _request_header("If-None-Match", "a tag this route gave: `304` while it is current "
                                             "(with `wait`, held until it is not)"))
     for kind in kinds:

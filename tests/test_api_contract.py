@@ -131,7 +131,11 @@ def test_the_document_names_the_headers_the_server_sends(herald: Deployment) -> 
         not_ready = http.get(f"/reports/{slow['id']}")
         assert not_ready.json()["type"] == "/problems/result-not-ready"
         _documented(spec, "GET", "/reports/{job_id}", not_ready, "Retry-After")
-        assert http.delete(f"/jobs/{slow['id']}").status_code in (200, 202)
+        cancelled = http.delete(f"/jobs/{slow['id']}")
+        assert cancelled.status_code in (200, 202)
+        _documented(spec, "DELETE", "/jobs/{job_id}", cancelled, "Cache-Control")
+        link = http.post("/events/link")
+        _documented(spec, "POST", "/events/link", link, "Cache-Control")
 
     with _admin(herald.url()) as http:
         tenant = http.post("/admin/tenants", json={"id": "documented"})
@@ -277,3 +281,21 @@ def test_max_endpoints_of_0_allows_no_endpoint(herald: Deployment) -> None:
             assert admin.patch("/admin/tenants/no-hooks", json={"limits": {"max_endpoints": 1}}).status_code == 200
             assert http.post("/webhooks", json={"url": "http://127.0.0.1:9/one"}).status_code == 201
             assert http.post("/webhooks", json={"url": "http://127.0.0.1:9/two"}).status_code == 409
+
+
+def test_an_empty_cursor_is_a_400_naming_it_on_every_list(herald: Deployment) -> None:
+    """SPEC §10: a cursor no list gave out is a bad field. Empty was the first page on some lists
+    and a 400 on others; a client that sends back an empty string it built by mistake learns so
+    on every list alike, instead of silently starting over on some."""
+    with client(herald.url()) as http:
+        endpoint = http.post("/webhooks", json={"url": "https://example.com/hook-empty-cursor"}).json()
+        paths = ["/jobs", "/webhooks", f"/webhooks/{endpoint['id']}/deliveries"]
+        answers = [http.get(path, params={"cursor": ""}) for path in paths]
+    with _admin(herald.url()) as admin:
+        paths += ["/admin/tenants", "/admin/audit"]
+        answers += [admin.get(path, params={"cursor": ""}) for path in paths[3:]]
+    for path, answer in zip(paths, answers):
+        assert answer.status_code == 400, (path, answer.text)
+        problem = answer.json()
+        assert problem["type"] == "/problems/invalid-cursor", (path, problem)
+        assert [e["field"] for e in problem["errors"]] == ["cursor"], (path, problem)

@@ -59,9 +59,11 @@ def test_page_and_assets_need_no_key_and_stay_out_of_the_schema(herald: Deployme
         assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
         assert "script-src 'self'" in page.headers["content-security-policy"]
         assert '<script src="/static/app.js"' in page.text
+        assert page.headers["content-disposition"] == 'inline; filename="index.html"', "a saved page keeps a name"
         for name, media_type in (("app.js", "text/javascript"), ("app.css", "text/css")):
             asset = anonymous.get(f"/static/{name}")
             assert asset.status_code == 200 and asset.headers["content-type"] == f"{media_type}; charset=utf-8"
+            assert asset.headers["content-disposition"] == f'inline; filename="{name}"'
         assert anonymous.get("/static/index.html").status_code == 404, "only the page's assets are served"
         assert anonymous.get("/static/..%2Fapp.py").status_code == 404
         paths = anonymous.get("/schema/openapi.json").json()["paths"]

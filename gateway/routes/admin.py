@@ -117,7 +117,7 @@ class AdminController(Controller):
         cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
     ) -> Response[TenantList]:
         svc = _svc(request)
-        after = decode_name(cursor) if cursor else None
+        after = decode_name(cursor) if cursor is not None else None  # empty: no cursor given out, a 400
         stored = await svc.storage.tenants.list_tenants(after=after, limit=limit + 1)
         rows = {row.id: row for row in stored}
         for tenant_id in svc.directory.env_tenants:
@@ -210,7 +210,7 @@ class AdminController(Controller):
         cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
     ) -> Response[AuditList]:
         svc = _svc(request)
-        before = decode_seq(cursor) if cursor else None
+        before = decode_seq(cursor) if cursor is not None else None
         rows = await svc.storage.tenants.audit_log(before=before, limit=limit + 1)
         page = rows[:limit]
         items = [AuditEntry(id=row.id, at=rfc3339(row.at) or "", action=row.action, tenant=row.tenant,

@@ -44,8 +44,8 @@ def swagger_asset(name: str) -> File:
     media_type = ASSETS.get(name)
     if media_type is None:
         raise NotFound("no such file")
-    return File(str(_SWAGGER_STATIC / name), content_disposition_type="inline", media_type=media_type,
-                headers={"Cache-Control": "public, max-age=86400"})
+    return File(str(_SWAGGER_STATIC / name), filename=name, content_disposition_type="inline",
+                media_type=media_type, headers={"Cache-Control": "public, max-age=86400"})
 
 
 def _problem_not_html(response: Response[Any]) -> Response[Any]:

@@ -106,13 +106,17 @@ async def list_jobs(
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     if job_state is not None and job_state not in JOB_STATES:
         raise InvalidRequest([FieldError(field="state", message=f"must be one of {', '.join(JOB_STATES)}")])
-    before = decode_position(cursor) if cursor else None
+    before = decode_position(cursor) if cursor is not None else None  # empty: no cursor given out, a 400
     rows = await svc.store.list_jobs(tenant, state=job_state, kind=kind_filter(kind), before=before, limit=limit + 1)
     page = rows[:limit]
     return JobList(
         items=[public_status(job, svc.signer, queued_reason=await svc.queue_reasons.reason(job)) for job in page],
         next_cursor=encode_position(page[-1].created_at, page[-1].id) if len(rows) > limit else None,
     )
+
+
+# The status a cancel answers with is a snapshot, with signed links in it, as GET's is (no-store there too).
+_NOT_STORED = {"Cache-Control": "no-store"}
 
 
 @delete("/jobs/{job_id:str}", operation_id="cancel_job", tags=["jobs"], summary="Cancel a job", status_code=200,
@@ -130,15 +134,18 @@ async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
         try:
             if job.state == "queued":
                 done = await svc.store.transition(job.id, Change(expect={"queued"}, to="cancelled"))
-                return Response(public_status(done.after, svc.signer, signed=signed), status_code=HTTP_200_OK)
+                return Response(public_status(done.after, svc.signer, signed=signed), status_code=HTTP_200_OK,
+                                headers=_NOT_STORED)
             if job.state == "running":
                 if not job.cancel_requested:
                     job = (await svc.store.transition(
                         job.id, Change(expect={"running"}, attempt=job.attempt, cancel_requested=True))).after
-                return Response(public_status(job, svc.signer, signed=signed), status_code=HTTP_202_ACCEPTED)
+                return Response(public_status(job, svc.signer, signed=signed), status_code=HTTP_202_ACCEPTED,
+                                headers=_NOT_STORED)
         except TransitionRejected:
             continue
         if job.state == "cancelled":
-            return Response(public_status(job, svc.signer, signed=signed), status_code=HTTP_200_OK)
+            return Response(public_status(job, svc.signer, signed=signed), status_code=HTTP_200_OK,
+                            headers=_NOT_STORED)
         raise JobFinished(f"the job is {job.state}; only queued or running jobs can be cancelled")
     raise Conflict("the job kept changing; try again")

@@ -36,8 +36,9 @@ PAGE_HEADERS = {
 @get("/", include_in_schema=False, media_type=MediaType.HTML, cache_control=REVALIDATE)
 async def index() -> File:
     """The page: start reports and watch every job of the tenant over one event stream."""
-    return File(STATIC_DIR / "index.html", content_disposition_type="inline", media_type=MediaType.HTML,
-                headers=PAGE_HEADERS)
+    # Named, or Litestar's File says `inline; filename=""`, an empty name a browser saving the page must guess.
+    return File(STATIC_DIR / "index.html", filename="index.html", content_disposition_type="inline",
+                media_type=MediaType.HTML, headers=PAGE_HEADERS)
 
 
 @get("/static/{name:str}", include_in_schema=False, cache_control=REVALIDATE)
@@ -46,5 +47,5 @@ async def asset(name: str) -> File:
     media_type = ASSETS.get(name)
     if media_type is None:
         raise NotFound("no such file")
-    return File(STATIC_DIR / name, content_disposition_type="inline", media_type=media_type,
+    return File(STATIC_DIR / name, filename=name, content_disposition_type="inline", media_type=media_type,
                 headers={"X-Content-Type-Options": "nosniff"})

@@ -35,8 +35,8 @@ PORTAL_PATH = "/portal"
 @get(PORTAL_PATH, include_in_schema=False, media_type=MediaType.HTML, cache_control=REVALIDATE)
 async def portal_page() -> File:
     """The webhook portal: endpoints, deliveries, attempts, resend, recover, test events."""
-    return File(STATIC_DIR / "portal.html", content_disposition_type="inline", media_type=MediaType.HTML,
-                headers=PAGE_HEADERS)
+    return File(STATIC_DIR / "portal.html", filename="portal.html", content_disposition_type="inline",
+                media_type=MediaType.HTML, headers=PAGE_HEADERS)
 
 
 @post(f"{PORTAL_PATH}/link", operation_id="portal_link", tags=["webhooks"], status_code=200,
