@@ -4,7 +4,6 @@ variable it reads."""
 from __future__ import annotations
 
 import re
-import warnings
 from pathlib import Path
 
 from schemas.problems import PROBLEM_TYPES
@@ -50,12 +49,8 @@ def test_openapi_documents_the_headers_a_status_304_carries(tmp_path: Path) -> N
     # out says when to ask again); the document named only the ETag.
     from herald.settings import Settings
 
-    # Litestar 2.25 deprecates Parameter(query=...), which the routes use; the gateway's own
-    # processes import them, this one only for the document.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", DeprecationWarning)
-        from gateway.app import create_app
+    from gateway.app import create_app
 
-        app = create_app(Settings.from_env({}).with_changes(data_dir=tmp_path))
+    app = create_app(Settings.from_env({}).with_changes(data_dir=tmp_path))
     responses = app.openapi_schema.to_schema()["paths"]["/jobs/{job_id}"]["get"]["responses"]
     assert set(responses["304"]["headers"]) == set(responses["200"]["headers"]) == {"ETag", "Retry-After", "Cache-Control"}

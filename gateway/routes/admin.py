@@ -14,7 +14,7 @@ import re
 from typing import Annotated
 
 from litestar import Controller, Request, Response, delete, get, patch, post
-from litestar.params import Parameter
+from litestar.params import FromPath, QueryParameter
 
 from gateway.auth import require_admin
 from gateway.bodies import read_body
@@ -113,8 +113,8 @@ class AdminController(Controller):
     async def list_tenants(
         self,
         request: Request,
-        limit: Annotated[int, Parameter(query="limit", ge=1, le=100)] = 50,
-        cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
+        limit: Annotated[int, QueryParameter(name="limit", ge=1, le=100)] = 50,
+        cursor: Annotated[str | None, QueryParameter(name="cursor", max_length=200)] = None,
     ) -> Response[TenantList]:
         svc = _svc(request)
         after = decode_name(cursor) if cursor is not None else None  # empty: no cursor given out, a 400
@@ -134,14 +134,14 @@ class AdminController(Controller):
 
     @get("/tenants/{tenant_id:str}", operation_id="get_tenant", summary="A tenant",
          responses=problems(401, 403, 404))
-    async def get_tenant(self, request: Request, tenant_id: str) -> Response[Tenant]:
+    async def get_tenant(self, request: Request, tenant_id: FromPath[str]) -> Response[Tenant]:
         svc = _svc(request)
         return Response(tenant_view(await _tenant_row(svc, tenant_id), svc.directory), headers=NO_STORE)
 
     @patch("/tenants/{tenant_id:str}", operation_id="update_tenant", summary="Change a tenant's limits, or disable it",
            operation_class=with_body(TenantUpdate, "limits (null: back to the default) and/or disabled"),
            responses=problems(400, 401, 403, 404, 415))
-    async def update_tenant(self, request: Request, tenant_id: str) -> Response[Tenant]:
+    async def update_tenant(self, request: Request, tenant_id: FromPath[str]) -> Response[Tenant]:
         """A disabled tenant's keys and portal sessions get 401 (within 2 s everywhere); its jobs
         keep running and its webhooks keep going out."""
         svc = _svc(request)
@@ -163,7 +163,7 @@ class AdminController(Controller):
           summary="Create an API key for the tenant (the key is in this answer only)",
           operation_class=with_body(KeyCreate, "name, scopes (default: all) and expiry"),
           responses=problems(400, 401, 403, 404, 415))
-    async def create_key(self, request: Request, tenant_id: str) -> Response[CreatedApiKey]:
+    async def create_key(self, request: Request, tenant_id: FromPath[str]) -> Response[CreatedApiKey]:
         svc = _svc(request)
         body, _ = await read_body(request, KeyCreate)
         await _tenant_row(svc, tenant_id)
@@ -184,7 +184,7 @@ class AdminController(Controller):
 
     @get("/tenants/{tenant_id:str}/keys", operation_id="list_keys", summary="The tenant's keys (never the keys themselves)",
          responses=problems(401, 403, 404))
-    async def list_keys(self, request: Request, tenant_id: str) -> Response[ApiKeyList]:
+    async def list_keys(self, request: Request, tenant_id: FromPath[str]) -> Response[ApiKeyList]:
         svc = _svc(request)
         await _tenant_row(svc, tenant_id)
         keys = [*svc.directory.env_keys_of(tenant_id), *await svc.storage.tenants.list_keys(tenant_id)]
@@ -193,7 +193,7 @@ class AdminController(Controller):
     @delete("/keys/{key_id:str}", operation_id="revoke_key", status_code=204,
             summary="Revoke a key: 401 on every gateway within 2 s, and so for the portal sessions it opened",
             responses=problems(401, 403, 404, 409))
-    async def revoke_key(self, request: Request, key_id: str) -> None:
+    async def revoke_key(self, request: Request, key_id: FromPath[str]) -> None:
         svc = _svc(request)
         if svc.directory.env_key(key_id) is not None:
             raise EnvKey("this key comes from HERALD_API_KEYS: remove it there and restart, or disable the tenant")
@@ -206,8 +206,8 @@ class AdminController(Controller):
     async def audit(
         self,
         request: Request,
-        limit: Annotated[int, Parameter(query="limit", ge=1, le=100)] = 50,
-        cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
+        limit: Annotated[int, QueryParameter(name="limit", ge=1, le=100)] = 50,
+        cursor: Annotated[str | None, QueryParameter(name="cursor", max_length=200)] = None,
     ) -> Response[AuditList]:
         svc = _svc(request)
         before = decode_seq(cursor) if cursor is not None else None

@@ -14,6 +14,7 @@ from typing import Any
 
 from litestar import MediaType, Request, Response, Router, get
 from litestar.openapi.plugins import JsonRenderPlugin, OpenAPIRenderPlugin
+from litestar.params import FromPath
 from litestar.response import File
 
 from gateway.problems import NotFound, problem_response
@@ -40,7 +41,7 @@ class ApiBrowser(OpenAPIRenderPlugin):
 
 
 @get("/assets/{name:str}", include_in_schema=False, sync_to_thread=False)
-def swagger_asset(name: str) -> File:
+def swagger_asset(name: FromPath[str]) -> File:
     media_type = ASSETS.get(name)
     if media_type is None:
         raise NotFound("no such file")

@@ -15,7 +15,7 @@ from urllib.parse import quote
 
 from litestar import Request, Response, get, post
 from litestar.openapi import ResponseSpec
-from litestar.params import Parameter
+from litestar.params import FromPath, QueryParameter
 
 from gateway.auth import bearer_tenant, held_for_owner, note_stream_owner, require_tenant
 from herald.tenants import SCOPE_JOBS_READ
@@ -153,10 +153,10 @@ async def _job_stream(svc: Services, job_id: str, resume: int | None) -> AsyncIt
      })
 async def job_events(
     request: Request,
-    job_id: str,
-    last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
-    exp: Annotated[str | None, Parameter(query="exp", max_length=12)] = None,
-    sig: Annotated[str | None, Parameter(query="sig", max_length=100)] = None,
+    job_id: FromPath[str],
+    last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
+    exp: Annotated[str | None, QueryParameter(name="exp", max_length=12)] = None,
+    sig: Annotated[str | None, QueryParameter(name="sig", max_length=100)] = None,
 ) -> Any:
     """`retry:`, the current status, then every committed change (`id:` = version) until the terminal one."""
     svc = services(request)
@@ -293,14 +293,14 @@ def _wants_json(request: Request) -> bool:
      })
 async def tenant_events(
     request: Request,
-    kind: Annotated[str | None, Parameter(query="kind", max_length=64)] = None,
-    after: Annotated[str | None, Parameter(query="after", max_length=MAX_CURSOR_LENGTH)] = None,
-    limit: Annotated[int, Parameter(query="limit", ge=1, le=500)] = 100,
-    wait: Annotated[int | None, Parameter(query="wait", ge=1, le=60)] = None,
-    last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
-    exp: Annotated[str | None, Parameter(query="exp", description="of a signed URL from POST /events/link")] = None,
-    sig: Annotated[str | None, Parameter(query="sig", description="of a signed URL from POST /events/link")] = None,
-    signed_tenant: Annotated[str | None, Parameter(query="tenant",
+    kind: Annotated[str | None, QueryParameter(name="kind", max_length=64)] = None,
+    after: Annotated[str | None, QueryParameter(name="after", max_length=MAX_CURSOR_LENGTH)] = None,
+    limit: Annotated[int, QueryParameter(name="limit", ge=1, le=500)] = 100,
+    wait: Annotated[int | None, QueryParameter(name="wait", ge=1, le=60)] = None,
+    last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", max_length=MAX_CURSOR_LENGTH)] = None,
+    exp: Annotated[str | None, QueryParameter(name="exp", description="of a signed URL from POST /events/link")] = None,
+    sig: Annotated[str | None, QueryParameter(name="sig", description="of a signed URL from POST /events/link")] = None,
+    signed_tenant: Annotated[str | None, QueryParameter(name="tenant",
                                                    description="of a signed URL from POST /events/link")] = None,
 ) -> Any:
     svc = services(request)

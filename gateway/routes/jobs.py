@@ -6,7 +6,7 @@ from typing import Annotated
 
 from litestar import Request, Response, delete, get
 from litestar.openapi import ResponseSpec
-from litestar.params import Parameter
+from litestar.params import FromPath, QueryParameter
 from litestar.status_codes import HTTP_200_OK, HTTP_202_ACCEPTED
 
 from gateway.answers import StatusAnswer, status_answer
@@ -65,8 +65,8 @@ def answer_response(answer: StatusAnswer, if_none_match: str | None) -> Response
      })
 async def get_job(
     request: Request,
-    job_id: str,
-    wait: Annotated[int | None, Parameter(query="wait", ge=1, le=60, description="long poll: hold up to this many seconds while If-None-Match matches")] = None,
+    job_id: FromPath[str],
+    wait: Annotated[int | None, QueryParameter(name="wait", ge=1, le=60, description="long poll: hold up to this many seconds while If-None-Match matches")] = None,
 ) -> Response[JobStatus]:
     """200 while queued/running (with Retry-After), 303 to the result once succeeded, 200 failed/cancelled."""
     svc = services(request)
@@ -97,10 +97,10 @@ async def get_job(
      responses=problems(400, 401))
 async def list_jobs(
     request: Request,
-    job_state: Annotated[str | None, Parameter(query="state", description=_STATE_CHOICES)] = None,
-    kind: Annotated[str | None, Parameter(query="kind", max_length=64)] = None,
-    limit: Annotated[int, Parameter(query="limit", ge=1, le=100)] = 20,
-    cursor: Annotated[str | None, Parameter(query="cursor", max_length=200)] = None,
+    job_state: Annotated[str | None, QueryParameter(name="state", description=_STATE_CHOICES)] = None,
+    kind: Annotated[str | None, QueryParameter(name="kind", max_length=64)] = None,
+    limit: Annotated[int, QueryParameter(name="limit", ge=1, le=100)] = 20,
+    cursor: Annotated[str | None, QueryParameter(name="cursor", max_length=200)] = None,
 ) -> JobList:
     svc = services(request)
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
@@ -124,7 +124,7 @@ _NOT_STORED = {"Cache-Control": "no-store"}
             202: ResponseSpec(JobStatus, description="Running: cancellation requested", generate_examples=False),
             **problems(401, 404, 409, 410),
         })
-async def cancel_job(request: Request, job_id: str) -> Response[JobStatus]:
+async def cancel_job(request: Request, job_id: FromPath[str]) -> Response[JobStatus]:
     """Queued: cancelled at once (200). Running: cancel requested (202), the worker stops between steps."""
     svc = services(request)
     principal = require_scoped(request, svc, SCOPE_JOBS_WRITE)

@@ -22,7 +22,7 @@ from typing import Annotated, Any
 import msgspec
 from litestar import Request, Response, get
 from litestar.openapi import ResponseSpec
-from litestar.params import Parameter
+from litestar.params import FromPath, QueryParameter
 from litestar.response import Stream
 from nats.js import JetStreamContext
 
@@ -226,13 +226,13 @@ def _wants_sse(request: Request) -> bool:
      })
 async def job_output(
     request: Request,
-    job_id: str,
-    last_event_id: Annotated[str | None, Parameter(query="last_event_id", max_length=MAX_CURSOR_LENGTH,
+    job_id: FromPath[str],
+    last_event_id: Annotated[str | None, QueryParameter(name="last_event_id", max_length=MAX_CURSOR_LENGTH,
                                                    description="SSE: only the chunks after this number")] = None,
-    after: Annotated[str | None, Parameter(query="after", max_length=MAX_CURSOR_LENGTH,
+    after: Annotated[str | None, QueryParameter(name="after", max_length=MAX_CURSOR_LENGTH,
                                            description="NDJSON: only the chunks after this number")] = None,
-    exp: Annotated[str | None, Parameter(query="exp", max_length=12)] = None,
-    sig: Annotated[str | None, Parameter(query="sig", max_length=100)] = None,
+    exp: Annotated[str | None, QueryParameter(name="exp", max_length=12)] = None,
+    sig: Annotated[str | None, QueryParameter(name="sig", max_length=100)] = None,
 ) -> Any:
     """Chunks as `id: <n>`, `event: output` (SSE, live, ending with the terminal event), or
     `{"n", "data"}` lines of the chunks so far (NDJSON)."""

@@ -11,6 +11,7 @@ from pathlib import Path
 from litestar import get
 from litestar.datastructures import CacheControlHeader
 from litestar.enums import MediaType
+from litestar.params import FromPath
 from litestar.response import File
 
 from gateway.problems import NotFound
@@ -42,7 +43,7 @@ async def index() -> File:
 
 
 @get("/static/{name:str}", include_in_schema=False, cache_control=REVALIDATE)
-async def asset(name: str) -> File:
+async def asset(name: FromPath[str]) -> File:
     """The page's script and style sheet; nothing else in the folder is served."""
     media_type = ASSETS.get(name)
     if media_type is None:

@@ -15,7 +15,7 @@ from urllib.parse import quote
 from litestar import Request, Response, get
 from litestar.handlers import HTTPRouteHandler
 from litestar.openapi import ResponseSpec
-from litestar.params import Parameter
+from litestar.params import FromPath, QueryParameter
 from litestar.response import Stream
 
 from gateway.auth import bearer_tenant
@@ -119,9 +119,9 @@ def _attachment(filename: str) -> str:
 def result_route(kind: JobKind) -> HTTPRouteHandler:
     async def download(
         request: Request,
-        job_id: str,
-        exp: Annotated[str | None, Parameter(query="exp", max_length=12)] = None,
-        sig: Annotated[str | None, Parameter(query="sig", max_length=100)] = None,
+        job_id: FromPath[str],
+        exp: Annotated[str | None, QueryParameter(name="exp", max_length=12)] = None,
+        sig: Annotated[str | None, QueryParameter(name="sig", max_length=100)] = None,
     ) -> Any:
         return await serve_result(request, kind, job_id, exp, sig)
 

@@ -21,7 +21,7 @@ from urllib.parse import quote
 
 import msgspec
 from litestar import Controller, Request, Response, delete, get, patch, post
-from litestar.params import Parameter
+from litestar.params import FromPath, QueryParameter
 
 from gateway.auth import note_stream_owner, require_webhook_tenant
 from gateway.bodies import read_body, url_errors
@@ -129,9 +129,9 @@ def _unique(values: list[str]) -> list[str]:
 
 # Query parameters are declared as plain strings (for the OpenAPI document) and checked
 # here, so that a bad one is answered like a bad body field.
-Limit = Annotated[str | None, Parameter(query="limit", description=f"1..{MAX_LIMIT}, default {DEFAULT_LIMIT}")]
-Cursor = Annotated[str | None, Parameter(query="cursor", description="next_cursor of the previous page")]
-StatusFilter = Annotated[str | None, Parameter(query="status", description=" or ".join(DELIVERY_STATUSES))]
+Limit = Annotated[str | None, QueryParameter(name="limit", description=f"1..{MAX_LIMIT}, default {DEFAULT_LIMIT}")]
+Cursor = Annotated[str | None, QueryParameter(name="cursor", description="next_cursor of the previous page")]
+StatusFilter = Annotated[str | None, QueryParameter(name="status", description=" or ".join(DELIVERY_STATUSES))]
 
 
 NO_ENDPOINT = "no such webhook endpoint"
@@ -353,14 +353,14 @@ class WebhooksController(Controller):
 
     @get("/{endpoint_id:str}", operation_id="get_webhook", summary="One webhook endpoint",
          responses=problems(401, 404))
-    async def get_endpoint(self, request: Request, endpoint_id: str) -> Endpoint:
+    async def get_endpoint(self, request: Request, endpoint_id: FromPath[str]) -> Endpoint:
         tenant = _tenant(request)
         return (await _endpoint_views(request, [await _endpoint(request, tenant, endpoint_id)]))[0]
 
     @patch("/{endpoint_id:str}", operation_id="update_webhook",
            summary="Change url, event_types, kinds or status (enabled/disabled)",
            operation_class=with_body(EndpointPatch, "The fields to change"), responses=problems(400, 401, 404, 415))
-    async def update(self, request: Request, endpoint_id: str) -> Endpoint:
+    async def update(self, request: Request, endpoint_id: FromPath[str]) -> Endpoint:
         tenant = _tenant(request)
         await _endpoint(request, tenant, endpoint_id)
         body = await _body(request, EndpointPatch)
@@ -387,7 +387,7 @@ class WebhooksController(Controller):
 
     @delete("/{endpoint_id:str}", operation_id="delete_webhook", status_code=204,
             summary="Delete the endpoint with its delivery log", responses=problems(401, 404))
-    async def remove(self, request: Request, endpoint_id: str) -> None:
+    async def remove(self, request: Request, endpoint_id: FromPath[str]) -> None:
         tenant = _tenant(request)
         await _endpoint(request, tenant, endpoint_id)
         if not await _webhooks(request).delete_endpoint(tenant, endpoint_id):
@@ -397,7 +397,7 @@ class WebhooksController(Controller):
     @post("/{endpoint_id:str}/rotate-secret", operation_id="rotate_webhook_secret", status_code=200,
           summary="A new secret (or key pair); the old one keeps signing for 24 h", responses=problems(401, 404),
           cache_control=NO_STORE)
-    async def rotate(self, request: Request, endpoint_id: str) -> SigningSecret:
+    async def rotate(self, request: Request, endpoint_id: FromPath[str]) -> SigningSecret:
         tenant = _tenant(request)
         await _endpoint(request, tenant, endpoint_id)
         key = await _webhooks(request).rotate_endpoint_key(tenant, endpoint_id)
@@ -411,7 +411,7 @@ class WebhooksController(Controller):
     async def deliveries(
         self,
         request: Request,
-        endpoint_id: str,
+        endpoint_id: FromPath[str],
         status: StatusFilter = None,
         limit: Limit = None,
         cursor: Cursor = None,
@@ -439,7 +439,7 @@ class WebhooksController(Controller):
     @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
           status_code=202, summary="Send the delivery again now, with the same webhook-id, whatever its status",
           responses=problems(401, 404, 409))
-    async def retry(self, request: Request, endpoint_id: str, delivery_id: str) -> Response[Delivery]:
+    async def retry(self, request: Request, endpoint_id: FromPath[str], delivery_id: FromPath[str]) -> Response[Delivery]:
         tenant = _tenant(request)
         endpoint = await _endpoint(request, tenant, endpoint_id)
         store = _webhooks(request)
@@ -456,7 +456,7 @@ class WebhooksController(Controller):
 
     @get("/{endpoint_id:str}/deliveries/{delivery_id:str}", operation_id="get_webhook_delivery",
          summary="One delivery with its attempts and the payload that was signed", responses=problems(401, 404))
-    async def delivery(self, request: Request, endpoint_id: str, delivery_id: str) -> Delivery:
+    async def delivery(self, request: Request, endpoint_id: FromPath[str], delivery_id: FromPath[str]) -> Delivery:
         tenant = _tenant(request)
         endpoint = await _endpoint(request, tenant, endpoint_id)
         store = _webhooks(request)
@@ -468,7 +468,7 @@ class WebhooksController(Controller):
     @post("/{endpoint_id:str}/recover", operation_id="recover_webhook", status_code=202,
           summary="Send again every failed delivery of the endpoint created since a time",
           operation_class=with_body(RecoverRequest, "Since when"), responses=problems(400, 401, 404, 409, 415))
-    async def recover(self, request: Request, endpoint_id: str) -> Response[Recovered]:
+    async def recover(self, request: Request, endpoint_id: FromPath[str]) -> Response[Recovered]:
         """Each failed delivery created at or after ``since`` is made due now, as ``/retry`` does
         (same id, same ``webhook-id``); ``count`` says how many."""
         tenant = _tenant(request)
@@ -484,7 +484,7 @@ class WebhooksController(Controller):
     @post("/{endpoint_id:str}/test", operation_id="test_webhook", status_code=202,
           summary="Send the endpoint a signed webhook.test event, through the same queue as every event",
           responses=problems(401, 404, 409, 429))
-    async def send_test(self, request: Request, endpoint_id: str) -> Response[Delivery]:
+    async def send_test(self, request: Request, endpoint_id: FromPath[str]) -> Response[Delivery]:
         """202 with the delivery: ``type`` ``webhook.test``, ``job_id`` and ``version`` null, payload
         ``{"type": "webhook.test", "timestamp", "data": {"endpoint_id", "message"}}``."""
         tenant = _tenant(request)
@@ -513,9 +513,9 @@ class WebhooksController(Controller):
     async def events(
         self,
         request: Request,
-        exp: Annotated[str | None, Parameter(query="exp", max_length=12)] = None,
-        sig: Annotated[str | None, Parameter(query="sig", max_length=100)] = None,
-        tenant: Annotated[str | None, Parameter(query="tenant", max_length=64,
+        exp: Annotated[str | None, QueryParameter(name="exp", max_length=12)] = None,
+        sig: Annotated[str | None, QueryParameter(name="sig", max_length=100)] = None,
+        tenant: Annotated[str | None, QueryParameter(name="tenant", max_length=64,
                                                 description="of a signed URL from POST /webhooks/events/link")] = None,
     ) -> Any:
         """``retry:``, then ``event: deliveries`` with ``{"endpoint_id": …}`` (null: any endpoint)
