@@ -56,9 +56,11 @@ def if_none_match_of(request: Request) -> str | None:
     return ", ".join(lines) if lines else None
 
 
-def etag_matches(header: str | None, tag: str) -> bool:
+def etag_matches(header: str | None, tag: str, *, any_version: bool = True) -> bool:
+    """``any_version``: whether ``*`` counts (it matches any current representation)."""
     if not header:
         return False
     # If-None-Match compares weakly (RFC 9110 §13.1.2): W/"x" matches "x", and "x" matches W/"x".
     plain = tag.removeprefix("W/")
-    return any(candidate.strip().removeprefix("W/") in (plain, "*") for candidate in header.split(","))
+    matching = (plain, "*") if any_version else (plain,)
+    return any(candidate.strip().removeprefix("W/") in matching for candidate in header.split(","))

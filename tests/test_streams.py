@@ -118,6 +118,14 @@ def test_long_poll_wakes_on_transition_and_304_on_timeout(fresh: Deployment) -> 
         assert answer["at"] - cancelled_at < 10.0
         assert http.get(f"/jobs/{job['id']}", params={"wait": 61}).status_code == 400
 
+        # If-None-Match: * matches whatever version the job is at (RFC 9110 §13.1.2): no change
+        # could end such a poll with anything but 304, so it is answered at once, not held.
+        queued = http.post("/reports", json={"title": "any version", "pages": 1}).json()
+        started = time.monotonic()
+        anything = http.get(f"/jobs/{queued['id']}", params={"wait": 30}, headers={"If-None-Match": "*"})
+        assert anything.status_code == 304 and anything.headers["etag"] == 'W/"1"'
+        assert time.monotonic() - started < 10.0, "held for a change that could not end it"
+
 
 def _answer(response: httpx.Response) -> tuple[int, tuple[tuple[str, str], ...], bytes]:
     """Status, headers (in order) and body of an answer, less what differs per request by design."""

@@ -73,7 +73,9 @@ async def get_job(
     tenant = require_tenant(request, svc, SCOPE_JOBS_READ)
     job = await find_job(svc, tenant, job_id)
     if_none_match = if_none_match_of(request)
-    if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job)):
+    # Held only for a tag of a version: `*` matches every version, so no change could end the
+    # poll with anything but the 304 it gets now.
+    if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job), any_version=False):
         svc.limiter.open_stream(tenant)
         try:
             async with held_for_owner(request):  # 401 once the key is revoked, as a held stream ends
