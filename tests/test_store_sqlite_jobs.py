@@ -71,3 +71,37 @@ async def test_a_transition_on_a_remembered_row_reads_no_job_under_the_write_loc
         assert [s for s in statements if s.startswith("SELECT * FROM jobs")], statements
     finally:
         await store.close()
+
+
+async def test_a_full_store_is_unavailable_not_an_internal_error_and_recovers(tmp_path: Path) -> None:
+    """SQLite answering "database or disk is full" (a full disk, here the file's own page cap,
+    which fails the write the same way, SQLITE_FULL) is ``StoreUnavailable``: the gateway's
+    503 with Retry-After, a worker's write tried again. It was the driver's OperationalError,
+    so a cancel was a 500 and a worker failed a sound job as an internal error. Once there is
+    room again the same store writes on."""
+    import sqlite3
+
+    import pytest
+
+    from herald.jobs import StoreUnavailable
+
+    store = SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=60.0, sealer=make_sealer())
+    await store.open()
+    try:
+        writer = store._db._writer  # noqa: SLF001 -- the file's cap is set on the connection that writes
+        assert writer is not None
+        job = (await store.accept(new_job())).job
+        await store.transition(job.id, CLAIM)
+        pages = writer.execute("PRAGMA page_count").fetchone()[0]
+        writer.execute(f"PRAGMA max_page_count={pages}")
+        with pytest.raises(StoreUnavailable) as raised:
+            for _ in range(1000):  # each start adds a job, an event and outbox rows: the file must grow
+                await store.accept(new_job())
+        with pytest.raises(StoreUnavailable):  # a cancel, a worker's end: the same, never the driver's error
+            await store.transition(job.id, Change(expect={"running"}, to="cancelled", attempt=1))
+        assert isinstance(raised.value.__cause__, sqlite3.OperationalError)
+        writer.execute("PRAGMA max_page_count=1073741823")
+        cancelled = (await store.transition(job.id, Change(expect={"running"}, to="cancelled", attempt=1))).after
+        assert cancelled.state == "cancelled"
+    finally:
+        await store.close()

@@ -53,6 +53,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
+from herald.jobs import StoreUnavailable
 from herald.keyfiles import private_dir, private_file
 from herald.storage.migrations import Function, Migration, Schema, migrate
 
@@ -62,6 +63,28 @@ CHECKPOINT_INTERVAL_S = 0.25
 # A write that may wait (``write_soon``) rides with the next batch, or runs on its own this
 # long after it was asked for when no other write comes.
 RIDE_WAIT_S = 0.05
+
+# SQLite's primary result codes that say the file cannot be written now, not that the
+# transaction is wrong: the disk is full, the filesystem went read-only or failed an I/O,
+# the lock was not had within the busy timeout. Like a PostgreSQL connection lost, each
+# is ``StoreUnavailable`` to the caller: a 503 with Retry-After at the gateway, a write
+# tried again by a worker (its job is not failed for the disk's state), and once the
+# operator frees space the same processes go on without a restart.
+UNAVAILABLE_CODES = frozenset({sqlite3.SQLITE_BUSY, sqlite3.SQLITE_READONLY, sqlite3.SQLITE_IOERR,
+                               sqlite3.SQLITE_FULL, sqlite3.SQLITE_CANTOPEN})
+
+
+def as_unavailable(error: BaseException) -> BaseException:
+    """``error`` as the store's caller should see it: ``StoreUnavailable`` for a file that
+    cannot be written now (``UNAVAILABLE_CODES``; extended codes carry the primary one in
+    their low byte), else ``error`` itself."""
+    code = getattr(error, "sqlite_errorcode", None)
+    if isinstance(error, sqlite3.OperationalError) and code is not None and code & 0xFF in UNAVAILABLE_CODES:
+        unavailable = StoreUnavailable(f"the SQLite store cannot be written now: {error}")
+        unavailable.__cause__ = error
+        return unavailable
+    return error
+
 
 PRAGMAS = (
     "PRAGMA journal_mode=WAL",
@@ -541,6 +564,6 @@ def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | Non
     if future.done():  # the caller was cancelled; the transaction stands (or not) all the same
         return
     if error is not None:
-        future.set_exception(error)
+        future.set_exception(as_unavailable(error))
     else:
         future.set_result(result)
