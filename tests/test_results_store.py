@@ -448,3 +448,36 @@ async def test_download_before_the_nats_store_is_connected_is_503() -> None:
         response = await client.get(f"/reports/{job_id}", headers=auth)
     assert response.status_code == 503
     assert response.headers["retry-after"] == "1"
+
+
+def test_a_copy_to_a_results_volume_that_fails_leaves_nothing_behind(tmp_path: Path) -> None:
+    """Scratch on another filesystem than the results (/dev/shm against the test's tmp dir):
+    the result is copied across. When that copy fails (here a real file-size limit, the
+    kernel's EFBIG, as a full or failing volume fails it with ENOSPC or EIO), the partial
+    copy is removed: it was left beside the result until retention, so every failed attempt
+    kept space on a full volume. A copy that works is the owner's only, as a renamed one."""
+    import resource
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir() or shm.stat().st_dev == tmp_path.stat().st_dev:
+        pytest.skip("needs /dev/shm on a filesystem of its own")
+    from herald.storage.results import _install
+
+    job_id = new_job_id()
+    final = tmp_path / "results" / job_id / "1.pdf"
+    scratch = shm / f"herald-test-{job_id}.part"
+    try:
+        scratch.write_bytes(b"x" * (512 * 1024))
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (128 * 1024, hard))  # Python ignores SIGXFSZ: write() fails
+        try:
+            with pytest.raises(OSError):
+                _install(scratch, final)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        assert list(final.parent.iterdir()) == [], "no partial copy left on the results volume"
+        _install(scratch, final)  # room again: the same scratch file becomes the result
+        assert final.stat().st_size == 512 * 1024 and not scratch.exists()
+        assert stat.S_IMODE(final.stat().st_mode) == 0o600
+    finally:
+        scratch.unlink(missing_ok=True)

@@ -163,13 +163,23 @@ def _install(scratch: Path, final: Path) -> None:
 
 
 def _copy_across_devices(scratch: Path, final: Path) -> None:
-    """A scratch dir on another filesystem: copy beside the result, then rename there."""
+    """A scratch dir on another filesystem: copy beside the result, then rename there.
+
+    The copy is the owner's only (0600) from its creation, as a renamed scratch file is, and
+    a copy that fails (the results' filesystem full, read-only, failing) is removed: left
+    there, each failed attempt's partial file kept the space it took until the job's
+    retention, so a full results volume stayed full after the operator freed room."""
     staging = final.with_name(final.name + SCRATCH_SUFFIX)
-    with open(scratch, "rb") as src, open(staging, "wb") as dst:
-        shutil.copyfileobj(src, dst, FILE_CHUNK)
-        dst.flush()
-        os.fsync(dst.fileno())
-    os.replace(staging, final)
+    try:
+        with open(scratch, "rb") as src, open(os.open(staging, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                                              "wb") as dst:
+            shutil.copyfileobj(src, dst, FILE_CHUNK)
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(staging, final)
+    except BaseException:
+        staging.unlink(missing_ok=True)
+        raise
     scratch.unlink(missing_ok=True)
 
 
