@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import stat
+import subprocess
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -481,3 +483,54 @@ def test_a_copy_to_a_results_volume_that_fails_leaves_nothing_behind(tmp_path: P
         assert stat.S_IMODE(final.stat().st_mode) == 0o600
     finally:
         scratch.unlink(missing_ok=True)
+
+
+
+@contextlib.contextmanager
+def a_volume(directory: Path) -> Iterator[Callable[[bool], None]]:
+    """``directory`` as a volume that can be made read-only for real, for whoever runs the
+    test: a tmpfs mounted on it, remounted read-only and back, as root (whom permissions do
+    not stop); its directories' modes (0500, 0700) otherwise. Yields ``read_only(flag)``."""
+    directory.mkdir()
+    root = os.geteuid() == 0
+
+    def read_only(flag: bool) -> None:
+        if root:
+            subprocess.run(["mount", "-o", f"remount,{'ro' if flag else 'rw'}", str(directory)], check=True)
+        else:
+            for each in [directory, *(p for p in directory.rglob("*") if p.is_dir())]:
+                each.chmod(0o500 if flag else 0o700)
+
+    if root and subprocess.run(["mount", "-t", "tmpfs", "tmpfs", str(directory)], capture_output=True).returncode:
+        pytest.skip("root without the right to mount a tmpfs")
+    try:
+        yield read_only
+    finally:
+        if root:
+            subprocess.run(["umount", "-l", str(directory)], check=True)
+        else:
+            read_only(False)
+
+
+async def test_retention_on_a_read_only_results_volume_keeps_the_result_until_it_can_delete_it(
+        tmp_path: Path) -> None:
+    """The sweeper forgets an expired job's row only after ``delete_job`` took its result, and
+    tries again next pass when it raises. The file store ignored every error removing the
+    job's directory, so on a results volume gone read-only the row went and the result stayed
+    for good, past its retention, with nothing left to remove it. Now the failure is raised,
+    and once the volume is writable again the result goes."""
+    with a_volume(tmp_path / "results") as read_only:
+        store = FileResultStore(tmp_path / "results", tmp_path / "scratch")
+        job_id = new_job_id()
+        scratch = store.scratch_path(job_id, 1, ".csv")
+        scratch.write_bytes(b"a,b\n")
+        result = tmp_path / "results" / await store.commit(job_id, 1, scratch)
+        read_only(True)
+        with pytest.raises(OSError):
+            await store.delete_job(job_id)
+        assert result.exists()
+        read_only(False)
+        await store.delete_job(job_id)
+        assert not result.exists()
+        await store.delete_job(job_id)  # gone already: nothing to say
+        await store.close()

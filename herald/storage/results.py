@@ -132,7 +132,7 @@ class FileResultStore:
 
     async def delete_job(self, job_id: str) -> None:
         # (An older Herald's scratch files, beside the results, go with the job's directory.)
-        await asyncio.to_thread(shutil.rmtree, self._job_dir(self.root, job_id), ignore_errors=True)
+        await asyncio.to_thread(_remove_tree, self._job_dir(self.root, job_id))
         if (own := self.scratch.made) is not None:
             await asyncio.to_thread(_remove_job_scratch, own, job_id)
 
@@ -476,6 +476,22 @@ def _open_binary(path: Path) -> io.BufferedReader:
 
 def _remove_scratch(scratch: Path) -> None:
     scratch.unlink(missing_ok=True)
+
+
+def _remove_tree(directory: Path) -> None:
+    """``directory`` and all in it; what is gone already is fine, any other failure raises.
+
+    Retention deletes a job's row only after its result is gone, and tries again on its next
+    pass when this raises. Errors were ignored here: on a results volume gone read-only or
+    failing, the row went and the result stayed for good, a tenant's data kept past its
+    retention with nothing left to remove it."""
+
+    def gone_already(function: Callable[..., object], path: str,
+                     info: tuple[type[BaseException], BaseException, object]) -> None:
+        if not isinstance(info[1], FileNotFoundError):
+            raise info[1]
+
+    shutil.rmtree(directory, onerror=gone_already)  # (onerror: Python 3.11 has no onexc)
 
 
 def _remove_job_scratch(scratch_dir: Path, job_id: str) -> None:
