@@ -72,15 +72,23 @@ async def sweep_once(store: JobStore, results: ResultStore, settings: Settings,
             log.info("sweep skipped", extra={"job_id": job.id, "reason": exc.reason})
             continue
         log.warning("job swept", extra={"job_id": job.id, "state": done.after.state, "attempt": done.after.attempt})
-    expired = await store.expired(at)
-    for job in expired:
+    cleared: list[JobRow] = []
+    for job in await store.expired(at):
         # The result and the output go first: once the status answers 410, nothing of the
-        # job is left. A failure stops the pass before the row goes; the next pass retries.
-        await results.delete_job(job.id)
-        if purge_output is not None:
-            await purge_output(job.tenant, job.id)
+        # job is left. A job whose result or output cannot be removed now (a results volume
+        # gone read-only, NATS away) keeps its row for the next pass to retry; the others
+        # go on: one such job stopping the whole pass held every tenant's retention back.
+        try:
+            await results.delete_job(job.id)
+            if purge_output is not None:
+                await purge_output(job.tenant, job.id)
+        except Exception as exc:
+            log.warning("expired job kept: its result or output could not be removed yet",
+                        extra={"job_id": job.id, "error": str(exc)})
+            continue
+        cleared.append(job)
         log.info("job expired", extra={"job_id": job.id})
-    await store.forget(expired, at)
+    await store.forget(cleared, at)
 
 
 async def run_sweeper(store: JobStore, results: ResultStore, settings: Settings,

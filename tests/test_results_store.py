@@ -534,3 +534,45 @@ async def test_retention_on_a_read_only_results_volume_keeps_the_result_until_it
         assert not result.exists()
         await store.delete_job(job_id)  # gone already: nothing to say
         await store.close()
+
+
+
+async def test_a_result_retention_cannot_remove_holds_back_only_its_own_job(tmp_path: Path) -> None:
+    """SPEC §4: past ``expires_at`` the job, its result and history go within a sweep. One
+    job whose result cannot be removed yet (on a results volume gone read-only) keeps its row
+    for the next pass; the others expire now (it stopped the whole pass, every tenant's
+    retention with it), and it follows once the volume is writable again."""
+    from herald.storage.sqlite.db import Database
+    from herald.storage.sqlite.jobs import SqliteJobStore
+    from herald.storage.sqlite.schema import SCHEMA
+    from herald.sweeper import sweep_once
+    from herald.transitions import Change
+    from schemas.problems import JOB_FAILED
+    from tests.harness import make_sealer
+    from tests.store_contract.support import CLAIM, new_job
+
+    store = SqliteJobStore(Database(tmp_path / "herald.db", SCHEMA), retention_s=0.0, sealer=make_sealer())
+    await store.open()
+    settings = Settings(data_dir=tmp_path)
+    try:
+        with a_volume(tmp_path / "results") as read_only:
+            results = FileResultStore(tmp_path / "results", tmp_path / "scratch")
+            with_result, without = [(await store.accept(new_job())).job.id for _ in range(2)]
+            for job_id in (with_result, without):
+                await store.transition(job_id, CLAIM)
+            scratch = results.scratch_path(with_result, 1, ".csv")
+            scratch.write_bytes(b"a,b\n")
+            key = await results.commit(with_result, 1, scratch)
+            await store.transition(with_result, Change(expect={"running"}, to="succeeded", attempt=1, result_path=key))
+            await store.transition(without, Change(expect={"running"}, to="failed", attempt=1,
+                                                   error=JOB_FAILED.problem("no result")))
+            read_only(True)
+            await sweep_once(store, results, settings)
+            assert await store.get(without) is None, "a job with nothing left to remove expires"
+            assert await store.get(with_result) is not None, "kept until its result can go"
+            read_only(False)
+            await sweep_once(store, results, settings)
+            assert await store.get(with_result) is None and not (tmp_path / "results" / key).exists()
+            await results.close()
+    finally:
+        await store.close()
