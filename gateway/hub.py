@@ -150,15 +150,28 @@ class OutputSubscriber(Inbox["LiveChunk | Framed | None"]):
     """One output stream's inbox (SPEC §8): chunks of one job, and its terminal event.
 
     Ordered by chunk number: a chunk at or below the highest one queued is a copy (a
-    republish after a lost ack) and takes no slot."""
+    republish after a lost ack) and takes no slot.
 
-    __slots__ = ()
+    While its stream replays from JetStream (``replaying``) it does not read this queue, so
+    a full one says nothing about its reader: what does not fit is left out and noted
+    (``missed``), and the stream reads it from JetStream once its replay is done. Dropping the
+    stream instead reset a reader that was catching up as fast as it could."""
+
+    __slots__ = ("replaying", "missed")
+
+    def __init__(self, key: str, maxsize: int) -> None:
+        super().__init__(key, maxsize)
+        self.replaying = False
+        self.missed = False
 
     def offer(self, item: OutputItem) -> bool:
         if isinstance(item, LiveChunk):
             if item.n <= self._offered:
                 return True
             self._offered = item.n
+        if self.replaying and len(self.items) >= self._maxsize:
+            self.missed = True  # every chunk the hub hears is stored, and the end is in the store
+            return True
         return self._put(item)
 
 

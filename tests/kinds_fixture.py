@@ -44,13 +44,16 @@ NOT_A_KIND = {"name": "echo"}
 
 class EmitParams(JobParams, kw_only=True):
     """After ``sleep_ms``, ``count`` small chunks ``{"i", "attempt"}`` ``pause_ms`` apart, then
-    one string chunk per entry of ``sizes`` whose JSON is exactly that many bytes."""
+    one string chunk per entry of ``sizes`` whose JSON is exactly that many bytes, then a burst."""
 
     count: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     pause_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     sizes: list[Annotated[int, msgspec.Meta(ge=2, le=1_000_000)]] = []
     nowait: bool = False  # emit_nowait instead of awaiting each chunk
     sleep_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    # Last, after ``burst_after_ms``: ``burst`` small chunks ``{"i", "attempt"}`` at once (emit_nowait).
+    burst_after_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    burst: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
 
 
 EMIT = KindDeclaration(

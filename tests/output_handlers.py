@@ -25,4 +25,8 @@ async def emit(ctx: JobContext, params: Any) -> dict[str, Any]:
             await ctx.emit("x" * (size - 2))  # a JSON string: its quotes are the other 2 bytes
         except ChunkTooLarge:
             refused.append(size)
+    if params.burst:
+        await asyncio.sleep(params.burst_after_ms / 1000)
+        for i in range(1, params.burst + 1):
+            ctx.emit_nowait({"i": i, "attempt": ctx.attempt})
     return {"refused": refused}

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -232,6 +233,39 @@ def test_async_client_iterator(out: Deployment) -> None:
             return [chunk.n async for chunk in herald.output(job)]
 
     assert asyncio.run(run()) == list(range(1, 13))
+
+
+def test_a_reader_catching_up_is_not_dropped_for_the_live_chunks_that_come_meanwhile(fresh: Deployment) -> None:
+    """A stream replays what JetStream keeps, then follows the hub; what the hub hears
+    meanwhile waits in the stream's queue (256 events). A reader catching up a backlog that
+    its socket takes a while to carry (9 MB here) while the job emits 600 more chunks was
+    dropped as a slow reader, its connection reset, though it never stopped reading: an
+    EventSource, 3 s further behind on each reconnect, then never caught up with a fast job.
+    What did not fit is read from JetStream once the replay is done."""
+    fresh.env_overrides.update(HERALD_KINDS=EMIT_KIND)
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    big, burst = 150, 600
+    with client(base) as http:
+        job = http.post("/emits", json={"sizes": [60_000] * big, "burst": burst, "burst_after_ms": 2500}).json()
+        wait_until(lambda: ndjson(http, job["id"], after=big - 1), timeout=30, interval=0.1, what="the backlog stored")
+        narrow = httpx.HTTPTransport(socket_options=[(socket.SOL_SOCKET, socket.SO_RCVBUF, 65536)])
+        with httpx.Client(base_url=base, headers=http.headers, transport=narrow, timeout=60) as reader, \
+                connect_sse(reader, "GET", f"/jobs/{job['id']}/output", headers=SSE) as source:
+            events = dispatched_events(source)
+            seen = [int(next(events).id)]
+            # The reader holds back (the gateway's send blocks, well within the send bound)
+            # while the burst is stored and heard live, then reads on.
+            wait_for_state(http, job["id"], {"succeeded"})
+            ended = None
+            for sse in events:
+                if sse.event != "output":
+                    ended = sse.event
+                    break
+                seen.append(int(sse.id))
+    assert seen == list(range(1, big + burst + 1)), "every chunk once, in order, on one connection"
+    assert ended == "job.succeeded"
+    assert not fresh.logged("gateway", "slow SSE client dropped")
 
 
 def _chunks_kept(nats_url: str, tenant: str, job_id: str) -> bool:

@@ -131,14 +131,34 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
     subscriber = svc.hub.subscribe_output(job.id)
     subscriber.on_drop = drop_handle()
     svc.metrics.sse_streams.inc()
+    last, seq = resume, 0
+    ended: bytes | None = None
+
+    async def catch_up() -> AsyncIterator[bytes]:
+        """The chunks after ``last`` from JetStream; again while what the hub heard meanwhile
+        did not fit in the stream's queue (``OutputSubscriber.missed``), the end included."""
+        nonlocal last, seq, ended
+        subscriber.replaying = True
+        try:
+            while True:
+                async for chunk in _catch_up(js, job, last, seq):
+                    yield _chunk_frame(chunk)
+                    subscriber.sent()
+                    last, seq = chunk.n, max(seq, chunk.seq)
+                if not subscriber.missed:
+                    return
+                subscriber.missed = False
+                if ended is None:  # read before the replay, as at the start: a later end is heard
+                    ended = await _terminal_frame(svc, job.id)
+        finally:
+            subscriber.replaying = False
+
     try:
         yield RETRY_FRAME
         try:
-            last, seq = resume, 0
             ended = await _terminal_frame(svc, job.id)  # read after subscribing: a later end is heard
-            async for chunk in _catch_up(js, job, last, seq):
-                yield _chunk_frame(chunk)
-                last, seq = chunk.n, max(seq, chunk.seq)
+            async for data in catch_up():
+                yield data
             while ended is None:
                 while not subscriber.items:
                     await subscriber.wait()
@@ -165,10 +185,8 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
                     # so this stream leaves the hub now (live chunks piling up meanwhile would
                     # overflow its queue and count it as a slow reader dropped).
                     svc.hub.unsubscribe(subscriber)
-                async for chunk in _catch_up(js, job, last, seq):  # a gap, a reconnect, or the end
-                    yield _chunk_frame(chunk)
-                    subscriber.sent()
-                    last, seq = chunk.n, max(seq, chunk.seq)
+                async for data in catch_up():  # a gap, a reconnect, or the end
+                    yield data
             # The terminal event's id: resuming after it is resuming at the end (204).
             yield b"id: %d\n" % last + ended
         except UNREACHABLE as exc:
