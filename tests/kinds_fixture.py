@@ -54,6 +54,7 @@ class EmitParams(JobParams, kw_only=True):
     # Last, after ``burst_after_ms``: ``burst`` small chunks ``{"i", "attempt"}`` at once (emit_nowait).
     burst_after_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     burst: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
+    late: bool = False  # leave a task behind that emits once the job has ended (a handler's bug)
 
 
 EMIT = KindDeclaration(

@@ -3,9 +3,25 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from typing import Any
 
 from workers import ChunkTooLarge, JobContext
+
+log = logging.getLogger("tests.output")
+_left_behind: set[asyncio.Task[None]] = set()
+
+
+async def _emit_once_ended(ctx: JobContext) -> None:
+    """A task a handler left behind, emitting after its job's end was recorded."""
+    while (job := await ctx.store.get(ctx.job_id)) is not None and not job.terminal:
+        await asyncio.sleep(0.02)
+    try:
+        await ctx.emit({"late": True})
+    except RuntimeError as exc:
+        log.warning("late emit refused", extra={"job_id": ctx.job_id, "error": str(exc)})
+    else:
+        log.warning("late emit stored", extra={"job_id": ctx.job_id})
 
 
 async def emit(ctx: JobContext, params: Any) -> dict[str, Any]:
@@ -29,4 +45,8 @@ async def emit(ctx: JobContext, params: Any) -> dict[str, Any]:
         await asyncio.sleep(params.burst_after_ms / 1000)
         for i in range(1, params.burst + 1):
             ctx.emit_nowait({"i": i, "attempt": ctx.attempt})
+    if params.late:
+        task = asyncio.create_task(_emit_once_ended(ctx))
+        _left_behind.add(task)
+        task.add_done_callback(_left_behind.discard)
     return {"refused": refused}

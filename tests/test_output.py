@@ -180,6 +180,19 @@ def test_job_limit_at_its_edge_fails_output_too_large(out: Deployment) -> None:
         assert [line["n"] for line in ndjson(http, over["id"])] == [1, 2, 3], "what was stored is kept"
 
 
+def test_an_emit_after_the_run_has_ended_raises_and_stores_nothing(out: Deployment) -> None:
+    """A task the handler left behind emitted after the job's end was recorded: the chunk
+    was stored after the terminal event, so the SSE stream (which ends there) never showed
+    it while NDJSON did. Once the handler has returned, ``emit`` raises."""
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"count": 2, "late": True}).json()
+        wait_for_state(http, job["id"], {"succeeded"})
+        wait_until(lambda: out.logged("worker", "late emit refused", job_id=job["id"])
+                   or out.logged("worker", "late emit stored", job_id=job["id"]), what="the late emit")
+        assert out.logged("worker", "late emit refused", job_id=job["id"])
+        assert [line["n"] for line in ndjson(http, job["id"])] == [1, 2]
+
+
 def test_another_tenants_job_is_404(out: Deployment) -> None:
     with client(out.url()) as http:
         job = http.post("/emits", json={"count": 1}).json()

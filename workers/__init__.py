@@ -6,6 +6,6 @@ A handler needs only these: ``from workers import JobContext, JobFailed`` (and
 
 from workers.context import JobContext
 from workers.errors import JobCancelled, JobFailed, JobLost
-from workers.output import ChunkTooLarge, OutputTooLarge
+from workers.output import ChunkTooLarge, OutputClosed, OutputTooLarge
 
-__all__ = ["ChunkTooLarge", "JobCancelled", "JobContext", "JobFailed", "JobLost", "OutputTooLarge"]
+__all__ = ["ChunkTooLarge", "JobCancelled", "JobContext", "JobFailed", "JobLost", "OutputClosed", "OutputTooLarge"]

@@ -17,7 +17,9 @@ A handler is ``async def handler(ctx: JobContext, params: MyParams) -> None | <J
   /problems/output-too-large, even if the handler catches it). It returns once the chunk
   is stored. ``ctx.emit_nowait(value)`` returns a future for that instead: a handler that
   emits faster than a NATS round trip need not wait on each chunk; every chunk is stored
-  before the job's end is recorded either way;
+  before the job's end is recorded either way. Once the handler has returned or raised,
+  ``emit`` raises ``OutputClosed`` (a RuntimeError): a task it left behind cannot add a
+  chunk after the job's end;
 * ``raise JobFailed(problem_type, detail)`` ends the job ``failed`` with that problem; any
   other exception ends it ``failed`` with ``/problems/job-failed`` (the traceback goes to
   the worker's log only). Neither is retried;

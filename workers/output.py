@@ -45,6 +45,11 @@ class ChunkTooLarge(ValueError):
     """One chunk over 64 KiB once encoded as JSON: split it (raised by ``emit``)."""
 
 
+class OutputClosed(RuntimeError):
+    """An emit after the run's handler returned or raised (a task it left behind): the job's
+    end is being recorded, and a chunk stored after it would follow the terminal event."""
+
+
 class OutputTooLarge(JobFailed):
     """The job's output would pass HERALD_OUTPUT_MAX_BYTES: the job fails /problems/output-too-large."""
 
@@ -80,6 +85,7 @@ class OutputWriter:
         self._task: asyncio.Task[None] | None = None
         self._outstanding: set[asyncio.Future[None]] = set()
         self.too_large: OutputTooLarge | None = None  # once set, the job fails whatever the handler does
+        self._sealed = False  # the run is over: no more chunks (``seal``)
 
     @property
     def emitted(self) -> int:
@@ -88,7 +94,10 @@ class OutputWriter:
 
     def emit_nowait(self, value: Any) -> asyncio.Future[None]:
         """Queue one chunk; the future is done once it is stored. Raises ``ChunkTooLarge``
-        (over 64 KiB) or ``OutputTooLarge`` (over HERALD_OUTPUT_MAX_BYTES for the job)."""
+        (over 64 KiB), ``OutputTooLarge`` (over HERALD_OUTPUT_MAX_BYTES for the job) or
+        ``OutputClosed`` (the run is over)."""
+        if self._sealed:
+            raise OutputClosed("this job's run has ended: its output takes no more chunks")
         if self.too_large is not None:
             raise self.too_large
         data = _encoder.encode(value)
@@ -121,12 +130,18 @@ class OutputWriter:
         pending.headers = {MSG_ID_HEADER: f"{self._job_id}.{self._n}", CHUNK_HEADER: str(self._n),
                            OUTPUT_BYTES_HEADER: str(self._total)}
 
+    def seal(self) -> None:
+        """The run's handler has returned or raised: later emits raise ``OutputClosed``, so that
+        every chunk is stored before the job's end is recorded (``flush``), none after it."""
+        self._sealed = True
+
     async def flush(self) -> None:
         """Until every chunk emitted so far is stored (or refused as too large)."""
         while self._outstanding:
             await asyncio.wait(set(self._outstanding))
 
     async def close(self) -> None:
+        self.seal()  # a new emit would start a sender nobody stops
         task, self._task = self._task, None
         if task is not None:
             task.cancel()

@@ -500,7 +500,9 @@ async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
 
 
 async def _flush(writer: OutputWriter | None) -> None:
+    """Once the handler has returned or raised: no more chunks, and every one emitted stored."""
     if writer is not None:
+        writer.seal()
         await writer.flush()
 
 
