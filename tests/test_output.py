@@ -19,7 +19,7 @@ import pytest
 from httpx_sse import connect_sse
 from nats.js.errors import NotFoundError
 
-from herald.constants import OUTPUT_STREAM, output_subject
+from herald.constants import CHUNK_HEADER, OUTPUT_BYTES_HEADER, OUTPUT_STREAM, output_subject
 from launcher.pgserver import PostgresServer
 from tests.harness import KEYS, Deployment, client, dispatched_events, new_database, wait_for_state, wait_until
 
@@ -279,6 +279,47 @@ def test_a_reader_catching_up_is_not_dropped_for_the_live_chunks_that_come_meanw
     assert seen == list(range(1, big + burst + 1)), "every chunk once, in order, on one connection"
     assert ended == "job.succeeded"
     assert not fresh.logged("gateway", "slow SSE client dropped")
+
+
+def _store_chunk(nats_url: str, tenant: str, job_id: str, n: int) -> None:
+    """Store chunk ``n`` of a job as its run's writer does (what a resend stores after a partial failure)."""
+    async def publish() -> None:
+        nc = await nats.connect(nats_url)
+        try:
+            await nc.jetstream().publish(output_subject(tenant, job_id), json.dumps({"i": n}).encode(),
+                                         headers={CHUNK_HEADER: str(n), OUTPUT_BYTES_HEADER: str(10 * n)})
+        finally:
+            await nc.close()
+
+    asyncio.run(publish())
+
+
+def test_a_chunk_stored_after_the_next_one_is_still_read_in_order(fresh: Deployment) -> None:
+    """A writer resends from its first unacknowledged chunk, so after a partial failure (a
+    stream leader failing over mid-batch) chunk 3 can be stored before chunk 2. A stream
+    replaying then sent the 3 it held at the end of its replay, and the 2 stored next was
+    taken for a copy: never sent. NDJSON, likewise, answered 1 and 3, and ``after=3`` then.
+    Until the job has ended, a chunk past a gap waits for the ones before it."""
+    fresh.env_overrides.update(HERALD_KINDS=EMIT_KIND)
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    with client(base) as http:
+        job = http.post("/emits", json={"sleep_ms": 3000}).json()  # running, emitting nothing itself
+        wait_for_state(http, job["id"], {"running"})
+        for n in (1, 3):
+            _store_chunk(fresh.nats.url, "acme", job["id"], n)
+        assert [line["n"] for line in ndjson(http, job["id"])] == [1], "3 waits for 2"
+        with connect_sse(http, "GET", f"/jobs/{job['id']}/output", headers=SSE, timeout=30) as source:
+            events = dispatched_events(source)
+            seen = [int(next(events).id)]  # 1: the stream has read where the output stands
+            _store_chunk(fresh.nats.url, "acme", job["id"], 2)
+            for sse in events:
+                if sse.event != "output":
+                    assert sse.event == "job.succeeded" and sse.id == "3"
+                    break
+                seen.append(int(sse.id))
+        assert seen == [1, 2, 3]
+        assert [line["n"] for line in ndjson(http, job["id"])] == [1, 2, 3]
 
 
 def _chunks_kept(nats_url: str, tenant: str, job_id: str) -> bool:

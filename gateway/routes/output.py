@@ -98,12 +98,16 @@ def _jetstream(svc: Services) -> JetStreamContext | None:
     return nc.jetstream() if nc is not None and nc.is_connected else None
 
 
-async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int) -> AsyncGenerator[Chunk, None]:
+async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int, held: dict[int, Chunk] | None = None,
+                    *, final: bool) -> AsyncGenerator[Chunk, None]:
     """The stored chunks after number ``last``, in number order, read from stream position
-    ``seq`` on. A chunk stored out of order (a resend after a partial failure) is held until
-    the ones before it came; whatever is still held at the end is sent in number order."""
+    ``seq`` on. A chunk stored out of order (a writer resends from its first unacknowledged
+    chunk, so a partial failure can store 3 before 2) is held until the ones before it come:
+    in ``held``, which a live stream keeps from one catch-up to the next. Only once the job has
+    ended (``final``: every chunk it will have is stored) is what is still held sent, in
+    number order; before, a chunk sent past a gap made the one that filled it look a copy."""
     mark = await last_mark(js, job.tenant, job.id)
-    held: dict[int, Chunk] = {}
+    held = {} if held is None else held
     async for chunk in replay(js, job.tenant, job.id, seq, mark.seq):
         if chunk.n <= last or chunk.n in held:
             continue
@@ -112,8 +116,9 @@ async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int) -> A
             ready = held.pop(last + 1)
             last = ready.n
             yield ready
-    for n in sorted(held):
-        yield held[n]
+    if final:
+        for n in sorted(held):
+            yield held.pop(n)
 
 
 async def _terminal_frame(svc: Services, job_id: str) -> bytes | None:
@@ -133,6 +138,7 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
     svc.metrics.sse_streams.inc()
     last, seq = resume, 0
     ended: bytes | None = None
+    held: dict[int, Chunk] = {}  # read past a gap, waiting for the chunks before them (``_catch_up``)
 
     async def catch_up() -> AsyncIterator[bytes]:
         """The chunks after ``last`` from JetStream; again while what the hub heard meanwhile
@@ -141,7 +147,7 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
         subscriber.replaying = True
         try:
             while True:
-                async for chunk in _catch_up(js, job, last, seq):
+                async for chunk in _catch_up(js, job, last, seq, held, final=ended is not None):
                     yield _chunk_frame(chunk)
                     subscriber.sent()
                     last, seq = chunk.n, max(seq, chunk.seq)
@@ -175,6 +181,11 @@ async def _output_stream(svc: Services, js: JetStreamContext, job: JobRow, resum
                         yield item.frame  # built once by the hub for every reader of this job
                         subscriber.sent()
                         last, seq = item.n, max(seq, item.seq)
+                        held.pop(last, None)
+                        while last + 1 in held:  # the gap it filled
+                            chunk = held.pop(last + 1)
+                            yield _chunk_frame(chunk)
+                            last, seq = chunk.n, max(seq, chunk.seq)
                         continue
                 elif isinstance(item, Framed):
                     ended = item.frame
@@ -261,7 +272,7 @@ async def job_output(
         start = _position(after, "after") or 0
         if js is None:
             raise Unavailable(_UNREACHABLE_DETAIL, retry_after=1)
-        chunks = _catch_up(js, job, start, 0)
+        chunks = _catch_up(js, job, start, 0, final=job.terminal)  # running: "so far" stops at a gap
         try:
             # What can fail is read before the answer starts (the job's last chunk, the
             # replay's consumer and its first chunk): NATS not answering is a 503 then, not a
