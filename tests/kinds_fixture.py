@@ -55,6 +55,9 @@ class EmitParams(JobParams, kw_only=True):
     burst_after_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     burst: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
     late: bool = False  # leave a task behind that emits once the job has ended (a handler's bug)
+    # First attempt: after its ``count`` chunks, block the worker's loop this long (no heartbeat:
+    # the job is re-queued), then emit one more. A later attempt waits as long before its chunks.
+    stall_ms: Annotated[int, msgspec.Meta(ge=0, le=10_000)] = 0
 
 
 EMIT = KindDeclaration(

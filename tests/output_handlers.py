@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from typing import Any
 
 from workers import ChunkTooLarge, JobContext
@@ -27,6 +28,8 @@ async def _emit_once_ended(ctx: JobContext) -> None:
 async def emit(ctx: JobContext, params: Any) -> dict[str, Any]:
     if params.sleep_ms:
         await asyncio.sleep(params.sleep_ms / 1000)
+    if params.stall_ms and ctx.attempt > 1:
+        await asyncio.sleep(params.stall_ms / 1000)
     for i in range(1, params.count + 1):
         chunk = {"i": i, "attempt": ctx.attempt}
         if params.nowait:
@@ -35,6 +38,9 @@ async def emit(ctx: JobContext, params: Any) -> dict[str, Any]:
             await ctx.emit(chunk)
         if params.pause_ms:
             await asyncio.sleep(params.pause_ms / 1000)
+    if params.stall_ms and ctx.attempt == 1:
+        time.sleep(params.stall_ms / 1000)  # a handler that blocks its loop: its heartbeat stops too
+        await ctx.emit({"i": params.count + 1, "attempt": ctx.attempt})  # the job is the re-run's by now
     refused = []
     for size in params.sizes:
         try:

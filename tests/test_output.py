@@ -219,6 +219,23 @@ def test_a_rerun_attempt_continues_the_numbering(out: Deployment) -> None:
     assert [line["data"]["i"] for line in second] == list(range(1, 61)), "the second attempt starts after the kept ones"
 
 
+def test_a_run_that_lost_its_job_emits_nothing_into_the_rerun(fresh: Deployment) -> None:
+    """A handler blocked its worker's loop past the heartbeat timeout, so the job was re-queued;
+    woken, it went on emitting before its heartbeat learned the job had moved on, and its
+    chunk was numbered into the re-run's output (or, had the re-run numbered that chunk
+    first, it took the number and the re-run's chunk was dropped as a duplicate). A run whose
+    heartbeat is overdue asks the store whether the job is still its own before it publishes."""
+    fresh.env_overrides.update(HERALD_KINDS=EMIT_KIND)
+    base = fresh.start_gateway()
+    fresh.start_worker()
+    with client(base) as http:
+        job = http.post("/emits", json={"count": 2, "stall_ms": 4000}).json()
+        done = wait_for_state(http, job["id"], {"succeeded", "failed"})
+        lines = ndjson(http, job["id"])
+    assert done["state"] == "succeeded" and done["attempt"] == 2
+    assert [(line["n"], line["data"]["attempt"]) for line in lines] == [(1, 1), (2, 1), (3, 2), (4, 2)]
+
+
 def test_client_iterator_resumes_after_the_gateway_is_killed(out: Deployment) -> None:
     from herald_client import HeraldClient
 

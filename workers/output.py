@@ -23,6 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +32,10 @@ import msgspec
 from nats.js import JetStreamContext
 
 from herald.constants import CHUNK_HEADER, MAX_CHUNK_BYTES, MSG_ID_HEADER, OUTPUT_BYTES_HEADER, output_subject
+from herald.jobs import StoreUnavailable
 from herald.output import OutputMark, last_mark
 from schemas.problems import OUTPUT_TOO_LARGE
-from workers.errors import JobFailed
+from workers.errors import JobFailed, JobLost
 
 log = logging.getLogger("herald.output")
 
@@ -70,7 +73,13 @@ _encoder = msgspec.json.Encoder()
 
 
 class OutputWriter:
-    def __init__(self, js: JetStreamContext, tenant: str, job_id: str, *, max_bytes: int) -> None:
+    """``owns``, when given, says whether the job is still this run's (a store read): asked
+    before a batch is published while the run's heartbeat is overdue (``stale_after_s`` since
+    the last one recorded, ``beat``). A run whose loop was blocked past the heartbeat timeout
+    has had its job re-queued; woken, it must not number chunks into the re-run's output."""
+
+    def __init__(self, js: JetStreamContext, tenant: str, job_id: str, *, max_bytes: int,
+                 owns: Callable[[], Awaitable[bool]] | None = None, stale_after_s: float = 0.0) -> None:
         self._js = js
         self._tenant = tenant
         self._job_id = job_id
@@ -86,6 +95,11 @@ class OutputWriter:
         self._outstanding: set[asyncio.Future[None]] = set()
         self.too_large: OutputTooLarge | None = None  # once set, the job fails whatever the handler does
         self._sealed = False  # the run is over: no more chunks (``seal``)
+        self._owns = owns
+        self._stale_after_s = stale_after_s
+        self._beat_at = time.monotonic()  # created just after the claim, which is a heartbeat
+        self._asked_at = 0.0  # the last time ``owns`` was asked
+        self.lost: JobLost | None = None  # the job moved on without this run: every emit raises it
 
     @property
     def emitted(self) -> int:
@@ -96,6 +110,8 @@ class OutputWriter:
         """Queue one chunk; the future is done once it is stored. Raises ``ChunkTooLarge``
         (over 64 KiB), ``OutputTooLarge`` (over HERALD_OUTPUT_MAX_BYTES for the job) or
         ``OutputClosed`` (the run is over)."""
+        if self.lost is not None:
+            raise self.lost
         if self._sealed:
             raise OutputClosed("this job's run has ended: its output takes no more chunks")
         if self.too_large is not None:
@@ -129,6 +145,10 @@ class OutputWriter:
         pending.n = self._n
         pending.headers = {MSG_ID_HEADER: f"{self._job_id}.{self._n}", CHUNK_HEADER: str(self._n),
                            OUTPUT_BYTES_HEADER: str(self._total)}
+
+    def beat(self) -> None:
+        """The run's heartbeat was just recorded: the job is still this run's."""
+        self._beat_at = time.monotonic()
 
     def seal(self) -> None:
         """The run's handler has returned or raised: later emits raise ``OutputClosed``, so that
@@ -176,6 +196,9 @@ class OutputWriter:
                 self._wake.clear()
                 await self._wake.wait()
             batch, self._queue = self._queue[:MAX_BATCH], self._queue[MAX_BATCH:]
+            if not await self._still_ours():
+                self._lose([*batch, *self._queue])
+                return
             await self._send(batch)
 
     async def _send(self, batch: list[_Pending]) -> None:
@@ -210,6 +233,34 @@ class OutputWriter:
             if batch:
                 await asyncio.sleep(delay)
                 delay = min(RETRY_MAX_S, delay * 2)
+
+    async def _still_ours(self) -> bool:
+        """Whether this run may publish. Its heartbeat recent: yes (the sweeper re-queues a job
+        only after HERALD_HEARTBEAT_TIMEOUT_S without one, and ``stale_after_s`` is less). Else
+        the store says, asked at most once per half ``stale_after_s`` (a heartbeat's interval),
+        not once per batch: while the store is away (its heartbeats failing too) each read
+        fails slowly, and the run goes on then, as its heartbeat does."""
+        now = time.monotonic()
+        if self._owns is None or now - self._beat_at <= self._stale_after_s \
+                or now - self._asked_at < self._stale_after_s / 2:
+            return True
+        self._asked_at = now
+        try:
+            return await self._owns()
+        except Exception as exc:  # noqa: BLE001  (StoreUnavailable, or worse: the sender must not die)
+            if not isinstance(exc, StoreUnavailable):
+                log.warning("could not tell whether the job is still this run's", extra={"job_id": self._job_id,
+                                                                                          "error": repr(exc)})
+            return True
+
+    def _lose(self, pending: list[_Pending]) -> None:
+        self.lost = JobLost(f"job {self._job_id} moved on without this run: its output takes no more chunks")
+        log.warning("output refused: the job moved on without this run", extra={"job_id": self._job_id})
+        self._queue = []
+        for item in pending:
+            if not item.future.done():
+                item.future.set_exception(self.lost)
+                item.future.exception()  # an emit_nowait nobody awaits must not warn "never retrieved"
 
     async def _retrying(self, read: Any) -> OutputMark:
         delay = 0.1

@@ -296,7 +296,10 @@ class Worker:
 
     async def _run_claimed(self, job: JobRow, kind: registry.JobKind, message: Msg) -> None:
         params = msgspec.json.decode(job.params, type=kind.params)
-        writer = (OutputWriter(self.js, job.tenant, job.id, max_bytes=self.settings.output_max_bytes)
+        # Two heartbeats missed: the job may have been re-queued; the writer asks before it publishes.
+        writer = (OutputWriter(self.js, job.tenant, job.id, max_bytes=self.settings.output_max_bytes,
+                               owns=functools.partial(self._owns, job),
+                               stale_after_s=2 * self.settings.heartbeat_interval_s)
                   if self.js is not None else None)
         context = JobContext(store=self.store, settings=self.settings, job_id=job.id, attempt=job.attempt,
                              output=functools.partial(self.results.scratch_path, job.id, job.attempt,
@@ -306,7 +309,7 @@ class Worker:
         # Set just before this run writes the job's end: a beat that finds the job no longer
         # running after that is the run's own doing, not a takeover.
         ending = asyncio.Event()
-        heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task(), ending))
+        heart = asyncio.create_task(self._heartbeat(job, message, asyncio.current_task(), ending, writer))
         json_scratch: Path | None = None  # a JSON result too large for the row, on its way to the result store
         try:
             with tracing.span(f"handler {job.kind}", attributes={"herald.job.attempt": job.attempt}):
@@ -444,8 +447,13 @@ class Worker:
                 await asyncio.wait_for(self._stopping.wait(), timeout=delay)
             delay = min(delay * 2, STORE_RETRY_MAX_S)
 
+    async def _owns(self, job: JobRow) -> bool:
+        """Whether ``job`` is still running under this run's attempt (a store read)."""
+        current = await self.store.get(job.id)
+        return current is not None and current.state == "running" and current.attempt == job.attempt
+
     async def _heartbeat(self, job: JobRow, message: Msg, runner: asyncio.Task[None] | None,
-                         ending: asyncio.Event) -> None:
+                         ending: asyncio.Event, writer: OutputWriter | None = None) -> None:
         """Extend the lease and write heartbeats; stop the run if the job was taken away (not
         when the run itself is writing its end: ``ending``)."""
         while True:
@@ -457,6 +465,8 @@ class Worker:
             except Exception as exc:
                 log.warning("heartbeat failed", extra={"job_id": job.id, "error": str(exc)})
                 continue
+            if alive is not None and writer is not None:
+                writer.beat()
             if alive is None:
                 if ending.is_set():
                     return  # the run ended it; the run acks its message
