@@ -22,6 +22,9 @@ from nats.js.errors import NotFoundError
 from herald.constants import CHUNK_HEADER, OUTPUT_BYTES_HEADER, OUTPUT_STREAM, output_subject
 
 REPLAY_IDLE_S = 5.0  # a replay that gets nothing for this long (NATS gone) fails; the reader retries
+# A run's writer publishes at most this many chunks before all of them are stored, so no more
+# than this many can be stored past a gap that a resend will still fill (workers/output.py).
+MAX_UNSTORED = 256
 
 # What reading output raises while NATS does not answer (down, or hung: a request times out
 # after the JetStream context's timeout, a replay after REPLAY_IDLE_S).

@@ -298,13 +298,14 @@ def test_a_reader_catching_up_is_not_dropped_for_the_live_chunks_that_come_meanw
     assert not fresh.logged("gateway", "slow SSE client dropped")
 
 
-def _store_chunk(nats_url: str, tenant: str, job_id: str, n: int) -> None:
-    """Store chunk ``n`` of a job as its run's writer does (what a resend stores after a partial failure)."""
+def _store_chunk(nats_url: str, tenant: str, job_id: str, *numbers: int) -> None:
+    """Store these chunks of a job as its run's writer does (what a resend stores after a partial failure)."""
     async def publish() -> None:
         nc = await nats.connect(nats_url)
         try:
-            await nc.jetstream().publish(output_subject(tenant, job_id), json.dumps({"i": n}).encode(),
-                                         headers={CHUNK_HEADER: str(n), OUTPUT_BYTES_HEADER: str(10 * n)})
+            for n in numbers:
+                await nc.jetstream().publish(output_subject(tenant, job_id), json.dumps({"i": n}).encode(),
+                                             headers={CHUNK_HEADER: str(n), OUTPUT_BYTES_HEADER: str(10 * n)})
         finally:
             await nc.close()
 
@@ -337,6 +338,21 @@ def test_a_chunk_stored_after_the_next_one_is_still_read_in_order(fresh: Deploym
                 seen.append(int(sse.id))
         assert seen == [1, 2, 3]
         assert [line["n"] for line in ndjson(http, job["id"])] == [1, 2, 3]
+
+
+def test_a_gap_no_resend_can_fill_is_passed_once_a_batch_lies_beyond_it(out: Deployment) -> None:
+    """A writer has at most 256 chunks out before all are stored, so with 256 stored past a
+    gap, the gap is for good (its run is gone, and the re-run numbered after it): a running
+    job's output is not held back behind it until the job ends."""
+    with client(out.url()) as http:
+        job = http.post("/emits", json={"sleep_ms": 3000}).json()  # running, emitting nothing itself
+        wait_for_state(http, job["id"], {"running"})
+        _store_chunk(out.nats.url, "acme", job["id"], 1, *range(3, 258))
+        assert [line["n"] for line in ndjson(http, job["id"])] == [1], "255 past the gap: it may still be filled"
+        _store_chunk(out.nats.url, "acme", job["id"], 258)
+        assert [line["n"] for line in ndjson(http, job["id"])] == [1, *range(3, 259)]
+        chunks, _ = read_output(http, f"/jobs/{job['id']}/output", stop_after=257)
+        assert [n for n, _ in chunks] == [1, *range(3, 259)]
 
 
 def _chunks_kept(nats_url: str, tenant: str, job_id: str) -> bool:

@@ -33,14 +33,14 @@ from nats.js import JetStreamContext
 
 from herald.constants import CHUNK_HEADER, MAX_CHUNK_BYTES, MSG_ID_HEADER, OUTPUT_BYTES_HEADER, output_subject
 from herald.jobs import StoreUnavailable
-from herald.output import OutputMark, last_mark
+from herald.output import MAX_UNSTORED, OutputMark, last_mark
 from schemas.problems import OUTPUT_TOO_LARGE
 from workers.errors import JobFailed, JobLost
 
 log = logging.getLogger("herald.output")
 
 ACK_TIMEOUT_S = 5.0
-MAX_BATCH = 256
+MAX_BATCH = MAX_UNSTORED  # a batch is stored whole before the next is published
 RETRY_MAX_S = 2.0
 
 

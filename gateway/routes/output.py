@@ -38,7 +38,7 @@ from gateway.services import Services, services
 from gateway.headers import connection_abort
 from gateway.sse import ABORT_WAIT_S, RETRY_FRAME, Dropped, EventStream, drop_handle, frame
 from herald.jobs import JobRow
-from herald.output import UNREACHABLE, Chunk, last_mark, replay
+from herald.output import MAX_UNSTORED, UNREACHABLE, Chunk, last_mark, replay
 from herald.tenants import SCOPE_JOBS_READ
 from schemas import FieldError
 
@@ -105,7 +105,9 @@ async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int, held
     chunk, so a partial failure can store 3 before 2) is held until the ones before it come:
     in ``held``, which a live stream keeps from one catch-up to the next. Only once the job has
     ended (``final``: every chunk it will have is stored) is what is still held sent, in
-    number order; before, a chunk sent past a gap made the one that filled it look a copy."""
+    number order; before, a chunk sent past a gap made the one that filled it look a copy.
+    So is what is held once it is ``MAX_UNSTORED`` chunks: no resend fills a gap that wide
+    (the run that left it is gone, and a re-run numbers after it), and the hold is bounded."""
     mark = await last_mark(js, job.tenant, job.id)
     held = {} if held is None else held
     async for chunk in replay(js, job.tenant, job.id, seq, mark.seq):
@@ -116,7 +118,7 @@ async def _catch_up(js: JetStreamContext, job: JobRow, last: int, seq: int, held
             ready = held.pop(last + 1)
             last = ready.n
             yield ready
-    if final:
+    if final or len(held) >= MAX_UNSTORED:
         for n in sorted(held):
             yield held.pop(n)
 
