@@ -4,18 +4,27 @@ from __future__ import annotations
 
 import os
 import secrets
+import stat
 from pathlib import Path
+
+from herald.settings import SettingsError
 
 
 def load_or_create(path: Path, *, nbytes: int = 32) -> str:
     """The key in ``path``, generated (urlsafe, ``nbytes`` random bytes) if there is none.
 
     Created with O_EXCL and mode 0600: never readable by others, not even for a moment, and
-    two processes starting at once agree on one key (the loser reads the winner's)."""
+    two processes starting at once agree on one key (the loser reads the winner's). One found
+    that others may read or write (copied in, restored from a backup, chmod-ed by hand) is
+    refused with a ``SettingsError`` naming it, as ``secret.key`` is (``herald.sealing``): its
+    key may already be known, and serving with it would hide that."""
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
+        if path.stat().st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise SettingsError(f"{path} holds a key and others may read or change it: chmod 600 it "
+                                "(or remove it, and a new key is made)") from None
         for _ in range(100):  # the winner may not have written it yet
             key = path.read_text().strip()
             if key:

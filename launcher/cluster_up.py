@@ -22,7 +22,7 @@ from pathlib import Path
 from herald.keyfiles import load_or_create, private_dir
 from herald.metrics import MULTIPROC_ENV
 from herald.sealing import KEY_FILE, load_or_create_key_file
-from herald.settings import Settings, redact_url
+from herald.settings import Settings, SettingsError, redact_url
 from launcher.cluster import (
     ClusterNode,
     cluster_urls,
@@ -361,7 +361,7 @@ def run_cluster(settings: Settings, *, postgres_port: int | None = None) -> int:
                       file=sys.stderr)
             supervisor.supervise()
         status = 0
-    except SupervisorError as exc:
+    except (SupervisorError, SettingsError) as exc:  # a key file others may read, say: named, no traceback
         print(f"herald: {exc}", file=sys.stderr)
         status = 2
     finally:

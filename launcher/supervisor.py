@@ -29,7 +29,7 @@ import bcrypt
 from herald import jetstream
 from herald.metrics import MULTIPROC_ENV, mark_process_dead
 from herald.keyfiles import load_or_create, private_dir, write_private
-from herald.settings import DEV_KEY, DEV_TENANT, Settings, is_loopback_host, redact_url
+from herald.settings import DEV_KEY, DEV_TENANT, Settings, SettingsError, is_loopback_host, redact_url
 
 STOP_TIMEOUT_S = 15.0
 NATS_WAIT_S = 10.0  # how long `herald up` waits for NATS to accept its first connection
@@ -405,7 +405,7 @@ def run_up(settings: Settings) -> int:
                 print("herald: the gateway did not become healthy within 30 s; see the log above", file=sys.stderr)
             supervisor.supervise()
         status = 0
-    except SupervisorError as exc:
+    except (SupervisorError, SettingsError) as exc:  # a key file others may read, say: named, no traceback
         print(f"herald: {exc}", file=sys.stderr)
         status = 2
     finally:

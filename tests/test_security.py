@@ -841,6 +841,40 @@ def _stop_up(up: subprocess.Popen[bytes]) -> None:
         up.wait()
 
 
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o604, 0o620])
+def test_a_generated_key_file_others_may_read_is_refused_naming_it(tmp_path: Path, mode: int) -> None:
+    """admin.key, dev.key and --cluster's postgres.password are made 0600 (README); one found
+    with any group or other bit (copied in, restored from a backup) may already be known, so it
+    is refused as secret.key is, naming the file and not the key; an owner-only one is used."""
+    from herald.keyfiles import load_or_create
+
+    path = tmp_path / "admin.key"
+    path.write_text("a-key-others-could-read-0123456789abcdef\n")
+    path.chmod(mode)
+    with pytest.raises(SettingsError) as refused:
+        load_or_create(path)
+    assert str(path) in str(refused.value) and "chmod 600" in str(refused.value)
+    assert "a-key-others-could-read" not in str(refused.value)
+    path.chmod(0o600)
+    assert load_or_create(path) == "a-key-others-could-read-0123456789abcdef"
+
+
+def test_herald_up_with_an_admin_key_file_others_may_read_stops_at_start_naming_it(tmp_path: Path) -> None:
+    """Before it starts anything: exit 2, one line naming the file, no traceback, no key."""
+    data = tmp_path / "var"
+    data.mkdir(mode=0o700)
+    (data / "admin.key").write_text("an-admin-key-others-could-read-0123456789\n")
+    (data / "admin.key").chmod(0o644)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_DATA_DIR=str(data), HERALD_HTTP_PORT=str(free_port()), HERALD_NATS_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "up"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith(f"herald: {data / 'admin.key'}") and "chmod 600" in run.stderr, run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and "an-admin-key-others" not in run.stderr + run.stdout, run.stderr
+    assert not (data / "nats-server.conf").exists()  # stopped before NATS was started
+
+
 def test_herald_up_never_prints_an_admin_key_the_operator_set(tmp_path: Path) -> None:
     """The banner shows the admin key herald up generated (SPEC §12); one the operator set in
     HERALD_ADMIN_KEY (from a secret store, say) is theirs already and is not echoed to stdout,
