@@ -30,10 +30,13 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.headers import SENT_METHOD
+from gateway.problems import Misdirected
 from gateway.query import check_query
+from gateway.services import services
 from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.metrics import metrics as process_metrics
+from herald.settings import Settings, is_loopback_host
 
 log = logging.getLogger("herald.http")
 
@@ -132,8 +135,27 @@ async def bind_job_context(request: Request[Any, Any, Any]) -> None:
         structlog.contextvars.bind_contextvars(job_id=job_id)
 
 
+def host_served(host: str | None, settings: Settings) -> bool:
+    """Whether a request naming ``host`` (its Host header) is for this gateway.
+
+    A gateway bound to loopback is reachable from this machine only, yet a browser on it can
+    be led there by DNS rebinding: a page whose name is made to resolve to 127.0.0.1 calls it
+    as its own origin, reads the answers, and sends the public ``dev-key``. Such a request names
+    the page's host, so it is refused; loopback names and addresses, and ``HERALD_ALLOWED_HOSTS``,
+    are served. Bound beyond loopback, any Host is (the operator chose who can reach it)."""
+    if not is_loopback_host(settings.http_host) or not host:
+        return True  # no Host at all is HTTP/1.0, which no browser sends
+    name = host.partition("]")[0].removeprefix("[") if host.startswith("[") else host.partition(":")[0]
+    name = name.lower().removesuffix(".")
+    return (is_loopback_host(name) or name.endswith(".localhost")
+            or name in (allowed.lower() for allowed in settings.allowed_hosts))
+
+
 async def before_request(request: Request[Any, Any, Any]) -> None:
     """The app's ``before_request`` hook (see the module docstring)."""
+    if not host_served(request.headers.get("host"), services(request).settings):
+        raise Misdirected("this gateway listens on loopback and answers only a loopback Host "
+                          "(set HERALD_ALLOWED_HOSTS for a reverse proxy's name)")
     await bind_job_context(request)
     check_query(request)
 

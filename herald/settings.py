@@ -241,6 +241,10 @@ class Settings:
     nats_port: Annotated[int, COUNT] = 4222
     http_host: Annotated[str, TEXT] = "127.0.0.1"
     http_port: Annotated[int, COUNT] = 8000
+    # Bound to loopback, the gateway answers only requests whose Host is a loopback name or
+    # address (a web page that rebinds its own name to 127.0.0.1 would otherwise reach it, and
+    # the dev key is public): these names too, for a reverse proxy that passes its own Host on.
+    allowed_hosts: Annotated[tuple[str, ...], Env(_names)] = ()
     # Several `herald gateway` processes on one host and port, the kernel spreading connections
     # (SO_REUSEPORT); each gateway has its own relay and hub, so any of them serves any request.
     http_reuse_port: Annotated[bool, FLAG] = False

@@ -84,6 +84,8 @@ REQUEST_TIMEOUT = _define("/problems/request-timeout", "Request timeout", 408,
                           "the head or the body of the request stopped arriving (30 s); the connection is closed")
 PAYLOAD_TOO_LARGE = _define("/problems/payload-too-large", "Request body too large", 413, "body over 1 MiB")
 UNSUPPORTED_MEDIA_TYPE = _define("/problems/unsupported-media-type", "Unsupported media type", 415, "body is not JSON")
+MISDIRECTED = _define("/problems/misdirected-request", "Misdirected request", 421,
+                      "a Host this loopback-bound gateway does not serve (DNS rebinding)")
 UNPROCESSABLE = _define("/problems/unprocessable", "Unprocessable request", 422)
 IDEMPOTENCY_KEY_MISMATCH = _define("/problems/idempotency-key-mismatch", "Idempotency-Key reused", 422,
                                    "the key was used with another request")

@@ -278,6 +278,37 @@ def test_non_ascii_bearer_tokens_are_401(target: Target, path: str) -> None:
         assert response.headers["content-type"].startswith("application/problem+json")
 
 
+def test_a_loopback_gateway_answers_only_a_loopback_host(target: Target) -> None:
+    """DNS rebinding: a web page whose name is made to resolve to 127.0.0.1 calls a local
+    gateway as its own origin, so it can read the answers, with the public dev key. Its requests
+    name the page's host: a gateway bound to loopback refuses them (421, problem+json) before
+    any key is looked at, and serves loopback names and addresses as before."""
+    port = urlsplit(target.base).port
+    auth = {"Authorization": f"Bearer {KEYS['acme']}"}
+    for host in (f"rebound.example:{port}", "rebound.example", f"127.0.0.1.nip.io:{port}", f"localhost.evil:{port}"):
+        refused = httpx.get(f"{target.base}/jobs/{target.job_id}", headers={**auth, "Host": host}, timeout=10)
+        assert refused.status_code == 421, (host, refused.status_code, refused.text[:300])
+        assert refused.headers["content-type"].startswith("application/problem+json")
+        assert refused.json()["type"] == "/problems/misdirected-request" and target.job_id not in refused.text
+    for host in (f"127.0.0.1:{port}", f"localhost:{port}", "LOCALHOST.", f"[::1]:{port}", f"app.localhost:{port}",
+                 f"127.1.2.3:{port}"):
+        served = httpx.get(f"{target.base}/jobs/{target.job_id}", headers={**auth, "Host": host}, timeout=10)
+        assert served.status_code == 303, (host, served.status_code, served.text[:300])
+
+
+def test_the_hosts_a_gateway_answers_follow_where_it_listens() -> None:
+    from gateway.middleware import host_served
+
+    loopback = Settings.from_env({})
+    assert not host_served("rebound.example:8000", loopback) and host_served("localhost:8000", loopback)
+    assert host_served(None, loopback)  # HTTP/1.0 without a Host: no browser, no rebinding
+    behind_proxy = Settings.from_env({"HERALD_ALLOWED_HOSTS": "Herald.Example.com, api.example.com"})
+    assert host_served("herald.example.com", behind_proxy) and host_served("API.example.com:443", behind_proxy)
+    assert not host_served("other.example.com", behind_proxy)
+    for bound in ("0.0.0.0", "::", "herald.internal"):  # reachable from elsewhere: by any name
+        assert host_served("anything.example:8000", Settings.from_env({"HERALD_HTTP_HOST": bound}))
+
+
 def test_non_ascii_headers_never_500(target: Target) -> None:
     auth = (b"authorization", f"Bearer {KEYS['acme']}".encode())
     values = [v.encode() for v in ODD_TEXT] + list(ODD_BYTES)

@@ -365,7 +365,7 @@ def test_one_tenant_written_by_two_gateways_and_two_workers_is_read_whole_and_in
 
 async def _raw_subscriber(port: int, path: str, key: str, ready: asyncio.Event, counter: list[int]) -> list[int]:
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key}\r\nAccept: text/event-stream\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {key}\r\nAccept: text/event-stream\r\n\r\n".encode())
     await writer.drain()
     versions: list[int] = []
     try:
@@ -424,7 +424,7 @@ def test_a_client_that_stops_reading_is_dropped_and_others_are_not(fresh: Deploy
     slow = socket.socket()  # a tiny receive window, and it never reads
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     slow.connect(("127.0.0.1", port))
-    slow.sendall(f"GET /events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['acme']}\r\n\r\n".encode())
+    slow.sendall(f"GET /events HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS['acme']}\r\n\r\n".encode())
     received: list[dict[str, Any]] = []
     ids: list[str] = []
 
@@ -501,7 +501,7 @@ def test_a_reader_that_stops_reading_its_output_is_dropped_by_the_send_bound_and
     slow = socket.socket()  # a tiny receive window, and it never reads
     slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)
     slow.connect(("127.0.0.1", port))
-    slow.sendall(f"GET /jobs/{job['id']}/output HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEYS['acme']}\r\n"
+    slow.sendall(f"GET /jobs/{job['id']}/output HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS['acme']}\r\n"
                  "Accept: text/event-stream\r\n\r\n".encode())
     wait_until(lambda: b'herald_sse_dropped_total{reason="send_timeout"} 1.0' in httpx.get(base + "/metrics").content,
                timeout=40, interval=0.2, what="the stuck output stream dropped by the send bound")
