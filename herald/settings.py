@@ -304,6 +304,15 @@ class Settings:
     worker_kind_concurrency: Annotated[Mapping[str, int], Env(_kind_counts)] = field(default_factory=dict)
     instance: Annotated[str, TEXT] = ""  # this process's name in its log lines (several of a component)
 
+    def __post_init__(self) -> None:
+        # The operator's key opens /admin; a tenant's key of the same text would open it too,
+        # so whoever holds that tenant's key would be the operator (SPEC §12: a tenant key on
+        # /admin is 403). Refused at start, naming the tenant, never the key.
+        if self.admin_key is not None and self.admin_key in self.api_keys:
+            raise SettingsError(
+                f"HERALD_ADMIN_KEY is also the key of tenant {self.api_keys[self.admin_key]!r} in HERALD_API_KEYS: "
+                "a tenant's key would open the admin API; give the admin key a value of its own")
+
     @property
     def db_path(self) -> Path:
         return self.data_dir / "herald.db"

@@ -684,6 +684,28 @@ def test_a_key_given_twice_stops_the_gateway_naming_the_variable(api_keys: str, 
     assert "shared-key-7f3a" not in run.stderr and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("argv", [["gateway"], ["up"]], ids=" ".join)
+def test_an_admin_key_that_is_also_a_tenants_key_stops_at_start_naming_the_tenant(
+        argv: list[str], tmp_path: Path) -> None:
+    """The admin key's text as a tenant's key in HERALD_API_KEYS would make that tenant's key
+    open /admin (SPEC §12: a tenant's key there is 403): refused at start, naming both
+    variables and the tenant, never the key, before anything is started or written."""
+    shared = "admin-and-tenant-key-0123456789abcdef"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_ADMIN_KEY=shared, HERALD_API_KEYS=f"other:other-key-0123456789,acme:{shared}",
+               HERALD_DATA_DIR=str(tmp_path / "var"), HERALD_NATS_URL="nats://127.0.0.1:9",
+               HERALD_HTTP_PORT=str(free_port()))
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", *argv], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("herald: HERALD_ADMIN_KEY") and "HERALD_API_KEYS" in run.stderr, run.stderr[-2000:]
+    assert "'acme'" in run.stderr and "'other'" not in run.stderr, run.stderr
+    assert shared not in run.stderr + run.stdout and "Traceback" not in run.stderr, run.stderr[-2000:]
+    assert not (tmp_path / "var").exists()
+    with pytest.raises(SettingsError):
+        Settings(admin_key=shared, api_keys={shared: "acme"})
+
+
 # ----- HERALD_API_KEYS beyond loopback --------------------------------------------------------------
 
 
