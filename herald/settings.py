@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
+from urllib.parse import unquote, urlsplit
 
 from herald.constants import ISSUED_KEY_PREFIX, PORTAL_TOKEN_PREFIX
 from herald.resolver import dns_server
@@ -211,7 +212,37 @@ def redact_url(url: str) -> str:
 def _database_url(name: str, raw: str) -> str:
     if not raw.startswith(("postgresql://", "postgres://")):
         raise SettingsError(f"{name} must be a postgresql:// URL")
+    if not _ports_readable(raw):
+        # asyncpg would fail later with the bad "port" in its message, and with a password that
+        # holds an unencoded '/', '?' or '#' that "port" is the password's start: in the log.
+        raise SettingsError(
+            f"{name}: its host and port cannot be read; a user or password holding '/', '?', '#', '@' or ':' "
+            "must be percent-encoded (urllib.parse.quote(password, safe=''))")
     return raw
+
+
+def _ports_readable(url: str) -> bool:
+    """Whether each host of a PostgreSQL URL's netloc has a numeric port or none, read as
+    asyncpg reads it (the userinfo ends at the first '@'; hosts are comma-separated)."""
+    try:
+        netloc = urlsplit(url).netloc
+    except ValueError:  # an unbalanced '[': a message naming no part of the URL
+        return False
+    hosts = netloc.partition("@")[2] if "@" in netloc else netloc
+    for host in hosts.split(",") if hosts else ():
+        if "@" in host:  # a password's '@' left unencoded: the rest of it would be dialled as a host
+            return False
+        if host.startswith("["):
+            port = host.partition("]")[2]
+            if port and not port.startswith(":"):
+                return False
+            port = port[1:]
+        else:
+            port = host.partition(":")[2]
+        port = unquote(port)
+        if port and not (port.isascii() and port.isdigit()):
+            return False
+    return True
 
 
 def _result_store(name: str, raw: str) -> str:

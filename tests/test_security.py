@@ -706,6 +706,50 @@ def test_an_admin_key_that_is_also_a_tenants_key_stops_at_start_naming_the_tenan
         Settings(admin_key=shared, api_keys={shared: "acme"})
 
 
+BAD_DSN_PASSWORD = "PgSecr/et?P#W@rd"
+
+
+@pytest.mark.parametrize("url", [
+    "postgresql://herald:PgSecr/etPW@127.0.0.1:5432/herald",  # '/' ends the netloc: 'PgSecr' read as the port
+    "postgresql://herald:PgSecr#etPW@127.0.0.1:5432/herald",
+    "postgresql://herald:PgSecr?etPW@127.0.0.1:5432/herald",
+    "postgresql://herald:PgSecr@etPW@127.0.0.1:5432/herald",  # 'etPW@127.0.0.1' would be dialled as a host
+    "postgresql://herald:pw@db.example:PgSecr/herald",
+    "postgresql://[::1/herald",
+])
+def test_a_database_url_whose_host_cannot_be_read_is_refused_without_showing_it(url: str) -> None:
+    """A password with an unencoded '/', '?', '#' or '@' cuts the URL's host part short, and
+    asyncpg then failed in the store's first connect with the password's start as the "port"
+    in its message, logged with the traceback on every retry. Refused when the settings are
+    read, naming the variable and the fix, never a part of the URL."""
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env({"HERALD_DATABASE_URL": url})
+    message = str(refused.value)
+    assert message.startswith("HERALD_DATABASE_URL") and "percent-encoded" in message, message
+    assert "PgSecr" not in message and "etPW" not in message and "::1" not in message, message
+
+
+def test_database_urls_asyncpg_reads_are_taken_as_they_are() -> None:
+    from urllib.parse import quote
+
+    for url in (f"postgresql://herald:{quote(BAD_DSN_PASSWORD, safe='')}@127.0.0.1:5432/herald",
+                "postgresql://u:pw@h1:5432,h2:5433/herald", "postgres://u@[::1]:5432/herald",
+                "postgresql:///herald?host=/run/postgresql", "postgresql://db.example/herald?user=a@b"):
+        assert Settings.from_env({"HERALD_DATABASE_URL": url}).database_url == url
+
+
+def test_a_gateway_with_an_unreadable_database_url_stops_at_start_without_showing_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_DATABASE_URL="postgresql://herald:PgSecr/etPW@127.0.0.1:9/herald", HERALD_SECRET_KEY="k" * 40,
+               HERALD_DATA_DIR=str(tmp_path), HERALD_NATS_URL="nats://127.0.0.1:9", HERALD_HTTP_PORT=str(free_port()),
+               HERALD_LOG_LEVEL="debug")
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "gateway"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("herald: HERALD_DATABASE_URL"), run.stderr[-2000:]
+    assert "PgSecr" not in run.stderr + run.stdout and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 # ----- HERALD_API_KEYS beyond loopback --------------------------------------------------------------
 
 
