@@ -18,7 +18,7 @@ from typing import Any
 
 from litestar import Request
 from litestar.handlers import BaseRouteHandler
-from litestar.params import ParameterKwarg
+from litestar.params import ParameterKwarg, ParamType
 
 from gateway.problems import InvalidRequest
 from schemas import FieldError
@@ -50,11 +50,12 @@ def _declared_by(handler: BaseRouteHandler) -> _Declared:
         integers: set[str] = set()
         for name, field in handler.parsed_fn_signature.parameters.items():
             kwarg = field.kwarg_definition
-            if not isinstance(kwarg, ParameterKwarg) or kwarg.header or kwarg.cookie:
+            if not isinstance(kwarg, ParameterKwarg) or kwarg.param_type is not ParamType.QUERY:
                 continue  # the request itself, a path parameter, a header
-            names.append(kwarg.query or name)
+            spelled = kwarg.name or kwarg.query or name  # QueryParameter(name=...), as the query spells it
+            names.append(spelled)
             if _is_integer(field.annotation):
-                integers.add(kwarg.query or name)
+                integers.add(spelled)
         found = handler.opt[_DECLARED_OPT] = _Declared(tuple(names), frozenset(integers))
     return found
 
