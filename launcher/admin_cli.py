@@ -11,12 +11,14 @@ at all), and never carry a key.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import itertools
 import math
 import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 import msgspec
 
@@ -37,6 +39,8 @@ def add_admin_commands(sub: argparse._SubParsersAction) -> None:  # type: ignore
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help="Herald's base URL (HERALD_URL, default http://127.0.0.1:8000)")
     common.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    common.add_argument("--allow-http", action="store_true",
+                        help="send the admin key over plain http:// to a host that is not this machine")
     limits = argparse.ArgumentParser(add_help=False)
     limits.add_argument("--rate-limit", type=_finite, metavar="N", help="job starts per second (burst: twice that; 0: no limit)")
     limits.add_argument("--max-running", type=int, metavar="N", help="jobs running at once (0: no cap)")
@@ -165,6 +169,20 @@ def _fail(message: str, hint: str | None = None) -> int:
     return 1
 
 
+def _in_clear_beyond_this_machine(url: str) -> bool:
+    """An http:// URL whose host is not a loopback name or address."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        return False
+    host = (parts.hostname or "").rstrip(".")
+    if host == "localhost" or host.endswith(".localhost"):
+        return False
+    try:
+        return not ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return True  # a name: wherever it resolves to, the key is in clear on the way
+
+
 def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
     """Run ``handler`` with a ``HeraldAdmin``; turn every failure into a message and an exit status."""
 
@@ -193,6 +211,12 @@ def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
                   f"(`herald up` prints it and keeps it in {settings.data_dir / ADMIN_KEY_FILE})", file=sys.stderr)
             return 2
         url = args.url or settings.url
+        if not args.allow_http and _in_clear_beyond_this_machine(url):
+            print(f"herald: {url} is plain http:// to another machine: the admin key would cross the network "
+                  "readable by anyone on the way", file=sys.stderr)
+            print("  use the gateway's https:// URL (or a tunnel to 127.0.0.1), or --allow-http if the network "
+                  "is yours alone", file=sys.stderr)
+            return 2
         try:
             # An operator at a prompt: three tries, not the library's patient six.
             with HeraldAdmin(url, settings.admin_key, policy=Policy(attempts=3)) as admin:

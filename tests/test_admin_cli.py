@@ -187,6 +187,14 @@ def test_cli_failures_are_clear_and_exit_non_zero(herald: Deployment) -> None:
 
     down = herald_cli("tenants", "list", env={**env, "HERALD_URL": f"http://127.0.0.1:{free_port()}"})
     assert down.returncode == 1 and "cannot reach Herald" in down.stderr
+    # The admin key never leaves for another machine in clear unless asked to (a TEST-NET
+    # address: nothing answers there, so the refusal is the CLI's own, before any connection).
+    for remote in ("http://192.0.2.1:8000", "http://herald.example:8000"):
+        in_clear = herald_cli("tenants", "list", "--url", remote, env=env)
+        assert in_clear.returncode == 2 and "https://" in in_clear.stderr and "--allow-http" in in_clear.stderr
+        assert env["HERALD_ADMIN_KEY"] not in in_clear.stderr + in_clear.stdout
+    for here in (f"http://localhost:{free_port()}", f"http://[::1]:{free_port()}"):
+        assert "cannot reach Herald" in herald_cli("tenants", "list", "--url", here, env=env).stderr
     unset = herald_cli("tenants", "list", env={"HERALD_URL": herald.url()})
     assert unset.returncode == 2 and "HERALD_ADMIN_KEY is not set" in unset.stderr
     bad_time = herald_cli("keys", "create", tenant, "--name", "x", "--expires-at", "tomorrow", env=env)
