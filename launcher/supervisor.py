@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import hashlib
 import os
 import secrets
 import shutil
@@ -152,6 +153,7 @@ class Supervisor:
         self.settings = settings
         self.stopping = threading.Event()
         self.nats: Child | None = None
+        self.metrics_dir: Path | None = None
         self.children: list[Child] = []
         self.env = dict(os.environ)  # noqa: the supervisor builds its children's environment
         # `herald up --port/--host` reach the gateway, which reads its settings from the environment.
@@ -268,10 +270,8 @@ class Supervisor:
 
     def plan_children(self, url: str) -> None:
         self.env["HERALD_NATS_URL"] = url
-        metrics_dir = self.settings.data_dir / "metrics"
-        shutil.rmtree(metrics_dir, ignore_errors=True)
-        metrics_dir.mkdir(parents=True)
-        self.env[MULTIPROC_ENV] = str(metrics_dir.resolve())
+        self.metrics_dir = fresh_metrics_dir(self.settings.data_dir)
+        self.env[MULTIPROC_ENV] = str(self.metrics_dir)
         self.env.pop("HERALD_METRICS_PORT", None)  # in `herald up`, the API port's /metrics covers all
         python = [sys.executable, "-m", "launcher.cli"]
         self.children = [Child("gateway", [*python, "gateway"])]
@@ -379,6 +379,36 @@ class Supervisor:
             except subprocess.TimeoutExpired:
                 nats.kill()
                 nats.wait()
+        if self.metrics_dir is not None and self.metrics_dir.parent == SHARED_MEMORY:
+            shutil.rmtree(self.metrics_dir, ignore_errors=True)  # RAM: not kept for a next start
+
+
+SHARED_MEMORY = Path("/dev/shm")
+
+
+def metrics_dir_in_ram(data_dir: Path) -> Path:
+    digest = hashlib.sha256(str(data_dir.resolve()).encode()).hexdigest()[:16]
+    return SHARED_MEMORY / f"herald-metrics-{os.getuid()}-{digest}"
+
+
+def fresh_metrics_dir(data_dir: Path) -> Path:
+    """The children's shared metrics directory, empty, in RAM where the machine has a tmpfs for it.
+
+    prometheus_client writes each process's samples through a memory-mapped file that grows
+    as series appear; on a full disk, touching the new page is SIGBUS, and the gateway died
+    of it at its next new series, again at each restart, for as long as the data disk was
+    full. Named after the data dir, so each deployment reuses its own; made 0700 and never
+    taken over: one that is there and cannot be removed (another user's) means the data dir."""
+    if SHARED_MEMORY.is_dir() and os.access(SHARED_MEMORY, os.W_OK | os.X_OK):
+        in_ram = metrics_dir_in_ram(data_dir)
+        shutil.rmtree(in_ram, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            in_ram.mkdir(mode=0o700)
+            return in_ram
+    on_disk = (data_dir / "metrics").resolve()
+    shutil.rmtree(on_disk, ignore_errors=True)
+    on_disk.mkdir(parents=True)
+    return on_disk
 
 
 def run_up(settings: Settings) -> int:

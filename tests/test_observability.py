@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from herald.logs import REDACTED, redact_secrets
 from herald_client import HeraldClient
+from launcher.supervisor import metrics_dir_in_ram
 from tests.harness import KEYS, TLS, Deployment, free_port, wait_until
 from tests.test_client import Receiver  # a real webhook receiver on 127.0.0.1
 
@@ -188,6 +191,52 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
         code = up.wait(30)
         log.close()
     assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
+
+
+def test_herald_up_keeps_its_gateway_while_the_data_disk_is_full(tmp_path: Path) -> None:
+    """The processes' shared metrics live in RAM, not on the data disk: prometheus_client grows
+    each process's file through mmap, and on a full disk the first new series was SIGBUS,
+    so the gateway died at its next new route or status, and again after every restart."""
+    if os.geteuid() != 0 or not Path("/dev/shm").is_dir():
+        pytest.skip("a small disk of its own (tmpfs) needs root; the metrics in RAM need /dev/shm")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=96m", "tmpfs", str(disk)], check=True)
+    port, nats_port = free_port(), free_port()
+    base = f"http://127.0.0.1:{port}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("HERALD_", "PROMETHEUS_"))}
+    env.update(HERALD_NATS_PORT=str(nats_port), HERALD_DATA_DIR=str(disk / "var"), HERALD_WORKERS="1",
+               HERALD_API_KEYS=f"acme:{KEY}")
+    log = open(tmp_path / "up.log", "wb")  # noqa: SIM115  (closed below, after the process)
+    up = subprocess.Popen([sys.executable, "-m", "launcher.cli", "up", "--port", str(port)], env=env, stdout=log,
+                          stderr=log)
+    try:
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=1).status_code == 200, timeout=40, what="herald up")
+        assert not (disk / "var" / "metrics").exists(), "the metrics files are on the data disk"
+        with open(disk / "filler", "wb") as filler:  # the disk full, as a runaway log leaves it
+            with contextlib.suppress(OSError):
+                while True:
+                    filler.write(b"\0" * (1 << 20))
+                    filler.flush()
+        auth = {"Authorization": f"Bearer {KEY}"}
+        # Routes, statuses and kinds no request had yet: each a new series, a new page of a file.
+        # An answer of any status will do (503 store-unavailable is a fair one on a full disk);
+        # a connection the gateway's death cut raises.
+        with httpx.Client(base_url=base, timeout=10) as http:
+            for _ in range(3):
+                for path in ("/exports", "/reports"):
+                    http.post(path, json={"rows": 1, "title": "full"}, headers=auth)
+                for path in ("/jobs?state=failed", "/webhooks", "/no-such-route", "/events?after=1"):
+                    http.get(path, headers={**auth, "Accept": "application/json"})
+            assert http.get("/healthz").status_code == 200
+        assert b"gateway exited" not in (tmp_path / "up.log").read_bytes(), (tmp_path / "up.log").read_text()[-3000:]
+    finally:
+        up.send_signal(signal.SIGTERM)
+        code = up.wait(30)
+        log.close()
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+    assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
+    assert not metrics_dir_in_ram(disk / "var").exists(), "the metrics files outlived herald up in RAM"
 
 
 # ----- logs ---------------------------------------------------------------------------------
