@@ -197,13 +197,19 @@ def _creds_file(name: str, raw: str) -> Path:
     return path
 
 
+# Query parameters that carry a secret: libpq's and asyncpg's `?password=`, `?sslpassword=`.
+_SECRET_QUERY = re.compile(r"(?i)([?&](?:password|sslpassword|token)=)[^&#]*")
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password (or token) in its userinfo replaced by ``***``: for banners and logs."""
+    """``url`` with any password (or token) in its userinfo or its query replaced by ``***``:
+    for banners and logs."""
     def one(part: str) -> str:
         scheme, sep, rest = part.strip().partition("://")
+        rest = _SECRET_QUERY.sub(r"\1***", rest)
         userinfo, at, host = rest.rpartition("@")
         if not sep or not at:
-            return part.strip()
+            return f"{scheme}{sep}{rest}"
         user, colon, _password = userinfo.partition(":")
         return f"{scheme}://{user + ':***' if colon else '***'}@{host}"
     return ",".join(one(p) for p in url.split(",") if p.strip())

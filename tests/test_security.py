@@ -1015,6 +1015,10 @@ def test_external_nats_credentials_come_from_the_url_or_a_creds_file(tmp_path: P
     assert auth_options(Settings.from_env({"HERALD_NATS_URL": "nats://tok@10.0.0.1:4222"})) == {"token": "tok"}
     assert "s%40cret" not in repr(settings) and "s%40cret" not in redact_url(url)
     assert redact_url(url) == "nats://herald:***@10.0.0.1:4222,nats://10.0.0.2:4222"
+    # libpq's and asyncpg's password in the query, as a banner would print HERALD_DATABASE_URL
+    assert redact_url("postgresql://herald@db:5432/herald?sslmode=require&password=s3cr&t") == \
+        "postgresql://***@db:5432/herald?sslmode=require&password=***&t"  # a lone userinfo may be a token
+    assert redact_url("postgresql://db/herald?PASSWORD=s3cr#x") == "postgresql://db/herald?PASSWORD=***#x"
     creds = tmp_path / "herald.creds"
     creds.write_text("-----BEGIN NATS USER JWT-----\n")
     assert auth_options(Settings.from_env({"HERALD_NATS_CREDS": str(creds)})) == {"user_credentials": str(creds)}
