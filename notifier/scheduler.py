@@ -53,7 +53,14 @@ log = logging.getLogger("herald.notifier")
 MAX_IN_FLIGHT = 256
 PER_TENANT = 64
 PER_TARGET = FLOOR  # what the claim may lease per delivery target; a wider window adds room
-LEASE_S = SUCCESS_WITHIN_S + 15.0  # longer than any attempt can take
+# A lease is renewed every RENEW_EVERY_S while its attempt is in flight (sending, or its
+# outcome waiting to be recorded), so it need not outlast the longest attempt
+# (SUCCESS_WITHIN_S): a notifier that dies (kill -9, its machine lost) holds its deliveries
+# that much, where a lease as long as an attempt kept them 30 s. Renewals that fail (the
+# store away) let it run out; the attempt's record is then fenced off, and the delivery is
+# sent again by whoever leases it next, as at-least-once allows.
+LEASE_S = 10.0
+RENEW_EVERY_S = 2.5
 PRUNE_EVERY_S = 60.0
 SHUTDOWN_GRACE_S = 5.0
 # An outcome the store could not take (StoreUnavailable: PostgreSQL restarting, failing over, a
@@ -107,6 +114,7 @@ class Scheduler:
         self._turn = 0  # which of an origin's busy targets the odd free slots of its window go to next
         self._backlog = False  # the last claim filled every free slot
         self._claiming = asyncio.Lock()  # a claim and a fan-out that leases take turns
+        self._renewed_at = 0.0  # monotonic: when the last renewal that succeeded was sent
 
     def kick(self) -> None:
         """New deliveries were recorded, or a slot came free: look again now."""
@@ -120,6 +128,7 @@ class Scheduler:
     async def run(self) -> None:
         """Deliver until ``stop()``; then let attempts in flight finish briefly and hand back the rest."""
         next_prune = time.monotonic()
+        renewing = asyncio.create_task(self._renew_leases(), name="webhook-lease-renewal")
         try:
             while not self._stopping:
                 self._wake.clear()
@@ -138,7 +147,27 @@ class Scheduler:
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._wake.wait(), timeout=sleep_s)
         finally:
-            await self._shutdown()
+            try:
+                await self._shutdown()
+            finally:
+                renewing.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await renewing
+
+    async def _renew_leases(self) -> None:
+        """Every RENEW_EVERY_S, extend the lease of every delivery whose attempt is in flight."""
+        while True:
+            await asyncio.sleep(RENEW_EVERY_S)
+            ids = [item.delivery.id for item in self._tasks.values()]
+            if not ids:
+                continue
+            sent = time.monotonic()
+            try:
+                await self.queue.renew(ids, self.owner, LEASE_S)
+            except Exception as exc:  # the store is away: the leases run out, as a dead notifier's do
+                log.warning("renewing webhook leases failed: %s", exc)
+                continue
+            self._renewed_at = sent
 
     async def fan_out(self, events: Sequence[JobEvent]) -> int:
         """Record the deliveries of committed ``events`` (the fan-out); returns how many are pending.
@@ -412,7 +441,9 @@ class Scheduler:
             try:
                 return await self.recorder.record(attempted)
             except StoreUnavailable as exc:
-                if self._stopping or time.monotonic() + delay >= leased_until:
+                # Renewals stretch the lease of every attempt in flight when they were sent.
+                held_until = max(leased_until, self._renewed_at + LEASE_S)
+                if self._stopping or time.monotonic() + delay >= held_until:
                     raise
                 if not said:
                     said = True

@@ -131,6 +131,7 @@ def _calls(storage: Storage, seen: _Seen) -> dict[str, Callable[[], Awaitable[An
         "deliveries.finish_many": lambda: queue.finish_many(
             [Attempted(claimed=claimed, started_at=0.0, outcome=ok, plan=Plan("delivered"))], "n1"),
         "deliveries.release": lambda: queue.release([claimed.delivery.id], "n1"),
+        "deliveries.renew": lambda: queue.renew([claimed.delivery.id], "n1", 10.0),
         "deliveries.prune": lambda: queue.prune(0),
         "tenants.directory_version": lambda: tenants.directory_version(),
         "tenants.snapshot": lambda: tenants.snapshot(),

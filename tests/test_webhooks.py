@@ -719,6 +719,45 @@ def test_deliveries_do_not_depend_on_nats_and_survive_its_restart(http: httpx.Cl
     settle(lambda: terminal_hit(receiver, "/outage", during["id"]), timeout=30, what="delivery after the restart")
 
 
+def test_a_killed_notifiers_delivery_in_flight_goes_to_another_within_its_lease(fresh: Deployment) -> None:
+    """kill -9 of a notifier mid-POST: its lease, renewed only while it lives, runs out within
+    LEASE_S and the other notifier sends the delivery; a lease as long as an attempt (30 s)
+    held it that long."""
+    from notifier.scheduler import LEASE_S
+
+    receiver = Receiver().start()
+    released = threading.Event()
+
+    def first_hangs(_hit: Hit, n: int) -> tuple[int, dict[str, str]]:
+        if n == 1:
+            released.wait(60)  # its notifier is killed meanwhile: nobody reads this answer
+        return 200, {}
+
+    try:
+        base = fresh.start_gateway()
+        fresh.start_worker()
+        fresh.start_notifier("notifier-a")
+        with client(base) as http:
+            endpoint = register(http, receiver, "/held", first_hangs, event_types=["job.succeeded"])
+            job = export(http)
+            wait_until(lambda: receiver.hits_for("/held", {job["id"]}), what="the first POST, held")
+            # Started only now, so the delivery is notifier-a's; long after its renewals began.
+            fresh.start_notifier("notifier-b")
+            fresh.kill("notifier-a", signal.SIGKILL)
+            killed_at = time.monotonic()
+            again = settle(lambda: terminal_hit(receiver, "/held", job["id"]), timeout=60, what="sent again")
+            # Within the lease (10 s) and a claim pass or two, with a loaded machine's margin:
+            # far below the 30 s a lease as long as an attempt took.
+            assert LEASE_S <= 10.0 and time.monotonic() - killed_at < 20.0
+            first = receiver.hits_for("/held", {job["id"]})[0]
+            assert again.webhook_id == first.webhook_id  # the same message, as at-least-once allows
+            settle(lambda: (d := deliveries(http, endpoint["id"])) and d[0]["status"] == "delivered",
+                   what="delivered in the log")
+    finally:
+        released.set()
+        receiver.stop()
+
+
 def test_receiver_down_notifier_killed_and_restarted_still_delivers(
     http: httpx.Client, herald_wh: Deployment, tmp_path: Path
 ) -> None:

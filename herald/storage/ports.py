@@ -427,6 +427,11 @@ class DeliveryQueue(Protocol):
 
     async def release(self, delivery_ids: Sequence[str], owner: str) -> None: ...
 
+    async def renew(self, delivery_ids: Sequence[str], owner: str, lease_s: float) -> None:
+        """Extend ``owner``'s leases of these deliveries to ``lease_s`` from now: those still
+        pending and still its own (a lease that ran out and was taken, or a delivery settled
+        meanwhile, is left as it is)."""
+
     async def prune(self, finished_before: float, limit: int = 1000) -> int: ...
 
 

@@ -549,6 +549,39 @@ async def test_leases_release_and_expiry(stores: Stores) -> None:
     assert (row["status"], row["lease_owner"]) == ("pending", "n2")
 
 
+async def test_a_lease_is_renewed_only_by_its_holder_and_only_while_pending(stores: Stores) -> None:
+    """A live notifier renews the leases of its attempts in flight (notifier.scheduler.RENEW_EVERY_S),
+    so a lease need not outlast an attempt; a lease that ran out and was taken is the taker's."""
+    queue = stores.deliveries
+    await endpoint(stores.webhooks)
+    other = (await stores.another()).deliveries
+    await queue.fan_out([event("j1", 1), event("j2", 1)])
+    held = await claim(queue, "n1", lease_s=5.0)
+    ids = [h.delivery.id for h in held]
+
+    async def lease_until(delivery_id: str) -> float:
+        (row,) = await deliveries(stores, id=delivery_id)
+        return float(row["lease_until"])
+
+    before = await lease_until(ids[0])
+    await queue.renew(ids, "someone-else", 600.0)
+    assert await lease_until(ids[0]) == before
+    await queue.renew(ids, "n1", 600.0)
+    assert await lease_until(ids[0]) >= await stores.jobs.clock() + 590
+    # Ran out and taken by n2: n1's renewal (a notifier that stalled) leaves n2's lease alone.
+    await stores.sql("UPDATE webhook_deliveries SET lease_until = $2 WHERE id = $1", ids[1], await stores.jobs.clock() - 1)
+    (taken,) = await claim(other, "n2")
+    assert taken.delivery.id == ids[1]
+    await queue.renew(ids, "n1", 600.0)
+    (row,) = await deliveries(stores, id=ids[1])
+    assert row["lease_owner"] == "n2" and float(row["lease_until"]) < await stores.jobs.clock() + 590
+    # A settled delivery keeps no lease.
+    await finish(stores, held[0], OK, Plan("delivered"), owner="n1")
+    await queue.renew(ids, "n1", 600.0)
+    (row,) = await deliveries(stores, id=ids[0])
+    assert (row["status"], row["lease_owner"], row["lease_until"]) == ("delivered", None, None)
+
+
 async def test_a_claim_is_fair_among_tenants_and_keeps_their_caps(stores: Stores) -> None:
     """ports.py, ``claim``: the slots go to the tenant with the fewest in flight first, within a
     tenant round robin over its targets, oldest first only among equals; ``per_tenant`` caps

@@ -656,6 +656,13 @@ class PgDeliveryQueue:
                 " WHERE id = ANY($1::TEXT[]) AND lease_owner = $2",
                 list(delivery_ids), owner)
 
+    async def renew(self, delivery_ids: Sequence[str], owner: str, lease_s: float) -> None:
+        if delivery_ids:  # lease_until is in no index: a HOT update of each row
+            await self.db.pool.execute(
+                f"UPDATE webhook_deliveries SET lease_until = {NOW} + $3"
+                " WHERE id = ANY($1::TEXT[]) AND lease_owner = $2 AND status = 'pending'",
+                list(delivery_ids), owner, float(lease_s))
+
     async def prune(self, finished_before: float, limit: int = 1000) -> int:
         """Forget finished deliveries (with their attempts) older than the retention period."""
         async with self.db.pool.acquire() as conn, conn.transaction():

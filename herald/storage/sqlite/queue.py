@@ -420,6 +420,19 @@ class SqliteDeliveryQueue:
 
         await self.db.write(tx)
 
+    async def renew(self, delivery_ids: Sequence[str], owner: str, lease_s: float) -> None:
+        if not delivery_ids:
+            return
+
+        def tx(conn: sqlite3.Connection) -> None:
+            until = now() + lease_s
+            conn.executemany(
+                "UPDATE webhook_deliveries SET lease_until = ? WHERE id = ? AND lease_owner = ? AND status = 'pending'",
+                [(until, i, owner) for i in delivery_ids],
+            )
+
+        await self.db.write(tx)
+
     async def prune(self, finished_before: float, limit: int = 1000) -> int:
         """Forget finished deliveries (with their attempts) older than the retention period."""
 
