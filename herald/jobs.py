@@ -152,6 +152,11 @@ class StoreUnavailable(StoreError):
     """The store cannot be reached now (starting, network, failover); retry later."""
 
 
+class StoreUnwritable(StoreUnavailable):
+    """The store's disk cannot take a write now (full, read-only): its message says which,
+    in words of our own, safe to show."""
+
+
 class RateLimited(StoreError):
     """The tenant's start budget is spent; a token is back after ``wait_s``."""
 

@@ -193,7 +193,7 @@ def test_herald_up_serves_every_components_metrics_on_the_api_port(tmp_path: Pat
     assert code == 0, (tmp_path / "up.log").read_text()[-3000:]
 
 
-def test_herald_up_keeps_its_gateway_while_the_data_disk_is_full(tmp_path: Path) -> None:
+def test_herald_up_keeps_its_gateway_and_says_it_is_not_ready_while_the_data_disk_is_full(tmp_path: Path) -> None:
     """The processes' shared metrics live in RAM, not on the data disk: prometheus_client grows
     each process's file through mmap, and on a full disk the first new series was SIGBUS,
     so the gateway died at its next new route or status, and again after every restart."""
@@ -229,6 +229,12 @@ def test_herald_up_keeps_its_gateway_while_the_data_disk_is_full(tmp_path: Path)
                 for path in ("/jobs?state=failed", "/webhooks", "/no-such-route", "/events?after=1"):
                     http.get(path, headers={**auth, "Accept": "application/json"})
             assert http.get("/healthz").status_code == 200
+            # Not ready while nothing can be written (SPEC §10: the store unreachable), and says
+            # why; ready again once the operator frees space, with no restart.
+            full = http.get("/readyz")
+            assert full.status_code == 503 and "disk is full" in full.json()["detail"], full.text
+            (disk / "filler").unlink()
+            wait_until(lambda: http.get("/readyz").status_code == 200, what="ready again")
         assert b"gateway exited" not in (tmp_path / "up.log").read_bytes(), (tmp_path / "up.log").read_text()[-3000:]
     finally:
         up.send_signal(signal.SIGTERM)

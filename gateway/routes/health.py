@@ -7,6 +7,7 @@ from litestar import Request, Response, get
 from gateway.openapi import problems
 from gateway.problems import NotReady
 from gateway.services import services
+from herald.jobs import StoreUnwritable
 from herald.kinds import declared_kinds
 from herald.metrics import exposition
 
@@ -22,6 +23,8 @@ async def readyz(request: Request) -> dict[str, str]:
     svc = services(request)
     try:
         await svc.store.ping()
+    except StoreUnwritable as exc:
+        raise NotReady(str(exc)) from exc
     except Exception as exc:
         raise NotReady("the job store is not reachable") from exc
     if svc.nats is None or not svc.nats.is_connected:

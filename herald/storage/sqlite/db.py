@@ -86,6 +86,27 @@ def as_unavailable(error: BaseException) -> BaseException:
     return error
 
 
+# Below this much free space the data disk counts as full: SQLite's next WAL append or
+# checkpoint fails, and /readyz says so before a request finds out.
+MIN_FREE_BYTES = 1 << 20
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why a database in ``directory`` cannot be written now, as far as the filesystem says
+    (read-only, or full), else None. One statvfs: cheap enough for every /readyz."""
+    try:
+        fs = os.statvfs(directory)
+    except OSError:
+        return "its directory cannot be read"
+    if fs.f_flag & os.ST_RDONLY:
+        return "its filesystem is read-only"
+    # root may write into the blocks reserved for it, as SQLite running as root does
+    free_blocks = fs.f_bfree if os.geteuid() == 0 else fs.f_bavail
+    if free_blocks * fs.f_frsize < MIN_FREE_BYTES:
+        return "its disk is full"
+    return None
+
+
 PRAGMAS = (
     "PRAGMA journal_mode=WAL",
     # NORMAL in WAL survives any process crash (kill -9); only an OS crash or power

@@ -37,6 +37,7 @@ from herald.jobs import (
     JobRow,
     NewJob,
     RateLimited,
+    StoreUnwritable,
     Transition,
     TransitionRejected,
 )
@@ -47,7 +48,7 @@ from herald.storage.live_scan import OLDEST_OF_TENANT_KIND, QUEUED_TENANT_KINDS
 from herald.storage.ports import OutboxRow, StartBudget, StoreStats
 from herald.storage.recent_rows import RecentRows
 from herald.storage.sqlite import resealing
-from herald.storage.sqlite.db import Database
+from herald.storage.sqlite.db import Database, unwritable_reason
 from herald.storage.unnumbered import numbered_payload, unnumbered_event
 from herald.timefmt import now, rfc3339
 from herald.transitions import TENANT_AT_CAP, Change, changed_row, event_type, refusal
@@ -240,6 +241,9 @@ class SqliteJobStore(CommitListeners):
 
     async def ping(self) -> None:
         self._db.read("SELECT 1")
+        reason = unwritable_reason(self._db.path.parent)
+        if reason is not None:  # reads still work; every accept and transition would fail
+            raise StoreUnwritable(f"the SQLite store cannot be written: {reason}")
 
     async def clock(self) -> float:
         return now()
