@@ -11,7 +11,6 @@ at all), and never carry a key.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import itertools
 import math
 import sys
@@ -22,7 +21,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from herald.settings import Settings, SettingsError
+from herald.settings import Settings, SettingsError, is_loopback_host
 from herald.tenants import ALL_SCOPES
 
 if TYPE_CHECKING:
@@ -175,12 +174,8 @@ def _in_clear_beyond_this_machine(url: str) -> bool:
     if parts.scheme.lower() != "http":
         return False
     host = (parts.hostname or "").rstrip(".")
-    if host == "localhost" or host.endswith(".localhost"):
-        return False
-    try:
-        return not ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return True  # a name: wherever it resolves to, the key is in clear on the way
+    # Any other name: wherever it resolves to, the key is in clear on the way.
+    return not (is_loopback_host(host) or host.endswith(".localhost"))
 
 
 def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
