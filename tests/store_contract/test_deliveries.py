@@ -870,6 +870,26 @@ async def test_an_endpoint_failing_for_five_days_is_disabled(stores: Stores) -> 
     assert await queue.claim("test", lease_s=30, per_target=1, limit=10, in_flight={}) == []
 
 
+async def test_enabling_an_enabled_endpoint_keeps_its_failing_streak(stores: Stores) -> None:
+    """``PATCH {"status": "enabled"}`` of an endpoint already enabled (a config sync sending the
+    whole endpoint) changes nothing: its 5-day failing streak goes on. Only re-enabling a
+    disabled endpoint is a fresh start."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    since = await stores.jobs.clock() - ENDPOINT_DISABLE_AFTER_S - 1
+    await stores.sql("UPDATE webhook_endpoints SET failing_since = $2 WHERE id = $1", endpoint_id, since)
+    for changes in ({"status": "enabled"}, {"url": "https://example.com/hook2", "status": "enabled"}):
+        row = await webhooks.update_endpoint("t1", endpoint_id, changes)
+        assert row is not None and row.status == "enabled" and row.failing_since == pytest.approx(since)
+    await queue.fan_out([event("j1", 1)])
+    (item,) = await claim(queue)
+    done = await finish(stores, item, FAILED, Plan("retry", delay_s=10))
+    assert (done.status, done.endpoint_disabled) == ("failed", True)  # five days of failing, as promised
+
+    row = await webhooks.update_endpoint("t1", endpoint_id, {"status": "enabled"})
+    assert row is not None and row.status == "enabled" and row.failing_since is None  # re-enabled: a fresh start
+
+
 async def test_finish_after_the_endpoint_was_deleted_is_dropped(stores: Stores) -> None:
     webhooks, queue = stores.webhooks, stores.deliveries
     endpoint_id = await endpoint(webhooks)

@@ -294,10 +294,12 @@ class PgWebhookStore:
             if name in changes:
                 value = changes[name]
                 values[name] = list(value) if name in ("event_types", "kinds") and value is not None else value
-        if changes.get("status") == "enabled":
-            values["failing_since"] = None  # a fresh start: the 5-day clock restarts
+        # Re-enabled: a fresh start, the 5-day clock restarts. Enabling an enabled endpoint
+        # changes nothing (its failing streak goes on).
+        fresh_start = (["failing_since = CASE WHEN status = 'enabled' THEN failing_since END"]
+                       if changes.get("status") == "enabled" else [])
         assignments = ", ".join([f"{column} = ${n}" for n, column in enumerate(values, start=2)]
-                                + [f"updated_at = {NOW}"])
+                                + fresh_start + [f"updated_at = {NOW}"])
         disabling = changes.get("status") == "disabled"
 
         async def tx() -> EndpointRow | None:

@@ -140,8 +140,9 @@ class SqliteWebhookStore:
 
         def tx(conn: sqlite3.Connection) -> EndpointRow | None:
             ts = now()
-            if not conn.execute("SELECT 1 FROM webhook_endpoints WHERE id = ? AND tenant = ?",
-                                (endpoint_id, tenant)).fetchone():
+            found = conn.execute("SELECT status FROM webhook_endpoints WHERE id = ? AND tenant = ?",
+                                 (endpoint_id, tenant)).fetchone()
+            if not found:
                 return None
             values: dict[str, Any] = {"updated_at": ts}
             for name in ("url", "status"):
@@ -150,8 +151,10 @@ class SqliteWebhookStore:
             for name in ("event_types", "kinds"):
                 if name in changes:
                     values[name] = _encode_list(changes[name])
-            if changes.get("status") == "enabled":
-                values["failing_since"] = None  # a fresh start: the 5-day clock restarts
+            if changes.get("status") == "enabled" and found["status"] != "enabled":
+                # Re-enabled: a fresh start, the 5-day clock restarts. Enabling an enabled
+                # endpoint changes nothing (its failing streak goes on).
+                values["failing_since"] = None
             assignments = ", ".join(f"{column} = ?" for column in values)
             conn.execute(f"UPDATE webhook_endpoints SET {assignments} WHERE id = ?", (*values.values(), endpoint_id))
             if changes.get("status") == "disabled":
