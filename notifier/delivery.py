@@ -178,11 +178,7 @@ class Sender:
         try:
             async with asyncio.timeout(SUCCESS_WITHIN_S):
                 # allow_redirects=False: SPEC §7, a 3xx is a failure
-                async with self._session.post(target, data=body, headers=headers, allow_redirects=False) as response:
-                    head = await _read_head(response)
-                    retry_after = parse_retry_after(response.headers.get("retry-after"), at=time.time())
-                    return Outcome(status_code=response.status, latency_s=time.perf_counter() - started,
-                                   response=head, retry_after_s=retry_after)
+                response = await self._session.post(target, data=body, headers=headers, allow_redirects=False)
         except aiohttp.ServerTimeoutError as exc:  # before TimeoutError, which it also is
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True, unreachable=True,
@@ -199,6 +195,24 @@ class Sender:
                            unreachable=not _cause(exc, NonPublicAddress))
         except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc))
+        # The status is the answer (SPEC §7: a 2xx within 15 s). The body is read for the log
+        # only, within what is left of the 15 s: a 2xx whose body then stalls or is cut short
+        # is still a 2xx (counted a failure, it was sent again though its receiver had it).
+        retry_after = parse_retry_after(response.headers.get("retry-after"), at=time.time())
+        head = bytearray()
+        trouble: str | None = None
+        try:
+            async with asyncio.timeout(max(0.0, SUCCESS_WITHIN_S - (time.perf_counter() - started))):
+                async with response:
+                    await _read_head(response, head)
+        except TimeoutError:
+            trouble = f"the answer's body did not come within {SUCCESS_WITHIN_S:g} s"
+        except (aiohttp.ClientError, OSError) as exc:
+            trouble = f"the answer's body could not be read: {_describe(exc)}"[:500]
+        finally:
+            response.close()
+        return Outcome(status_code=response.status, latency_s=time.perf_counter() - started, error=trouble,
+                       response=bytes(head), retry_after_s=retry_after)
 
 
 def _cause(exc: BaseException, kind: type[OSError]) -> bool:
@@ -206,12 +220,11 @@ def _cause(exc: BaseException, kind: type[OSError]) -> bool:
     return isinstance(exc, kind) or isinstance(getattr(exc, "os_error", None), kind)
 
 
-async def _read_head(response: aiohttp.ClientResponse) -> bytes:
-    """The first KiB of the body, for the attempt log; the rest is not read."""
-    head = b""
+async def _read_head(response: aiohttp.ClientResponse, head: bytearray) -> None:
+    """The first KiB of the body into ``head``, for the attempt log (what came before a failure
+    stays there); the rest is not read."""
     while len(head) < RESPONSE_KEEP_BYTES:
         chunk = await response.content.read(RESPONSE_KEEP_BYTES - len(head))
         if not chunk:
             break
         head += chunk
-    return head

@@ -425,6 +425,41 @@ def test_delivery_time_guard_checks_the_resolved_address(receiver: Receiver) -> 
     assert receiver.hits_for("/guarded") == []
 
 
+async def test_a_2xx_whose_body_stalls_or_is_cut_short_is_still_a_2xx() -> None:
+    """SPEC §7: success is a 2xx within 15 s. The status is the answer; the body is read only for
+    the log. A receiver that sent its 200 and then stalled the body (or cut it short) was counted
+    a failure with no status at all, and its delivery was sent again though the receiver had it."""
+    release = asyncio.Event()
+
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.readuntil(b"\r\n\r\n")
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nthanks")
+        await writer.drain()
+        if writer.get_extra_info("sockname")[1] == cut.sockets[0].getsockname()[1]:
+            writer.close()  # 94 bytes short
+        else:
+            await release.wait()  # the rest never comes within the 15 s
+            writer.close()
+
+    cut = await asyncio.start_server(answer, "127.0.0.1", 0)
+    stalled = await asyncio.start_server(answer, "127.0.0.1", 0)
+    try:
+        async with Sender(allow_private=True) as sender:
+            started = time.monotonic()
+            short, slow = await asyncio.gather(
+                *(sender.send(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/hook", b"{}", {})
+                  for server in (cut, stalled)))
+        assert short.ok and short.status_code == 200 and short.response == b"thanks", short
+        assert "could not be read" in (short.error or "") and not short.timed_out and not short.unreachable
+        assert slow.ok and slow.status_code == 200 and slow.response == b"thanks", slow
+        assert "did not come within 15 s" in (slow.error or "") and not slow.timed_out and not slow.unreachable
+        assert time.monotonic() - started < 20  # the body is waited for within the 15 s, no longer
+    finally:
+        release.set()
+        for server in (cut, stalled):
+            server.close()
+
+
 # ----- signatures -------------------------------------------------------------------------
 
 
