@@ -6,6 +6,7 @@ Nothing else in Herald reads ``os.environ``.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 import re
 from collections.abc import Callable, Mapping
@@ -46,6 +47,8 @@ def _number(cast: Callable[[str], float], floor: float | None = None) -> Env:
             value = cast(raw)
         except ValueError as exc:
             raise SettingsError(f"{name} must be a number, got {raw!r}") from exc
+        if not math.isfinite(value):  # 'nan', 'inf' and '1e309' are floats too
+            raise SettingsError(f"{name} must be a finite number, got {raw!r}")
         if value < 0:
             raise SettingsError(f"{name} must not be negative")
         return value if floor is None else max(floor, value)
@@ -143,13 +146,18 @@ def _client_key(name: str, raw: str) -> str:
     return raw
 
 
+MAX_RETRY_DELAY_S = 365 * 86400.0
+
+
 def _schedule(name: str, raw: str) -> tuple[float, ...]:
     try:
         values = tuple(float(x) for x in raw.split(",") if x.strip())
     except ValueError as exc:
         raise SettingsError(f"{name} must be comma-separated seconds") from exc
-    if not values or any(v < 0 for v in values):
-        raise SettingsError(f"{name} must be non-negative seconds")
+    # A delay that is not a finite number of seconds, or beyond what a time can show, left its
+    # delivery pending for ever (NaN is stored as no time at all) and its log a 500.
+    if not values or any(not (0 <= v <= MAX_RETRY_DELAY_S) for v in values):
+        raise SettingsError(f"{name} must be non-negative seconds, each at most {MAX_RETRY_DELAY_S:g} (a year)")
     return values
 
 

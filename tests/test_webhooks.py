@@ -31,6 +31,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 import herald
 from herald.deliveries import Attempted, Claimed, Finished
 from herald.jobs import NewJob
+from herald.settings import Settings, SettingsError
 from herald.ssrf import UnsafeUrl, check_url_syntax, is_public_address
 from herald.storage.sqlite.db import Database
 from herald.storage.sqlite.jobs import SqliteJobStore as Store
@@ -299,6 +300,21 @@ def test_retry_policy_is_the_table_of_spec_7() -> None:
         assert 4.0 <= (delay(answer(503, retry_after=1)) or 0) <= 6.0  # 503: no floor, RA kept in bounds
         assert 8.0 <= (delay(answer(503, retry_after=3600)) or 0) <= 12.0
         assert 4.0 <= (delay(answer(None)) or 0) <= 6.0  # connection refused: the plain schedule
+
+
+def test_a_retry_delay_that_is_not_a_finite_time_is_refused_at_start() -> None:
+    """A schedule of 'nan' made every retry's next attempt NaN, which SQLite stores as no time:
+    the delivery stayed pending for ever. 'inf' (or '1e309', or a delay past year 9999) made its
+    next_attempt_at unshowable: the endpoint's delivery log answered 500. Refused at start now,
+    naming the variable, as is a minimum backoff that is not a finite number."""
+    assert Settings.from_env({"HERALD_WEBHOOK_RETRY_SCHEDULE": "5, 300,36000"}).webhook_retry_schedule == (
+        5.0, 300.0, 36000.0)
+    for bad in ("nan", "5,inf", "1e309", "1e12", "-1", "5,x"):
+        with pytest.raises(SettingsError, match="HERALD_WEBHOOK_RETRY_SCHEDULE"):
+            Settings.from_env({"HERALD_WEBHOOK_RETRY_SCHEDULE": bad})
+    for bad in ("nan", "inf", "-inf", "1e309"):
+        with pytest.raises(SettingsError, match="HERALD_WEBHOOK_MIN_BACKOFF_S must be a finite number"):
+            Settings.from_env({"HERALD_WEBHOOK_MIN_BACKOFF_S": bad})
 
 
 async def _two_jobs(store: Store) -> list[JobEvent]:
