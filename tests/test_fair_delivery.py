@@ -107,8 +107,11 @@ class DnsServer:
     never answers any other: the name servers of a tenant's hosts that do not respond (a fake
     for what lies outside the machine). It keeps the names it left unanswered."""
 
-    def __init__(self, answer: str = "127.0.0.1") -> None:
+    def __init__(self, answer: str = "127.0.0.1", *, then: str | None = None) -> None:
         self.answer = socket.inet_aton(answer)
+        # DNS rebinding: each name's first A question is answered ``answer``, every later one ``then``.
+        self.then = socket.inet_aton(then) if then is not None else None
+        self.asked: set[str] = set()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind(("127.0.0.1", free_port()))
         self.address = "127.0.0.1:%d" % self.sock.getsockname()[1]
@@ -138,8 +141,12 @@ class DnsServer:
             if not name.endswith(".ok.test"):
                 self.unanswered.add(name)
                 continue
+            answer = self.answer
+            if qtype == 1 and self.then is not None:
+                answer = self.then if name in self.asked else answer
+                self.asked.add(name)
             # One A record for an A question; for any other (AAAA), none: no such data.
-            answers = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + self.answer if qtype == 1 else b""
+            answers = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + answer if qtype == 1 else b""
             header = query[:2] + b"\x81\x80\x00\x01" + (b"\x00\x01" if answers else b"\x00\x00") + b"\x00\x00\x00\x00"
             self.sock.sendto(header + question + answers, peer)
 
@@ -242,6 +249,44 @@ def test_starts_naming_callback_hosts_that_never_resolve_do_not_delay_another_te
         assert {(r.status_code, r.json()["errors"][0]["field"], r.json()["errors"][0]["message"]) for r in refused} \
             == {(400, "callback_url", "must resolve to a public address")}
         assert len(refused) == len(starts)
+
+
+def test_a_name_rebound_to_loopback_after_registration_is_never_dialled(fresh: Deployment) -> None:
+    """SPEC §7: the SSRF guard checks at registration and again at each delivery. An endpoint's
+    name and a job's callback_url name resolve to a public address at their first lookup (the
+    gateway's, at registration and at the job's start), then to 127.0.0.1 at every later one
+    (DNS rebinding): the notifier refuses both at delivery time, logs why, and nothing ever
+    connects to the listener on 127.0.0.1."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(16)
+    listener.settimeout(0.05)
+    port = listener.getsockname()[1]
+    with DnsServer(answer="93.184.215.14", then="127.0.0.1") as dns:  # public when registered, then loopback
+        settings = {"HERALD_WEBHOOK_DNS_SERVERS": dns.address, "HERALD_WEBHOOK_ALLOW_PRIVATE": "0"}
+        base = fresh.start_gateway(**settings)
+        fresh.start_worker(**settings)
+        fresh.start_notifier(**settings)
+        with client(base) as http:
+            endpoint = http.post("/webhooks", json={"url": f"https://rebound.ok.test:{port}/hook"})
+            assert endpoint.status_code == 201, endpoint.text
+            job = http.post("/exports", json={"format": "csv", "rows": 1,
+                                              "callback_url": f"https://callback.ok.test:{port}/done"})
+            assert job.status_code == 202, job.text
+
+            def refused(target: str) -> list[dict[str, Any]]:
+                return [e for e in fresh.logged("notifier", "webhook attempt")
+                        if e.get("job_id") == job.json()["id"] and f"{target}.ok.test" in (e.get("error") or "")]
+
+            for target in ("rebound", "callback"):
+                attempts = wait_until(lambda t=target: refused(t), timeout=30, what=f"the {target} attempt refused")
+                assert all("non-public address (SSRF guard)" in a["error"] and a["status_code"] is None
+                           for a in attempts), attempts
+            logged = http.get(f"/webhooks/{endpoint.json()['id']}/deliveries").json()["items"]
+            assert logged and all("SSRF guard" in (a["error"] or "") for d in logged for a in d["attempts"])
+    with pytest.raises(TimeoutError):  # socket.timeout: nobody ever connected
+        listener.accept()
+    listener.close()
 
 
 def test_the_dns_servers_setting_takes_addresses_with_or_without_a_port() -> None:
