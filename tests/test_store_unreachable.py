@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import signal
 import socket
 import threading
 import time
@@ -652,3 +653,58 @@ def test_an_attempt_recorded_again_after_its_answer_was_lost_is_logged_once(
         receiver.stop()
         deployment.stop()
         proxy.close()
+
+
+def test_a_gateway_whose_first_directory_read_is_cut_loads_it_and_gets_ready(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """SPEC §12 (a change holds on every gateway) and §9: the store opens, then the connection
+    under the gateway's first read of the tenant directory is cut (a failover, a proxy,
+    pg_terminate_backend). The gateway read it again and gets ready. It gave up for good: it
+    never connected to NATS (/readyz 503 until restarted), every key made over /admin got 503,
+    and a key of a disabled tenant from HERALD_API_KEYS was let in, with default limits."""
+    deployment = Deployment(tmp_path / "herald", database_url=postgres_server.create_database("directory_cut"))
+    deployment.nats.start()
+    admin = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    runner = asyncio.Runner()
+    try:
+        first = deployment.start_gateway("first")
+        assert httpx.post(first + "/admin/tenants", json={"id": "blink"}, headers=admin, timeout=10).status_code == 201
+        issued = httpx.post(first + "/admin/tenants/blink/keys", json={"name": "k"}, headers=admin, timeout=10).json()
+        assert httpx.patch(first + "/admin/tenants/acme", json={"disabled": True}, headers=admin,
+                           timeout=10).status_code == 200
+        deployment.kill("first", signal.SIGTERM)  # nothing else reads the directory now
+
+        async def cut_the_first_directory_read() -> None:
+            holder, killer = await asyncpg.connect(deployment.database_url), await asyncpg.connect(deployment.database_url)
+            try:
+                async with holder.transaction():
+                    await holder.execute("LOCK TABLE herald_directory IN ACCESS EXCLUSIVE MODE")
+                    port = free_port()
+                    deployment.ports["gateway"] = port
+                    deployment._spawn("gateway", ["gateway"], deployment.env(HERALD_HTTP_PORT=str(port)))
+                    deadline = time.monotonic() + 20
+                    while not (waiting := await killer.fetch(
+                            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                            " AND query LIKE '%herald_directory%' AND pid <> pg_backend_pid()")):
+                        assert time.monotonic() < deadline, "the gateway never read the directory"
+                        await asyncio.sleep(0.05)
+                    for row in waiting:
+                        await killer.execute("SELECT pg_terminate_backend($1)", row["pid"])
+            finally:
+                await holder.close()
+                await killer.close()
+
+        runner.run(cut_the_first_directory_read())
+        base = deployment.url()
+        wait_until(lambda: httpx.get(base + "/readyz", timeout=2, verify=TLS).status_code == 200, timeout=20,
+                   what="/readyz 200 once the directory is read")
+        assert httpx.get(base + "/jobs", headers={"Authorization": f"Bearer {issued['key']}"},
+                         timeout=5).status_code == 200
+        assert httpx.get(base + "/jobs", headers={"Authorization": "Bearer key-acme"}, timeout=5).status_code == 401
+        said = [str(e.get("event")) for e in deployment.log_events("gateway")]
+        assert any("the tenant directory failed" in line and "retrying" in line for line in said), said
+        assert "background task failed" not in said
+    finally:
+        runner.close()
+        deployment.stop()
