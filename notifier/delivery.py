@@ -120,9 +120,17 @@ def _checked_url(url: str, allow_private: bool) -> URL | str:
     return target
 
 
-def _describe(exc: BaseException) -> str:
-    text = str(exc) or type(exc).__name__
-    return f"{type(exc).__name__}: {text}"[:500]
+def _describe(exc: BaseException, target: URL) -> str:
+    """An attempt's error, as the delivery keeps it and the notifier logs it: the target named by
+    its origin only, never its path or query, which are often the receiver's secret (a
+    Slack-style hook URL, a ``?token=``)."""
+    if isinstance(exc, aiohttp.ClientResponseError):
+        # An answer aiohttp could not parse: its text is "400, message=…, url=<the whole URL>",
+        # and the 400 is aiohttp's own, not the receiver's.
+        text = "the answer could not be read: " + " ".join(str(exc.message).split())  # on one line, caret and all
+    else:
+        text = str(exc) or type(exc).__name__
+    return f"{type(exc).__name__}: {text.replace(str(target), str(target.origin()))}"[:500]
 
 
 class Sender:
@@ -182,7 +190,7 @@ class Sender:
         except aiohttp.ServerTimeoutError as exc:  # before TimeoutError, which it also is
             connecting = isinstance(exc, aiohttp.ConnectionTimeoutError)
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True, unreachable=True,
-                           error=f"no connection within {CONNECT_WITHIN_S:g} s" if connecting else _describe(exc))
+                           error=f"no connection within {CONNECT_WITHIN_S:g} s" if connecting else _describe(exc, target))
         except TimeoutError:
             return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True, unreachable=True,
                            error=f"no answer within {SUCCESS_WITHIN_S:g} s")
@@ -191,10 +199,10 @@ class Sender:
                 return Outcome(status_code=None, latency_s=time.perf_counter() - started, timed_out=True,
                                unreachable=True, error=f"the name did not resolve within {RESOLVE_WITHIN_S:g} s")
             # (unless our own SSRF guard refused the name: that says nothing about the target)
-            return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc),
+            return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc, target),
                            unreachable=not _cause(exc, NonPublicAddress))
         except (aiohttp.ClientError, ValueError) as exc:  # ValueError: a URL aiohttp cannot use
-            return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc))
+            return Outcome(status_code=None, latency_s=time.perf_counter() - started, error=_describe(exc, target))
         # The status is the answer (SPEC §7: a 2xx within 15 s). The body is read for the log
         # only, within what is left of the 15 s: a 2xx whose body then stalls or is cut short
         # is still a 2xx (counted a failure, it was sent again though its receiver had it).
@@ -208,7 +216,7 @@ class Sender:
         except TimeoutError:
             trouble = f"the answer's body did not come within {SUCCESS_WITHIN_S:g} s"
         except (aiohttp.ClientError, OSError) as exc:
-            trouble = f"the answer's body could not be read: {_describe(exc)}"[:500]
+            trouble = f"the answer's body could not be read: {_describe(exc, target)}"[:500]
         finally:
             response.close()
         return Outcome(status_code=response.status, latency_s=time.perf_counter() - started, error=trouble,

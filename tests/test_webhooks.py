@@ -474,6 +474,46 @@ async def test_a_2xx_whose_body_stalls_or_is_cut_short_is_still_a_2xx() -> None:
         release.set()
         for server in (cut, stalled):
             server.close()
+MALFORMED_ANSWERS = {
+    "bad status line": b"GARBAGE\r\n\r\n",
+    "bad header": b"HTTP/1.1 200 OK\r\nBad Header Line\r\nContent-Length: 0\r\n\r\n",
+    "bad chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nxx\r\n",
+    "bad length": b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n",
+    "header too long": b"HTTP/1.1 200 OK\r\nX: " + b"a" * 10_000 + b"\r\n\r\n",
+}
+
+
+@pytest.mark.parametrize("answer", list(MALFORMED_ANSWERS.values()), ids=list(MALFORMED_ANSWERS))
+def test_an_answer_that_is_not_http_is_recorded_without_the_urls_path_or_query(answer: bytes) -> None:
+    """An endpoint's path and query are often the receiver's secret (a Slack-style hook URL, a
+    ``?token=``), so an attempt's error, which is kept with the delivery and logged, names the
+    target by its origin only, as every other error does. An answer that was not HTTP was
+    recorded as aiohttp words it, "ClientResponseError: 400, message=..., url='<the whole
+    URL>'": the URL in the notifier's log line, and a 400 the receiver never sent."""
+    listener = socket.create_server(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+
+    def answer_once() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            connection.recv(65536)
+            connection.sendall(answer)
+
+    thread = threading.Thread(target=answer_once, daemon=True)
+    thread.start()
+
+    async def attempt() -> Any:
+        async with Sender(allow_private=True) as sender:
+            return await sender.send(f"http://127.0.0.1:{port}/hooks/PATH-SECRET?token=QUERY-SECRET", b"{}", {})
+
+    try:
+        outcome = asyncio.run(attempt())
+    finally:
+        thread.join(5)
+        listener.close()
+    error = outcome.error or ""
+    assert outcome.status_code is None and "the answer could not be read" in error, outcome
+    assert "SECRET" not in error and "400," not in error, error
 
 
 # ----- signatures -------------------------------------------------------------------------
