@@ -357,6 +357,20 @@ class Settings:
             raise SettingsError(
                 f"HERALD_ADMIN_KEY is also the key of tenant {self.api_keys[self.admin_key]!r} in HERALD_API_KEYS: "
                 "a tenant's key would open the admin API; give the admin key a value of its own")
+        # A key sent in every request's header must not be one that signs links or seals the
+        # store's secrets: whoever held that tenant's key could sign any tenant's links (its
+        # feed, by its name alone) or open every secret of a copy of the store, and a header
+        # is what proxies log. Refused at start, naming the variables, never the key.
+        sent = [(f"HERALD_API_KEYS: the key of tenant {tenant!r}", key) for key, tenant in self.api_keys.items()]
+        if self.admin_key is not None:
+            sent.append(("HERALD_ADMIN_KEY", self.admin_key))
+        held = (("HERALD_SIGNING_KEY", self.signing_secrets, "signs every tenant's links"),
+                ("HERALD_SECRET_KEY", self.secret_keys, "seals the store's secrets"))
+        for who, key in sent:
+            for variable, keys, does in held:
+                if key in keys:
+                    raise SettingsError(f"{who} is also a key of {variable}: a bearer key, sent in every request's "
+                                        f"header, would be the key that {does}; give each a value of its own")
 
     @property
     def db_path(self) -> Path:

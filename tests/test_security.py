@@ -706,6 +706,39 @@ def test_an_admin_key_that_is_also_a_tenants_key_stops_at_start_naming_the_tenan
         Settings(admin_key=shared, api_keys={shared: "acme"})
 
 
+SHARED = "a-key-the-operator-used-twice-0123456789"
+
+
+@pytest.mark.parametrize(("sent", "kept", "said"), [
+    ({"HERALD_API_KEYS": f"other:other-key-0123456789,acme:{SHARED}"}, "HERALD_SIGNING_KEY",
+     "herald: HERALD_API_KEYS: the key of tenant 'acme' is also a key of HERALD_SIGNING_KEY"),
+    ({"HERALD_API_KEYS": f"acme:{SHARED}"}, "HERALD_SECRET_KEY",
+     "herald: HERALD_API_KEYS: the key of tenant 'acme' is also a key of HERALD_SECRET_KEY"),
+    ({"HERALD_API_KEYS": "acme:key-acme", "HERALD_ADMIN_KEY": SHARED}, "HERALD_SIGNING_KEY",
+     "herald: HERALD_ADMIN_KEY is also a key of HERALD_SIGNING_KEY"),
+    ({"HERALD_API_KEYS": "acme:key-acme", "HERALD_ADMIN_KEY": SHARED}, "HERALD_SECRET_KEY",
+     "herald: HERALD_ADMIN_KEY is also a key of HERALD_SECRET_KEY"),
+], ids=["tenant-signing", "tenant-secret", "admin-signing", "admin-secret"])
+def test_a_bearer_key_that_is_also_a_signing_or_sealing_key_stops_at_start(
+        sent: dict[str, str], kept: str, said: str, tmp_path: Path) -> None:
+    """A key sent in every request's header must not be one that signs links or seals the
+    store's secrets. A tenant whose key was HERALD_SIGNING_KEY's could sign any tenant's
+    links (``/events?tenant=<another>``: that tenant's whole feed, by its name alone; its
+    results); one whose key was HERALD_SECRET_KEY's could open every secret of a copy of the
+    store; and either travels in a header that proxies may log. Refused at start, naming the
+    variables (and the tenant), never the key, whichever of a rotation's keys it is."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(sent, HERALD_DATA_DIR=str(tmp_path / "var"), HERALD_NATS_URL="nats://127.0.0.1:9",
+               HERALD_HTTP_PORT=str(free_port()))
+    env[kept] = f"a-newer-key-of-32-characters-or-more,{SHARED}"
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "gateway"], env=env, capture_output=True, text=True,
+                         timeout=30)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith(said), run.stderr[-2000:]
+    assert "'other'" not in run.stderr and SHARED not in run.stderr + run.stdout, run.stderr
+    assert "Traceback" not in run.stderr and not (tmp_path / "var").exists(), run.stderr[-2000:]
+
+
 BAD_DSN_PASSWORD = "PgSecr/et?P#W@rd"
 
 
