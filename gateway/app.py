@@ -40,13 +40,12 @@ from herald.signing import UrlSigner
 from herald.storage import build_storage
 from herald.storage.results import open_result_store
 from herald.sweeper import run_sweeper
-from herald.tasks import TaskOwner
+from herald.tasks import TaskOwner, until_done
 from herald.kinds import load_kinds
 
 log = logging.getLogger("herald.gateway")
 
 MAX_BODY_BYTES = 1024 * 1024
-LOAD_RETRY_FIRST_S, LOAD_RETRY_MAX_S = 0.2, 5.0  # the signing key's and the directory's first read, tried again
 
 
 async def _connect_nats(svc: Services, owner: TaskOwner, stop: asyncio.Event, give_up: Callable[[], None]) -> None:
@@ -112,22 +111,17 @@ async def _close_quietly(nc: NATS) -> None:
 async def _open_store(svc: Services, owner: TaskOwner, give_up: Callable[[], None]) -> None:
     """Open (or wait for) the store, load the URL signing key and the tenant directory, then
     start what needs them. A read that fails (the connection under it cut: a failover, a
-    proxy, pg_terminate_backend) is tried again: given up, the gateway never connected to
-    NATS, so it stayed unready until restarted, refused every key made over /admin (503) and
-    let in the keys of disabled tenants from HERALD_API_KEYS."""
+    proxy, pg_terminate_backend) is tried again (``until_done``): given up, the gateway never
+    connected to NATS, so it stayed unready until restarted, refused every key made over
+    /admin (503) and let in the keys of disabled tenants from HERALD_API_KEYS."""
     await svc.store.open()
-    delay = LOAD_RETRY_FIRST_S
-    while True:
-        try:
-            if not svc.signer.ready:
-                svc.signer.set_keys((await svc.store.signing_key(),))
-            await svc.directory.refresh(force=True)
-            break
-        except Exception as exc:
-            log.warning("reading the URL signing key and the tenant directory failed: %s; retrying in %.1f s",
-                        exc, delay)
-        await asyncio.sleep(delay)
-        delay = min(2 * delay, LOAD_RETRY_MAX_S)
+
+    async def load() -> None:
+        if not svc.signer.ready:
+            svc.signer.set_keys((await svc.store.signing_key(),))
+        await svc.directory.refresh(force=True)
+
+    await until_done(load, "reading the URL signing key and the tenant directory", log)
     owner.spawn(svc.directory.run(), "tenant-directory")
     connecting = asyncio.Event()  # set: stop connecting (the gateway is stopping)
     owner.spawn(_connect_nats(svc, owner, connecting, give_up), "nats-connect", stop=connecting.set)

@@ -38,7 +38,7 @@ from herald.jobs import StoreUnavailable
 from herald.settings import Settings
 from herald.sealing import Sealer
 from herald.storage.ports import Storage, TenantStore
-from herald.tasks import TaskOwner
+from herald.tasks import TaskOwner, until_done
 from herald.tenants import (
     ALL_SCOPES, SOURCE_ENV, DirectorySnapshot, KeyRow, Limits, TenantRow, env_keys, key_digest, split_key,
 )
@@ -260,7 +260,7 @@ async def running_directory(settings: Settings, storage: Storage, nc: NATS | Non
     """A loaded directory that follows changes (broadcast and bounded age) while the block runs:
     for the worker and notifier processes, which enforce tenants' limits."""
     directory = Directory(settings, storage.tenants, storage.sealer)
-    await directory.refresh(force=True)
+    await until_done(lambda: directory.refresh(force=True), "reading the tenant directory", log)
     async with TaskOwner() as owner:
         if nc is not None:
             await directory.attach(nc)

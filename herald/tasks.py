@@ -22,9 +22,12 @@ import contextlib
 import inspect
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
 
 log = logging.getLogger("herald.tasks")
+
+T = TypeVar("T")
+RETRY_FIRST_S, RETRY_MAX_S = 0.2, 5.0
 
 Stop = Callable[[], Awaitable[None] | None]
 
@@ -85,3 +88,18 @@ class TaskOwner(contextlib.AsyncExitStack):
 async def _stop_spawned(task: asyncio.Task[None], ask: Stop | None) -> None:
     with contextlib.suppress(Exception):  # logged when it ended (_log_end): the other tasks still stop
         await stop(task, ask)
+
+
+async def until_done(attempt: Callable[[], Awaitable[T]], what: str, logger: logging.Logger) -> T:
+    """``attempt()`` until it returns, each failure logged as a warning naming ``what``, tried
+    again after 0.2 s, doubling to 5 s: for what a process reads once at start and cannot run
+    without (the URL signing key, the tenant directory). Given up on, a cut connection under
+    that one read stopped a worker or notifier, and left a gateway unready for good."""
+    delay = RETRY_FIRST_S
+    while True:
+        try:
+            return await attempt()
+        except Exception as exc:
+            logger.warning("%s failed: %s; retrying in %.1f s", what, exc, delay)
+        await asyncio.sleep(delay)
+        delay = min(2 * delay, RETRY_MAX_S)

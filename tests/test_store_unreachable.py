@@ -36,7 +36,7 @@ from herald.transitions import Change
 from launcher.pgserver import PostgresServer
 from herald.deliveries import Outcome, Plan
 from schemas import JobEvent
-from tests.harness import ADMIN_KEY, SECRET_KEY, TLS, Deployment, client, free_port, wait_until
+from tests.harness import ADMIN_KEY, SECRET_KEY, TLS, Deployment, client, free_port, wait_for_state, wait_until
 from tests.store_contract.support import event, new_job
 
 PORTS = {"jobs": JobStore, "webhooks": WebhookStore, "deliveries": DeliveryQueue, "tenants": TenantStore}
@@ -655,6 +655,32 @@ def test_an_attempt_recorded_again_after_its_answer_was_lost_is_logged_once(
         proxy.close()
 
 
+async def _cut_the_first_directory_read(deployment: Deployment, name: str, argv: list[str]) -> None:
+    """Start ``argv`` while the tenant directory's version row is locked, and cut the connection
+    of its first read of it (pg_terminate_backend) once that read waits for the lock."""
+    assert deployment.database_url is not None
+    holder, killer = await asyncpg.connect(deployment.database_url), await asyncpg.connect(deployment.database_url)
+    try:
+        async with holder.transaction():
+            await holder.execute("LOCK TABLE herald_directory IN ACCESS EXCLUSIVE MODE")
+            extra = {}
+            if name == "gateway":
+                deployment.ports[name] = free_port()
+                extra["HERALD_HTTP_PORT"] = str(deployment.ports[name])
+            deployment._spawn(name, argv, deployment.env(**extra))
+            deadline = time.monotonic() + 20
+            while not (waiting := await killer.fetch(
+                    "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE '%herald_directory%' AND pid <> pg_backend_pid()")):
+                assert time.monotonic() < deadline, f"{name} never read the directory"
+                await asyncio.sleep(0.05)
+            for row in waiting:
+                await killer.execute("SELECT pg_terminate_backend($1)", row["pid"])
+    finally:
+        await holder.close()
+        await killer.close()
+
+
 def test_a_gateway_whose_first_directory_read_is_cut_loads_it_and_gets_ready(
     tmp_path: Path, postgres_server: PostgresServer
 ) -> None:
@@ -675,27 +701,7 @@ def test_a_gateway_whose_first_directory_read_is_cut_loads_it_and_gets_ready(
                            timeout=10).status_code == 200
         deployment.kill("first", signal.SIGTERM)  # nothing else reads the directory now
 
-        async def cut_the_first_directory_read() -> None:
-            holder, killer = await asyncpg.connect(deployment.database_url), await asyncpg.connect(deployment.database_url)
-            try:
-                async with holder.transaction():
-                    await holder.execute("LOCK TABLE herald_directory IN ACCESS EXCLUSIVE MODE")
-                    port = free_port()
-                    deployment.ports["gateway"] = port
-                    deployment._spawn("gateway", ["gateway"], deployment.env(HERALD_HTTP_PORT=str(port)))
-                    deadline = time.monotonic() + 20
-                    while not (waiting := await killer.fetch(
-                            "SELECT pid FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                            " AND query LIKE '%herald_directory%' AND pid <> pg_backend_pid()")):
-                        assert time.monotonic() < deadline, "the gateway never read the directory"
-                        await asyncio.sleep(0.05)
-                    for row in waiting:
-                        await killer.execute("SELECT pg_terminate_backend($1)", row["pid"])
-            finally:
-                await holder.close()
-                await killer.close()
-
-        runner.run(cut_the_first_directory_read())
+        runner.run(_cut_the_first_directory_read(deployment, "gateway", ["gateway"]))
         base = deployment.url()
         wait_until(lambda: httpx.get(base + "/readyz", timeout=2, verify=TLS).status_code == 200, timeout=20,
                    what="/readyz 200 once the directory is read")
@@ -705,6 +711,30 @@ def test_a_gateway_whose_first_directory_read_is_cut_loads_it_and_gets_ready(
         said = [str(e.get("event")) for e in deployment.log_events("gateway")]
         assert any("the tenant directory failed" in line and "retrying" in line for line in said), said
         assert "background task failed" not in said
+    finally:
+        runner.close()
+        deployment.stop()
+
+
+def test_a_worker_whose_first_directory_read_is_cut_reads_it_again_and_runs_jobs(
+    tmp_path: Path, postgres_server: PostgresServer
+) -> None:
+    """The same cut under a worker's first read of the tenant directory (a notifier's is the
+    same code): it reads it again and serves. It exited 1 with a traceback, a crash a store
+    that blinked once should not cause, and a standalone ``herald worker`` stayed down."""
+    deployment = Deployment(tmp_path / "herald", database_url=postgres_server.create_database("directory_cut_worker"))
+    deployment.nats.start()
+    runner = asyncio.Runner()
+    try:
+        deployment.start_gateway("first")  # the schema
+        deployment.kill("first", signal.SIGTERM)  # nothing else reads the directory now
+        runner.run(_cut_the_first_directory_read(deployment, "worker", ["worker"]))
+        with client(deployment.start_gateway()) as http:
+            job = http.post("/reports", json={"title": "after the cut", "pages": 1}).json()
+            wait_for_state(http, job["id"], {"succeeded"})
+        assert deployment.processes["worker"].poll() is None, deployment.log_text("worker")[-3000:]
+        said = [str(e.get("event")) for e in deployment.log_events("worker")]
+        assert any("the tenant directory failed" in line and "retrying" in line for line in said), said
     finally:
         runner.close()
         deployment.stop()
