@@ -112,6 +112,17 @@ def is_loopback_host(host: str) -> bool:
         return False
 
 
+def in_clear_beyond_this_machine(url: str) -> bool:
+    """An http:// URL whose host is not a loopback name or address: a key sent there crosses
+    the network readable by anyone on the way (the CLIs refuse it without --allow-http)."""
+    parts = urlsplit(url)
+    if parts.scheme.lower() != "http":
+        return False
+    host = (parts.hostname or "").rstrip(".")
+    # Any other name: wherever it resolves to, the key is in clear on the way.
+    return not (is_loopback_host(host) or host.endswith(".localhost"))
+
+
 def check_exposed_api_keys(settings: Settings) -> None:
     """A gateway listening beyond loopback takes no HERALD_API_KEYS key shorter than
     ``MIN_EXPOSED_API_KEY_LENGTH``: raises ``SettingsError`` naming the variable and the

@@ -17,11 +17,10 @@ import sys
 from collections.abc import Callable, Iterable
 from datetime import datetime, timezone
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
 
 import msgspec
 
-from herald.settings import Settings, SettingsError, is_loopback_host
+from herald.settings import Settings, SettingsError, in_clear_beyond_this_machine
 from herald.tenants import ALL_SCOPES
 
 if TYPE_CHECKING:
@@ -168,16 +167,6 @@ def _fail(message: str, hint: str | None = None) -> int:
     return 1
 
 
-def _in_clear_beyond_this_machine(url: str) -> bool:
-    """An http:// URL whose host is not a loopback name or address."""
-    parts = urlsplit(url)
-    if parts.scheme.lower() != "http":
-        return False
-    host = (parts.hostname or "").rstrip(".")
-    # Any other name: wherever it resolves to, the key is in clear on the way.
-    return not (is_loopback_host(host) or host.endswith(".localhost"))
-
-
 def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
     """Run ``handler`` with a ``HeraldAdmin``; turn every failure into a message and an exit status."""
 
@@ -206,7 +195,7 @@ def _admin(handler: AdminHandler) -> Callable[[argparse.Namespace], int]:
                   f"(`herald up` prints it and keeps it in {settings.data_dir / ADMIN_KEY_FILE})", file=sys.stderr)
             return 2
         url = args.url or settings.url
-        if not args.allow_http and _in_clear_beyond_this_machine(url):
+        if not args.allow_http and in_clear_beyond_this_machine(url):
             print(f"herald: {url} is plain http:// to another machine: the admin key would cross the network "
                   "readable by anyone on the way", file=sys.stderr)
             print("  use the gateway's https:// URL (or a tunnel to 127.0.0.1), or --allow-http if the network "

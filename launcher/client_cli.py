@@ -14,7 +14,7 @@ from typing import Any
 
 import msgspec
 
-from herald.settings import DEV_KEY as DEFAULT_KEY, Settings, SettingsError, bearer_key_problem
+from herald.settings import DEV_KEY as DEFAULT_KEY, Settings, SettingsError, bearer_key_problem, in_clear_beyond_this_machine
 
 DEFAULT_URL = Settings().url
 
@@ -25,6 +25,8 @@ def add_client_commands(sub: argparse._SubParsersAction) -> None:  # type: ignor
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--url", help=f"Herald's base URL (HERALD_URL, default {DEFAULT_URL})")
     common.add_argument("--key", type=_bearer_key, help=f"API key (HERALD_API_KEY, default {DEFAULT_KEY})")
+    common.add_argument("--allow-http", action="store_true",
+                        help="send the API key over plain http:// to a host that is not this machine")
 
     submit = sub.add_parser("submit", help="start a job and print its status")
     kinds = submit.add_subparsers(dest="kind", required=True)
@@ -74,7 +76,14 @@ def _client(args: argparse.Namespace) -> Any:
     from herald_client import HeraldClient
 
     settings = Settings.from_env()
-    return HeraldClient(args.url or settings.url, args.key or settings.api_key)
+    url = args.url or settings.url
+    if not args.allow_http and in_clear_beyond_this_machine(url):
+        # The admin CLI's rule (launcher/admin_cli.py): a tenant's key is as worth stealing.
+        raise SettingsError(
+            f"{url} is plain http:// to another machine: the API key would cross the network readable by "
+            "anyone on the way; use the gateway's https:// URL (or a tunnel to 127.0.0.1), or --allow-http "
+            "if the network is yours alone")
+    return HeraldClient(url, args.key or settings.api_key)
 
 
 def _guarded(handler: Handler) -> Handler:
