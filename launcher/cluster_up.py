@@ -36,6 +36,7 @@ from launcher.pgserver import PostgresError, PostgresServer
 from launcher.supervisor import (
     STOP_TIMEOUT_S,
     Child,
+    component_environment,
     Supervisor,
     SupervisorError,
     _die_with_parent,
@@ -245,7 +246,7 @@ class ClusterSupervisor(Supervisor):
             for i in range(count):
                 name = f"{kind}-{i + 1}"
                 data_dir = private_dir((self.root / name).resolve())  # its scratch files: tenants' results
-                env = {**shared, "HERALD_DATA_DIR": str(data_dir), "HERALD_INSTANCE": name}
+                env = component_environment({**shared, "HERALD_DATA_DIR": str(data_dir), "HERALD_INSTANCE": name}, kind)
                 if kind == "gateway":
                     env["HERALD_HTTP_HOST"] = self.settings.http_host
                     env["HERALD_HTTP_PORT"] = str(self.settings.http_port + i)

@@ -145,6 +145,15 @@ def server_environment(env: dict[str, str]) -> dict[str, str]:
     return {k: v for k, v in env.items() if not k.startswith("HERALD_")}
 
 
+def component_environment(env: dict[str, str], component: str) -> dict[str, str]:
+    """The environment of a Herald process: the admin key only for a gateway, the one
+    component that serves /admin (SPEC §12). A worker runs job handlers, code that reads its
+    environment, and neither it nor a notifier has any use for the operator's key."""
+    if component == "gateway":
+        return env
+    return {k: v for k, v in env.items() if k != "HERALD_ADMIN_KEY"}
+
+
 class Supervisor:
     nats_wait_s = NATS_WAIT_S  # how long NATS may take to accept the first connection
     own_nats = "the nats-server started here"  # what is waited for when HERALD_NATS_URL is unset
@@ -279,7 +288,7 @@ class Supervisor:
         self.children.append(Child("notifier", [*python, "notifier"]))
 
     def spawn(self, child: Child) -> None:
-        env = server_environment(self.env) if child is self.nats else self.env
+        env = server_environment(self.env) if child is self.nats else component_environment(self.env, child.argv[-1])
         child.process = subprocess.Popen(child.argv, env=env, preexec_fn=_die_with_parent)  # noqa: PLW1509
         child.started_at = time.monotonic()
 

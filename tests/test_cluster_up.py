@@ -255,9 +255,12 @@ def test_cluster_up_runs_everything_and_ctrl_c_stops_it(
     assert {env["HERALD_SECRET_KEY"] for env in seen.values()} == {secret_file.read_text().strip()}
     assert stat.S_IMODE(secret_file.stat().st_mode) == 0o600
     assert seen["gateway-2"]["HERALD_HTTP_PORT"] == str(ports["http"] + 1)
-    # One admin key for every process (SPEC §12), generated and kept owner-only.
+    # One admin key for both gateways (SPEC §12), generated and kept owner-only; workers (whose
+    # job handlers read their environment) and notifiers, which serve no /admin, are not handed it.
     admin_file = root / "var" / "admin.key"
-    assert {env["HERALD_ADMIN_KEY"] for env in seen.values()} == {admin_file.read_text().strip()}
+    assert {env["HERALD_ADMIN_KEY"] for name, env in seen.items() if name.startswith("gateway-")} == {
+        admin_file.read_text().strip()}
+    assert not [name for name, env in seen.items() if not name.startswith("gateway-") and "HERALD_ADMIN_KEY" in env]
     assert stat.S_IMODE(admin_file.stat().st_mode) == 0o600
 
     # Three nats-servers form one JetStream cluster (over authenticated routes); PostgreSQL

@@ -932,6 +932,11 @@ def test_herald_up_starts_nats_with_credentials_and_keeps_its_files_private(tmp_
         [stored] = _config_passwords(conf)
         assert stored.startswith("$2a$") and bcrypt.checkpw(password.encode(), stored.encode())
         assert "Plaintext passwords" not in (tmp_path / "up.log").read_text(errors="replace")
+        # The admin key goes to the gateway alone, which serves /admin: a worker runs job handlers,
+        # code that reads its environment, and neither it nor the notifier has a use for the key.
+        assert _child_environ(up.pid, "gateway")["HERALD_ADMIN_KEY"] == (data / "admin.key").read_text().strip()
+        assert "HERALD_ADMIN_KEY" not in _child_environ(up.pid, "worker")
+        assert "HERALD_ADMIN_KEY" not in _child_environ(up.pid, "notifier")
         # nats-server is handed none of Herald's settings: the admin key and the API keys are not its.
         import psutil
 
