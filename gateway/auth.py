@@ -19,7 +19,7 @@ import asyncio
 import base64
 import binascii
 import hmac
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import NoReturn
 
@@ -80,34 +80,58 @@ def note_stream_owner(request: Request, svc: Services, tenant: str, key_id: str 
 @asynccontextmanager
 async def held_for_owner(request: Request) -> AsyncIterator[None]:
     """Hold a long poll (``GET /jobs/{id}?wait=``, a held feed poll) only while whoever asked
-    may (SPEC §12): the tenant directory ends it as it ends a held stream (``gateway.sse``),
-    once the request's key is revoked or expires, or its tenant is disabled, and the poll is
-    answered the 401 any request with that key now gets, not left to run out its wait."""
+    may (SPEC §12) and is still there.
+
+    * The tenant directory ends it as it ends a held stream (``gateway.sse``), once the
+      request's key is revoked or expires, or its tenant is disabled: the poll is answered the
+      401 any request with that key now gets, not left to run out its wait.
+    * A client that closes its connection ends it too, as a stream's disconnect does: the
+      block is left early, as if its wait had run out, and what the route answers next goes
+      nowhere. A poll nobody waits for held its tenant's ``max_streams`` slot (and the
+      ``herald_long_polls`` gauge) for the rest of its ``wait``, up to 60 s, so a client whose
+      own timeout is shorter than its ``wait`` filled its tenant's slots with polls it had
+      given up on, and was answered 429."""
     owner: StreamOwner | None = request.state.get(STREAM_OWNER)
-    if owner is None:
-        yield
-        return
-    if not owner.directory.stream_allowed(owner.tenant, owner.key_id):
+    if owner is not None and not owner.directory.stream_allowed(owner.tenant, owner.key_id):
         raise Unauthorized(_NO_LONGER_HOLDS)  # revoked between the request's authentication and now
     task = asyncio.current_task()
     assert task is not None
-    ended = False
+    holding = True
+    ended_by: str | None = None
 
-    def end() -> None:
-        nonlocal ended
-        ended = True
-        task.cancel()
+    def end(reason: str) -> None:
+        nonlocal ended_by
+        if holding and ended_by is None:  # once, and never after the block is done
+            ended_by = reason
+            task.cancel()
 
-    held = owner.directory.hold_stream(owner, end)
+    held = owner.directory.hold_stream(owner, lambda: end("revoked")) if owner is not None else None
+    listener = asyncio.ensure_future(_until_disconnect(request, lambda: end("disconnect")))
     try:
         yield
     except asyncio.CancelledError:
-        if not ended:
+        if ended_by is None:
             raise  # cancelled from outside (the server stopping): not ours to swallow
         task.uncancel()
-        raise Unauthorized(_NO_LONGER_HOLDS) from None
+        if ended_by == "revoked":
+            raise Unauthorized(_NO_LONGER_HOLDS) from None
+        # "disconnect": left early, as a wait that ran out
     finally:
-        owner.directory.release_stream(held)
+        holding = False
+        if held is not None and owner is not None:
+            owner.directory.release_stream(held)
+        listener.cancel()
+        await asyncio.wait((listener,))  # awaited, not raised: a cancel of this task still goes through
+        if not listener.cancelled():
+            listener.exception()  # retrieved: a receive that failed is the server's to report
+
+
+async def _until_disconnect(request: Request, gone: Callable[[], None]) -> None:
+    """Calls ``gone`` once the client has closed the connection (a held request has no body
+    left for its route to read: whatever body it had is read and dropped here)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+    gone()
 
 
 def _authenticated(request: Request, svc: Services, principal: Principal) -> Principal:

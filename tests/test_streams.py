@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import json
 import re
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -125,6 +126,38 @@ def test_long_poll_wakes_on_transition_and_304_on_timeout(fresh: Deployment) -> 
         anything = http.get(f"/jobs/{queued['id']}", params={"wait": 30}, headers={"If-None-Match": "*"})
         assert anything.status_code == 304 and anything.headers["etag"] == 'W/"1"'
         assert time.monotonic() - started < 10.0, "held for a change that could not end it"
+
+
+def test_a_poll_its_client_gave_up_on_frees_its_place_at_once(fresh: Deployment) -> None:
+    """A client whose own timeout is shorter than its ``wait`` closes the connection: the
+    poll it held ends then, not ``wait`` seconds later. Such polls kept the tenant's
+    ``max_streams`` places (and the gauge) for up to 60 s, and the client's next poll was a 429."""
+    base = fresh.start_gateway(HERALD_MAX_HELD_PER_TENANT="3")  # no worker: the job stays at version 1
+    port = int(base.rsplit(":", 1)[1])
+
+    def long_polls() -> float:
+        line = next(x for x in httpx.get(base + "/metrics").text.splitlines() if x.startswith("herald_long_polls "))
+        return float(line.split()[1])
+
+    with client(base) as http, contextlib.ExitStack() as held:
+        job = http.post("/reports", json={"title": "given up", "pages": 1}).json()
+        cursor = http.get("/events", params={"limit": 500}, headers={"Accept": "application/json"}).json()["next_cursor"]
+        polls = [(f"/jobs/{job['id']}?wait=60", 'If-None-Match: W/"1"'),
+                 (f"/events?wait=60&after={cursor}", "Accept: application/json"),
+                 (f"/jobs/{job['id']}?wait=60", 'If-None-Match: W/"1"')]
+        for path, header in polls:
+            sock = held.enter_context(socket.create_connection(("127.0.0.1", port), timeout=10))
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEYS['acme']}\r\n"
+                         f"{header}\r\n\r\n".encode())
+        wait_until(lambda: long_polls() == 3, what="three polls held")
+        full = http.get(f"/jobs/{job['id']}", params={"wait": 1}, headers={"If-None-Match": 'W/"1"'})
+        assert full.status_code == 429 and full.json()["type"] == "/problems/too-many-streams"
+        held.close()  # the clients give up
+        wait_until(lambda: long_polls() == 0, timeout=10, what="the given-up polls ended")
+        started = time.monotonic()
+        again = http.get(f"/jobs/{job['id']}", params={"wait": 1}, headers={"If-None-Match": 'W/"1"'})
+        assert again.status_code == 304, again.text
+        assert time.monotonic() - started >= 0.9, "held, as a poll is"
 
 
 def _answer(response: httpx.Response) -> tuple[int, tuple[tuple[str, str], ...], bytes]:

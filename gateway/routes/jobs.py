@@ -77,8 +77,10 @@ async def get_job(
     # poll with anything but the 304 it gets now.
     if wait is not None and not job.terminal and etag_matches(if_none_match, etag(job), any_version=False):
         svc.limiter.open_stream(tenant)
+        seen: int | None = None  # as if the wait ran out, when the client leaves before it does
         try:
-            async with held_for_owner(request):  # 401 once the key is revoked, as a held stream ends
+            # 401 once the key is revoked, as a held stream ends; left early once the client is gone
+            async with held_for_owner(request):
                 seen = await svc.hub.wait_for_version(job.id, job.version, wait, reread=lambda: _version(svc, job_id))
         finally:
             svc.limiter.close_stream(tenant)
