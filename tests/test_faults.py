@@ -233,9 +233,11 @@ def test_retention_deletes_job_result_and_history(fresh: Deployment) -> None:
         assert gone.json()["type"] == "/problems/gone"
         assert not result_files(fresh, job["id"])
         assert http.get(f"/reports/{job['id']}").status_code == 410
-        # The signed link answers as the key does (it was a 404, as if the job never was).
-        signed = httpx.get(base + done["links"]["result"])
-        assert signed.status_code == 410 and signed.json()["type"] == "/problems/gone", signed.text
+        # Every signed link answers as the key does (each was a 404 once, as if the job never was).
+        for link in ("result", "events", "output"):
+            signed = httpx.get(base + done["links"][link])
+            assert signed.status_code == 410 and signed.json()["type"] == "/problems/gone", (link, signed.text)
+        assert http.get(f"/jobs/{job['id']}/events").status_code == 410
         assert http.get("/jobs/00000000-0000-4000-8000-000000000000").status_code == 404
         feed = http.get("/events", params={"limit": 500}, headers={"Accept": "application/json"}).json()
         assert all(e["data"]["id"] != job["id"] for e in feed["events"]), "history deleted too"

@@ -20,12 +20,12 @@ from litestar.params import FromPath, QueryParameter
 from gateway.auth import bearer_tenant, held_for_owner, note_stream_owner, require_tenant
 from herald.tenants import SCOPE_JOBS_READ
 from gateway.cursors import MAX_SEQ
-from gateway.ids import is_uuid, kind_filter
+from gateway.ids import kind_filter
 from gateway.hub import RESYNC
 from gateway.openapi import problems
-from gateway.problems import EVENT_STREAM_OPT, InvalidRequest, InvalidSignature, NotFound, Unauthorized
+from gateway.problems import EVENT_STREAM_OPT, InvalidRequest, InvalidSignature, Unauthorized
 from gateway.render import EVENTS_PURPOSE, NO_STORE
-from gateway.routes.jobs import find_job
+from gateway.routes.jobs import find_job, find_signed_job
 from gateway.services import Services, services
 from gateway.sse import RETRY_FRAME, Dropped, EventStream, drop_handle, job_frame, tenant_frame
 from herald.jobs import JobRow
@@ -69,9 +69,7 @@ async def _job_for_stream(request: Request, svc: Services, job_id: str, exp: str
     if exp is not None or sig is not None:
         if not svc.signer.verify(request.url.path, EVENTS_PURPOSE, exp, sig):
             raise InvalidSignature("this signed stream URL is not valid; take links.events from a fresh status")
-        job = await svc.store.get(job_id) if is_uuid(job_id) else None
-        if job is None:
-            raise NotFound("no such job")
+        job = await find_signed_job(svc, job_id)
         note_stream_owner(request, svc, job.tenant)
         return job
     tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)

@@ -38,6 +38,18 @@ async def find_job(svc: Services, tenant: str, job_id: str) -> JobRow:
     raise NotFound("no such job")
 
 
+async def find_signed_job(svc: Services, job_id: str) -> JobRow:
+    """The job a verified signed link names, whichever tenant's (the signature is the
+    permission), or 404 (never was) / 410 (deleted after retention), as ``find_job`` answers
+    a key: every signed link of a deleted job (result, events, output) says it is gone."""
+    job = await svc.store.get(job_id) if is_uuid(job_id) else None
+    if job is not None:
+        return job
+    if is_uuid(job_id) and await svc.store.tombstone_tenant(job_id) is not None:
+        raise Gone("this job ended and its retention period has passed")
+    raise NotFound("no such job")
+
+
 async def _version(svc: Services, job_id: str) -> int | None:
     job = await svc.store.get(job_id)
     return job.version if job is not None else None

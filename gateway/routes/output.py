@@ -28,12 +28,11 @@ from nats.js import JetStreamContext
 
 from gateway.auth import bearer_tenant, note_stream_owner
 from gateway.hub import RESYNC, Framed, LiveChunk
-from gateway.ids import is_uuid
 from gateway.openapi import problems
-from gateway.problems import EVENT_STREAM_OPT, Gone, InvalidRequest, InvalidSignature, NotFound, Unauthorized, Unavailable
+from gateway.problems import EVENT_STREAM_OPT, InvalidRequest, InvalidSignature, Unauthorized, Unavailable
 from gateway.render import OUTPUT_PURPOSE
 from gateway.routes.events import MAX_CURSOR_LENGTH
-from gateway.routes.jobs import find_job
+from gateway.routes.jobs import find_job, find_signed_job
 from gateway.services import Services, services
 from gateway.headers import connection_abort
 from gateway.sse import ABORT_WAIT_S, RETRY_FRAME, Dropped, EventStream, drop_handle, frame
@@ -80,13 +79,9 @@ async def _job_for_output(request: Request, svc: Services, job_id: str, exp: str
     if exp is not None or sig is not None:
         if not svc.signer.verify(request.url.path, OUTPUT_PURPOSE, exp, sig):
             raise InvalidSignature("this signed output URL is not valid; take links.output from a fresh status")
-        job = await svc.store.get(job_id) if is_uuid(job_id) else None
-        if job is not None:
-            note_stream_owner(request, svc, job.tenant)
-            return job
-        if is_uuid(job_id) and await svc.store.tombstone_tenant(job_id) is not None:
-            raise Gone("this job ended and its retention period has passed")
-        raise NotFound("no such job")
+        job = await find_signed_job(svc, job_id)
+        note_stream_owner(request, svc, job.tenant)
+        return job
     tenant = bearer_tenant(request, svc, SCOPE_JOBS_READ)
     if tenant is None:
         raise Unauthorized("send Authorization: Bearer <key> or use the signed links.output URL")

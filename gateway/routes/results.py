@@ -19,12 +19,11 @@ from litestar.params import FromPath, QueryParameter
 from litestar.response import Stream
 
 from gateway.auth import bearer_tenant
-from gateway.ids import is_uuid
 from herald.tenants import SCOPE_JOBS_READ
 from gateway.openapi import problems
 from gateway.problems import Gone, InvalidSignature, NoResult, NotFound, ResultNotReady, Unauthorized, Unavailable
 from gateway.render import RESULT_PURPOSE, etag_matches, if_none_match_of
-from gateway.routes.jobs import find_job
+from gateway.routes.jobs import find_job, find_signed_job
 from gateway.services import services
 from herald.jobs import JobRow
 from herald.storage.ports import ResultBody
@@ -37,13 +36,7 @@ async def _job_for_result(request: Request, job_id: str, exp: str | None, sig: s
     if sig is not None or exp is not None:
         if not svc.signer.verify(request.url.path, RESULT_PURPOSE, exp, sig):
             raise InvalidSignature("this signed URL is not valid (tampered or expired); get a fresh one from the job status")
-        job = await svc.store.get(job_id) if is_uuid(job_id) else None
-        if job is None:
-            # As with the key (``find_job``) and the signed output link: a job deleted at
-            # retention is 410, not a 404 that says it never was.
-            if is_uuid(job_id) and await svc.store.tombstone_tenant(job_id) is not None:
-                raise Gone("this job ended and its retention period has passed")
-            raise NotFound("no such result")
+        job = await find_signed_job(svc, job_id)
         if svc.directory.disabled(job.tenant):  # as its keys and its signed stream links (SPEC §12)
             raise Unauthorized("this signed link's tenant is disabled")
         return job
