@@ -239,13 +239,25 @@ def test_rate_limit_answers_429_with_retry_after(fresh: Deployment) -> None:
 
 def test_backlog_too_old_answers_503(fresh: Deployment) -> None:
     base = fresh.start_gateway(HERALD_MAX_QUEUE_AGE_S="1")  # no worker: the backlog only ages
+    key = {"Idempotency-Key": str(uuid.uuid4())}
     with client(base) as http:
-        assert http.post("/reports", json={"title": "first", "pages": 1}).status_code == 202
+        first = http.post("/reports", json={"title": "first", "pages": 1}, headers=key)
+        assert first.status_code == 202
         refused = wait_until(lambda: (r := http.post("/reports", json={"title": "more", "pages": 1})).status_code == 503 and r,
                              timeout=10, interval=0.2, what="503 once the backlog is old")
         assert refused.json()["type"] == "/problems/overloaded" and int(refused.headers["retry-after"]) >= 1
         jobs_while_refused = counts(fresh)["jobs"]
         assert http.post("/reports", json={"title": "still", "pages": 1}).status_code == 503
+        # Back-pressure refuses new work, not the answer to work accepted: a retry of the first
+        # start (its 202 lost) learns its job, and the same key with another body is the 422.
+        replay = http.post("/reports", json={"title": "first", "pages": 1}, headers=key)
+        assert replay.status_code == 202, replay.text
+        assert replay.headers["idempotent-replayed"] == "true"
+        assert replay.headers["location"] == first.headers["location"] and replay.json()["id"] == first.json()["id"]
+        other = http.post("/reports", json={"title": "other", "pages": 1}, headers=key)
+        assert other.status_code == 422 and other.json()["type"] == "/problems/idempotency-key-mismatch"
+        unknown = http.post("/reports", json={"title": "first", "pages": 1}, headers={"Idempotency-Key": str(uuid.uuid4())})
+        assert unknown.status_code == 503, "a key never used is a start"
         assert counts(fresh)["jobs"] == jobs_while_refused
         fresh.start_worker()
         wait_until(lambda: http.post("/reports", json={"title": "again", "pages": 1}).status_code == 202,

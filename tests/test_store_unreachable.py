@@ -82,6 +82,7 @@ def _calls(storage: Storage, seen: _Seen) -> dict[str, Callable[[], Awaitable[An
         "jobs.ping": lambda: jobs.ping(),
         "jobs.clock": lambda: jobs.clock(),
         "jobs.accept": lambda: jobs.accept(new_job("sweep"), IdempotencyClaim("k", "f", 60.0), StartBudget(1.0, 5.0)),
+        "jobs.find_replay": lambda: jobs.find_replay("sweep", IdempotencyClaim("k", "f", 60.0)),
         "jobs.transition": lambda: jobs.transition(job.id, Change(expect={"queued"}, to="cancelled")),
         "jobs.heartbeat": lambda: jobs.heartbeat(job.id, 1),
         "jobs.get": lambda: jobs.get(job.id),

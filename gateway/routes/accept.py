@@ -14,16 +14,17 @@ from gateway.auth import require_scoped
 from herald.tenants import SCOPE_JOBS_READ, SCOPE_JOBS_WRITE
 from gateway.bodies import read_body, url_errors
 from gateway.openapi import problems, with_body
-from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, InvalidIdempotencyKey, InvalidRequest
+from gateway.problems import IdempotencyKeyMismatch, IdempotencyKeyRequired, InvalidIdempotencyKey, InvalidRequest, Overloaded
 from gateway.render import public_status, retry_after
-from gateway.services import services
+from gateway.services import Services, services
 from herald import tracing
 from herald.ids import new_id
-from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, NewJob, RateLimited
+from herald.jobs import Accepted, IdempotencyClaim, IdempotencyMismatch, JobRow, NewJob, RateLimited
 from schemas import JobStatus
 from herald.kinds import KindDeclaration as JobKind
 
 IDEMPOTENCY_HEADER = "idempotency-key"
+_MISMATCH = "this Idempotency-Key was used with a different request (path or body)"
 
 
 def _idempotency_key(request: Request, required: bool) -> str | None:
@@ -74,10 +75,20 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     # The same guard as a webhook registration: https to a public address (resolved now).
     if errors := await url_errors(svc.settings, svc.resolver, "callback_url", params.callback_url):
         raise InvalidRequest(errors)
-    await svc.backlog.check(kind.name, tenant)
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
+    try:
+        await svc.backlog.check(kind.name, tenant)
+    except Overloaded:
+        # Back-pressure refuses new work, not the answer to work already accepted: a client
+        # whose 202 was lost retries with its key, and must learn its job (the oldest in the
+        # backlog, perhaps) rather than be told 503 until the backlog drains. A replay found
+        # here starts nothing and spends no start token; a mismatch is the 422 it always is.
+        replayed = await _replay(svc, tenant, claim) if claim is not None else None
+        if replayed is None:
+            raise
+        return _accepted(svc, principal.scopes, kind, Accepted(job=replayed, replayed=True))
     new = NewJob(
         id=new_id(),
         tenant=tenant,
@@ -97,7 +108,19 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     except RateLimited as exc:
         raise svc.limiter.rate_limited(tenant, exc.wait_s) from exc
     except IdempotencyMismatch as exc:
-        raise IdempotencyKeyMismatch("this Idempotency-Key was used with a different request (path or body)") from exc
+        raise IdempotencyKeyMismatch(_MISMATCH) from exc
+    return _accepted(svc, principal.scopes, kind, accepted)
+
+
+async def _replay(svc: Services, tenant: str, claim: IdempotencyClaim) -> JobRow | None:
+    try:
+        return await svc.store.find_replay(tenant, claim)
+    except IdempotencyMismatch as exc:
+        raise IdempotencyKeyMismatch(_MISMATCH) from exc
+
+
+def _accepted(svc: Services, scopes: frozenset[str], kind: JobKind, accepted: Accepted) -> Response[JobStatus]:
+    """The 202 of a start or of a replay."""
     job = accepted.job
     headers = {
         "Location": f"/jobs/{job.id}",
@@ -109,7 +132,7 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     else:
         svc.metrics.jobs_accepted.labels(kind=kind.name).inc()
     # Signed links only for a key that may read the job (a replay's links.result is its result).
-    status = public_status(job, svc.signer, signed=SCOPE_JOBS_READ in principal.scopes)
+    status = public_status(job, svc.signer, signed=SCOPE_JOBS_READ in scopes)
     return Response(status, status_code=202, headers=headers)
 
 

@@ -151,6 +151,13 @@ class JobStore(Protocol):
         ``IdempotencyMismatch``), write the job queued at version 1, its key, its first event
         and its outbox rows (the event and the work message)."""
 
+    async def find_replay(self, tenant: str, claim: IdempotencyClaim) -> JobRow | None:
+        """What ``accept`` with ``claim`` would replay, read without writing or spending: the
+        job the tenant's live key names when the fingerprints agree; ``IdempotencyMismatch``
+        when they do not; None when the key is not live (never used, expired, its job gone),
+        so that ``accept`` would start a new job. For an accept refused before the store
+        (back-pressure), which must still answer a replay: a replay starts nothing."""
+
     async def transition(self, job_id: str, change: Change) -> Transition:
         """The only writer of job state: compare-and-set, history row, outbox rows; or
         ``TransitionRejected`` with nothing changed."""

@@ -155,6 +155,28 @@ async def test_idempotency_key_replays_the_job_or_refuses_another_request(stores
     assert len(await store.outbox_batch(10)) == 4  # two jobs, two rows each: nothing queued twice
 
 
+async def test_find_replay_reads_what_accept_would_replay_and_writes_nothing(stores: Stores) -> None:
+    """For a start refused before the store (back-pressure), which still answers a replay."""
+    store, other = stores.jobs, (await stores.another()).jobs
+    assert await store.find_replay("t1", claim_key("k1")) is None  # never used
+    first = await store.accept(new_job(), claim_key("k1"))
+    outbox = len(await store.outbox_batch(10))
+    for reader in (store, other):
+        assert await reader.find_replay("t1", claim_key("k1")) == first.job
+        with pytest.raises(IdempotencyMismatch):
+            await reader.find_replay("t1", claim_key("k1", fingerprint="POST /reports {different}"))
+        assert await reader.find_replay("t2", claim_key("k1")) is None  # keys are per tenant
+    assert [j.id for j in await store.list_jobs("t1", state=None, kind=None, before=None, limit=10)] == [first.job.id]
+    assert len(await store.outbox_batch(10)) == outbox
+    # A key past its life is no replay, as accept starts a new job for it.
+    short = dataclasses.replace(claim_key("k2"), ttl_s=0.2)
+    await store.accept(new_job(), short)
+    assert await store.find_replay("t1", short) is not None
+    await asyncio.sleep(0.4)
+    assert await store.find_replay("t1", short) is None
+    assert not (await store.accept(new_job(), short)).replayed
+
+
 async def test_fifty_concurrent_accepts_with_one_key_make_one_job(stores: Stores) -> None:
     """ports.py, "Idempotency converges": never a unique-violation error, one job."""
     a, b = stores.jobs, (await stores.another()).jobs

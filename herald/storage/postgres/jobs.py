@@ -381,6 +381,19 @@ class PgJobStore(CommitListeners):
         self._committed(stored, event)
         return Accepted(job=stored, replayed=False, event=event)
 
+    async def find_replay(self, tenant: str, claim: IdempotencyClaim) -> JobRow | None:
+        # The key's expiry is judged by the server's clock, as ``herald_accept`` judges it.
+        record = await self._fetchrow(
+            "SELECT k.fingerprint, j.* FROM idempotency_keys k LEFT JOIN jobs j ON j.id = k.job_id"
+            f" WHERE k.tenant = $1 AND k.key = $2 AND k.expires_at > {NOW_SQL}",
+            tenant, claim.key,
+        )
+        if record is None:
+            return None
+        if record["fingerprint"] != claim.fingerprint:
+            raise IdempotencyMismatch(claim.key)
+        return JobRow.from_mapping(record) if record["id"] is not None else None
+
     # ----- the one writer of job state ---------------------------------------------------
 
     async def transition(self, job_id: str, change: Change) -> Transition:

@@ -310,6 +310,17 @@ class SqliteJobStore(CommitListeners):
             self._committed(accepted.job, accepted.event)
         return accepted
 
+    async def find_replay(self, tenant: str, claim: IdempotencyClaim) -> JobRow | None:
+        rows = self._db.read(
+            "SELECT fingerprint, job_id FROM idempotency_keys WHERE tenant = ? AND key = ? AND expires_at > ?",
+            (tenant, claim.key, now()),
+        )
+        if not rows:
+            return None
+        if rows[0]["fingerprint"] != claim.fingerprint:
+            raise IdempotencyMismatch(claim.key)
+        return await self.get(rows[0]["job_id"])
+
     # ----- the one writer of job state ---------------------------------------------
 
     async def transition(self, job_id: str, change: Change) -> Transition:
