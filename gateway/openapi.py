@@ -146,6 +146,11 @@ def complete_document(app: Litestar, kinds: Iterable[JobKind]) -> None:
             content={media_type: OpenAPIMediaType(schema=json_result if media_type == "application/json" else binary)
                      for media_type in kind.all_media_types},
         )
+        # A part of the result is bytes, whatever the whole is (a part of JSON is no JSON).
+        result.responses["206"] = OpenAPIResponse(
+            description="The one byte range asked for (`Range`)",
+            content={media_type: OpenAPIMediaType(schema=binary) for media_type in kind.all_media_types},
+        )
 
     sse = _sse_content()
     job_stream = openapi.paths["/jobs/{job_id}/events"].get
@@ -250,6 +255,9 @@ _WWW_AUTHENTICATE = OpenAPIHeader(schema=_TEXT, description='`Bearer realm="hera
 _ATTACHMENT = OpenAPIHeader(schema=_TEXT, description="`attachment; filename=\"<kind>-<job id><suffix>\"`")
 _CACHE_RESULT = OpenAPIHeader(schema=_TEXT, description="`private, no-cache` with a key (revalidated by the ETag); "
                               "with a signed URL `private, max-age=<seconds until its exp>`")
+_ACCEPT_RANGES = OpenAPIHeader(schema=_TEXT, description="`bytes`: one range of the result may be asked for (`Range`)")
+_CONTENT_RANGE = OpenAPIHeader(schema=_TEXT, description="`bytes <first>-<last>/<size>`: the part sent")
+_UNSATISFIED_RANGE = OpenAPIHeader(schema=_TEXT, description="`bytes */<size>`: the result's size")
 _REPLAYED = OpenAPIHeader(schema=Schema(type=OpenAPIType.STRING, enum=["true"]),
                           description="`true` when this answers an Idempotency-Key seen before: the same job again")
 
@@ -302,11 +310,20 @@ def _describe_headers(paths: Any, kinds: list[JobKind]) -> None:
     for kind in kinds:
         result = paths[f"{kind.collection}/{{job_id}}"].get
         _answer_headers(result, {
-            "200": {"ETag": _RESULT_ETAG, "Content-Disposition": _ATTACHMENT, "Cache-Control": _CACHE_RESULT},
+            "200": {"ETag": _RESULT_ETAG, "Content-Disposition": _ATTACHMENT, "Cache-Control": _CACHE_RESULT,
+                    "Accept-Ranges": _ACCEPT_RANGES},
+            "206": {"Content-Range": _CONTENT_RANGE, "ETag": _RESULT_ETAG, "Content-Disposition": _ATTACHMENT,
+                    "Cache-Control": _CACHE_RESULT, "Accept-Ranges": _ACCEPT_RANGES},
             "304": {"ETag": _RESULT_ETAG, "Cache-Control": _CACHE_RESULT},
+            "416": {"Content-Range": _UNSATISFIED_RANGE},
             "404": {"Retry-After": OpenAPIHeader(schema=_SECONDS, description="with `/problems/result-not-ready`: "
                                                  "seconds until it is worth asking again")}})
-        _add_parameters(result, _request_header("If-None-Match", "the result's ETag: `304` (a result never changes)"))
+        _add_parameters(result, _request_header("If-None-Match", "the result's ETag: `304` (a result never changes)"),
+                        _request_header("Range", "one range, `bytes=<first>-<last>`, `bytes=<first>-` or `bytes=-<n>`: "
+                                        "`206` with that part (several ranges, or another unit: the whole, `200`); "
+                                        "starting past the end: `416`"),
+                        _request_header("If-Range", "the result's ETag: the `Range` is honoured only while it is "
+                                        "current (any other value: the whole result)"))
     for path in ("/jobs/{job_id}/events", "/events", "/jobs/{job_id}/output"):
         _add_parameters(paths[path].get, _request_header(
             "Last-Event-ID", "resume after this event id (as `?last_event_id=`; the header wins)"))

@@ -15,7 +15,8 @@ from schemas.problems import (
     ADMIN_ONLY, BAD_REQUEST, CONFLICT, ENV_KEY, INSUFFICIENT_SCOPE, TENANT_EXISTS, ENDPOINT_DISABLED, FORBIDDEN, GENERIC, GONE, IDEMPOTENCY_KEY_MISMATCH,
     IDEMPOTENCY_KEY_REQUIRED, INTERNAL, INVALID_CURSOR, INVALID_IDEMPOTENCY_KEY, INVALID_REQUEST,
     INVALID_SIGNATURE, JOB_FINISHED, LIMIT_REACHED, MALFORMED_JSON, METHOD_NOT_ALLOWED, MISDIRECTED, NOT_ACCEPTABLE, NOT_FOUND,
-    NOT_READY, NO_RESULT, OVERLOADED, PAYLOAD_TOO_LARGE, PORTAL_SCOPE, RATE_LIMITED, REQUEST_TIMEOUT, RESULT_NOT_READY,
+    NOT_READY, NO_RESULT, OVERLOADED, PAYLOAD_TOO_LARGE, PORTAL_SCOPE, RANGE_NOT_SATISFIABLE, RATE_LIMITED,
+    REQUEST_TIMEOUT, RESULT_NOT_READY,
     STORE_UNAVAILABLE, TOO_MANY_STREAMS, UNAUTHORIZED, UNAVAILABLE, UNPROCESSABLE,
     UNSUPPORTED_MEDIA_TYPE, ProblemType,
 )
@@ -143,6 +144,16 @@ class ResultNotReady(ProblemError):
 
 class NoResult(ProblemError):
     kind = NO_RESULT
+
+
+class RangeNotSatisfiable(ProblemError):
+    """A result's ``Range`` that starts past its end (RFC 9110 §15.5.17): with the size."""
+
+    kind = RANGE_NOT_SATISFIABLE
+
+    def __init__(self, size: int) -> None:
+        super().__init__(f"the result has {size} bytes: a range must start before its end",
+                         headers={"Content-Range": f"bytes */{size}"})
 
 
 class Conflict(ProblemError):

@@ -84,6 +84,8 @@ REQUEST_TIMEOUT = _define("/problems/request-timeout", "Request timeout", 408,
                           "the head or the body of the request stopped arriving (30 s); the connection is closed")
 PAYLOAD_TOO_LARGE = _define("/problems/payload-too-large", "Request body too large", 413, "body over 1 MiB")
 UNSUPPORTED_MEDIA_TYPE = _define("/problems/unsupported-media-type", "Unsupported media type", 415, "body is not JSON")
+RANGE_NOT_SATISFIABLE = _define("/problems/range-not-satisfiable", "Range not satisfiable", 416,
+                                "a result's `Range` starts past its end; `Content-Range: bytes */<size>`")
 MISDIRECTED = _define("/problems/misdirected-request", "Misdirected request", 421,
                       "a Host this loopback-bound gateway does not serve (DNS rebinding)")
 UNPROCESSABLE = _define("/problems/unprocessable", "Unprocessable request", 422)

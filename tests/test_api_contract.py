@@ -115,6 +115,12 @@ def test_the_document_names_the_headers_the_server_sends(herald: Deployment) -> 
         again = http.get(f"/reports/{job['id']}", headers={"If-None-Match": result.headers["etag"]})
         assert again.status_code == 304
         _documented(spec, "GET", "/reports/{job_id}", again, "ETag")
+        part = http.get(f"/reports/{job['id']}", headers={"Range": "bytes=0-9"})
+        assert part.status_code == 206 and part.content == result.content[:10]
+        _documented(spec, "GET", "/reports/{job_id}", part, "Content-Range", "ETag", "Accept-Ranges", "Content-Disposition")
+        past = http.get(f"/reports/{job['id']}", headers={"Range": f"bytes={len(result.content)}-"})
+        _documented(spec, "GET", "/reports/{job_id}", past, "Content-Range")
+        assert {"Range", "If-Range"} <= {p["name"] for p in spec["paths"]["/reports/{job_id}"]["get"]["parameters"]}
         assert "If-None-Match" in {p["name"] for p in spec["paths"]["/reports/{job_id}"]["get"]["parameters"]}
 
         for path, template in ((f"/jobs/{job['id']}/events", "/jobs/{job_id}/events"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import os
 import stat
@@ -439,6 +440,53 @@ async def test_download_streams_the_result_with_its_headers(results: ResultStore
         gone = await client.get(f"/reports/{job_id}", headers=auth)
         assert gone.status_code == 410
         assert gone.json()["type"] == "/problems/gone"
+
+
+@legacy_params
+async def test_one_byte_range_is_answered_206_and_the_rest_as_http_allows(results: ResultStore) -> None:
+    """A download that broke off resumes (``curl -C -``): one range is a ``206`` of exactly
+    those bytes, across chunk boundaries, from either result store and from a row's result."""
+    job_id = new_job_id()
+    data = os.urandom(300_000)
+    key = await write_result(results, job_id, 2, data, suffix=".pdf")
+    file_job = _succeeded_job(key, job_id)
+    row_job = dataclasses.replace(file_job, result_path=None, result_body=data[:1000], media_type="application/json")
+    auth = {"Authorization": f"Bearer {DEV_KEY}"}
+    tag = f'"{job_id}-2"'
+    for job, body in ((file_job, data), (row_job, data[:1000])):
+        size = len(body)
+        async with _client(_download_app(results, job)) as client:
+            async def get(**headers: str) -> httpx.Response:
+                return await client.get(f"/reports/{job_id}", headers={**auth, **headers})
+
+            whole = await get()
+            assert whole.status_code == 200 and whole.headers["accept-ranges"] == "bytes"
+            parts = {"bytes=0-9": (0, 9), "bytes=65530-131080": (65530, 131080), "bytes=500-": (500, size - 1),
+                     "bytes=-700": (size - 700, size - 1), f"bytes={size - 2}-{size + 50}": (size - 2, size - 1)}
+            for asked, (first, last) in parts.items():
+                if first >= size:
+                    continue
+                part = await get(Range=asked)
+                assert part.status_code == 206, (asked, part.text[:200])
+                assert part.content == body[first:last + 1], asked
+                assert part.headers["content-range"] == f"bytes {first}-{last}/{size}"
+                assert part.headers["content-length"] == str(last - first + 1)
+                assert part.headers["etag"] == tag and part.headers["content-type"] == whole.headers["content-type"]
+            assert (await get(Range="bytes=0-3", **{"If-Range": tag})).status_code == 206
+            # The whole result, as HTTP allows: several ranges, another unit, a malformed range,
+            # an If-Range of another (or a weak) tag or a date.
+            for headers in ({"Range": "bytes=0-1,5-6"}, {"Range": "lines=0-5"}, {"Range": "bytes=9-1"},
+                            {"Range": "bytes=x-"}, {"Range": "bytes=" + "9" * 30 + "-"},
+                            {"Range": "bytes=0-3", "If-Range": f"W/{tag}"},
+                            {"Range": "bytes=0-3", "If-Range": "Fri, 04 Dec 2026 05:00:00 GMT"}):
+                answer = await get(**headers)
+                assert answer.status_code == 200 and answer.content == body, headers
+            for asked in (f"bytes={size}-", f"bytes={size + 10}-{size + 20}", "bytes=-0"):
+                unsatisfiable = await get(Range=asked)
+                assert unsatisfiable.status_code == 416, asked
+                assert unsatisfiable.headers["content-range"] == f"bytes */{size}"
+                assert unsatisfiable.json()["type"] == "/problems/range-not-satisfiable"
+            assert (await get(Range="bytes=0-3", **{"If-None-Match": tag})).status_code == 304  # judged first
 
 
 @legacy_params
