@@ -1,6 +1,8 @@
 """Reading a JSON request body, the same way on every route that takes one.
 
-415 for a missing or non-JSON content type, 400 ``/problems/malformed-json`` for bytes
+415 for a missing or non-JSON content type, or a body sent with a content coding (gzip…: the
+gateway reads identity only, and says so with ``Accept-Encoding``, RFC 9110 §15.5.16), 400
+``/problems/malformed-json`` for bytes
 that are not JSON, 400 ``/problems/invalid-request`` naming every bad field, and the
 SSRF guard's verdict on a URL turned into such a field error.
 
@@ -42,9 +44,21 @@ def check_json_content_type(request: Request) -> None:
         )
 
 
+def check_identity_coding(request: Request) -> None:
+    # A gzipped body read as it came would be answered "malformed JSON", which it is not.
+    codings = [coding.strip().lower() for line in request.headers.getall("content-encoding", [])
+               for coding in line.split(",")]
+    if any(coding not in ("", "identity") for coding in codings):
+        raise UnsupportedMediaType(
+            "send the body without a Content-Encoding: this server reads it as it comes (identity)",
+            headers={"Accept-Encoding": "identity"},
+        )
+
+
 async def read_body(request: Request, body_type: type[T]) -> tuple[T, Any]:
     """The validated body and the JSON document it was read from (for fingerprints)."""
     check_json_content_type(request)
+    check_identity_coding(request)
     raw = await _body_bytes(request)
     try:
         document = decode_json(raw)

@@ -4,6 +4,7 @@ httptools, whichever way a head arrives, and response header names read in any c
 from __future__ import annotations
 
 import contextlib
+import gzip
 import http.client
 import json
 import re
@@ -211,6 +212,26 @@ def test_a_header_read_once_and_sent_twice_is_refused_and_starts_nothing(herald:
         assert two_types.status_code == 415, two_types.text
         assert two_types.json()["type"] == "/problems/unsupported-media-type"
         assert herald.count_rows("jobs") == before
+
+
+def test_a_body_in_a_content_coding_is_refused_as_such_and_starts_nothing(herald: Deployment) -> None:
+    """A gzipped body was read as it came and answered 400 "malformed JSON", which it is not:
+    the gateway reads identity only, and says so (RFC 9110 §15.5.16), on every route with a body."""
+    body = b'{"title": "coded", "pages": 1}'
+    with client(herald.url()) as http:
+        before = herald.count_rows("jobs")
+        for coding in ("gzip", "identity, gzip", "br"):
+            coded = http.post("/reports", content=gzip.compress(body) if coding != "br" else body,
+                              headers={"Content-Type": "application/json", "Content-Encoding": coding})
+            assert coded.status_code == 415, (coding, coded.text)
+            assert coded.json()["type"] == "/problems/unsupported-media-type"
+            assert coded.headers["accept-encoding"] == "identity"
+        assert http.post("/webhooks", content=gzip.compress(b'{"url": "https://example.com/"}'), headers={
+            "Content-Type": "application/json", "Content-Encoding": "gzip"}).status_code == 415
+        assert herald.count_rows("jobs") == before
+        plain = http.post("/reports", content=body, headers={"Content-Type": "application/json",
+                                                              "Content-Encoding": "identity"})
+        assert plain.status_code == 202, plain.text
 
 
 def test_head_answers_as_get_without_the_body(herald: Deployment) -> None:
