@@ -4,6 +4,8 @@
   (attempt + 1) or, after the last attempt (HERALD_MAX_ATTEMPTS, or the kind's own
   ``max_attempts``), failed with /problems/worker-lost; one whose cancel was asked for is
   cancelled instead (SPEC §5: the client called the work off, and no worker does it now);
+  not while the store has been back for less than a heartbeat timeout after the sweeper
+  found it unreachable (``Outage``): no worker could write a heartbeat meanwhile;
 * live jobs past their deadline fail with /problems/deadline-exceeded;
 * jobs past ``expires_at`` are deleted with their result, streamed output, key and history
   (tombstone left).
@@ -14,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
-from herald.jobs import JobRow, TransitionRejected
+from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
 from herald.kinds import get_kind
 from herald.settings import Settings
 from herald.storage.ports import JobStore, ResultStore
@@ -26,14 +29,33 @@ from schemas.problems import DEADLINE_EXCEEDED, WORKER_LOST
 log = logging.getLogger("herald.sweeper")
 
 
-def _decide(job: JobRow, settings: Settings, at: float) -> Change | None:
+@dataclass
+class Outage:
+    """What the sweeper saw of the store being unreachable. A heartbeat a worker could not
+    write while it was is no sign of a lost worker: a store restart or failover longer than
+    the heartbeat timeout re-queued every running job on the first pass after it, just
+    before each job's live worker retried its heartbeat (or recorded the end it had reached
+    meanwhile), and the whole work was done again (its output emitted twice). So heartbeats
+    are judged again only once the store has been back for a heartbeat timeout, by its clock."""
+
+    ongoing: bool = False
+    ended_at: float | None = None  # the store's clock at the first pass that reached it again
+
+    def stale_before(self, at: float, settings: Settings) -> float:
+        """Heartbeats older than this are silent; 0 (none is) within the grace after an outage."""
+        if self.ongoing:
+            self.ongoing, self.ended_at = False, at
+        stale_before = at - settings.heartbeat_timeout_s
+        return 0.0 if self.ended_at is not None and self.ended_at > stale_before else stale_before
+
+
+def _decide(job: JobRow, settings: Settings, at: float, stale_before: float) -> Change | None:
     if job.deadline_at < at:
         return Change(
             expect=LIVE_STATES, to="failed", attempt=job.attempt,
             error=DEADLINE_EXCEEDED.problem(
                 f"the job did not finish within its deadline of {job.deadline_at - job.created_at:g} s"),
         )
-    stale_before = at - settings.heartbeat_timeout_s
     if job.state != "running" or (job.heartbeat_at or 0) >= stale_before:
         return None
     if job.cancel_requested:
@@ -60,10 +82,11 @@ OutputPurge = Callable[[str, str], Awaitable[None]]
 
 
 async def sweep_once(store: JobStore, results: ResultStore, settings: Settings,
-                     purge_output: OutputPurge | None = None) -> None:
+                     purge_output: OutputPurge | None = None, outage: Outage | None = None) -> None:
     at = await store.clock()  # heartbeats and deadlines were written by the store's clock: judge by it
-    for job in await store.live_jobs(stale_before=at - settings.heartbeat_timeout_s, deadline_before=at):
-        change = _decide(job, settings, at)
+    stale_before = (outage or Outage()).stale_before(at, settings)
+    for job in await store.live_jobs(stale_before=stale_before, deadline_before=at):
+        change = _decide(job, settings, at, stale_before)
         if change is None:
             continue
         try:
@@ -93,9 +116,13 @@ async def sweep_once(store: JobStore, results: ResultStore, settings: Settings,
 
 async def run_sweeper(store: JobStore, results: ResultStore, settings: Settings,
                       purge_output: OutputPurge | None = None) -> None:
+    outage = Outage()
     while True:
         try:
-            await sweep_once(store, results, settings, purge_output)
+            await sweep_once(store, results, settings, purge_output, outage)
+        except StoreUnavailable as exc:
+            outage.ongoing = True
+            log.warning("sweep skipped: the store is unreachable", extra={"error": str(exc)})
         except Exception:
             log.exception("sweep failed; next pass will retry")
         await asyncio.sleep(settings.sweep_interval_s)

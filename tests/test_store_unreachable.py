@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import json
 import signal
 import socket
 import threading
@@ -450,6 +451,48 @@ def test_a_worker_rides_out_the_store_going_away_under_its_jobs(tmp_path: Path, 
         assert retried >= {"claim", "success"}, retried
     finally:
         runner.close()
+        deployment.stop()
+        server.stop()
+
+
+def test_a_store_outage_longer_than_the_heartbeat_timeout_requeues_no_live_workers_job(
+    tmp_path: Path, server_dir: Path
+) -> None:
+    """SPEC §9 (a job is re-queued when its worker dies): a store restart that outlasts
+    HERALD_HEARTBEAT_TIMEOUT_S, under running jobs whose workers live on, re-queues none of
+    them. The sweeper's first pass once the store was back found every running job's
+    heartbeat too old (its worker could not write one meanwhile) and re-queued it, just
+    before the worker retried its heartbeat or recorded the end it had reached: the whole
+    work ran again, attempt 2, every output chunk emitted twice. The sweeper now judges
+    heartbeats again only once the store has been back for a heartbeat timeout."""
+    server = PostgresServer(server_dir / "pg", port=free_port())
+    server.start()
+    deployment = Deployment(tmp_path / "herald", database_url=server.create_database("herald"))
+    deployment.nats.start()
+    try:
+        # A 2 s heartbeat timeout (heartbeats every 0.67 s) and a sweep every 0.2 s.
+        base = deployment.start_gateway(HERALD_HEARTBEAT_TIMEOUT_S="2", HERALD_SWEEP_INTERVAL_S="0.2")
+        deployment.start_worker(HERALD_HEARTBEAT_TIMEOUT_S="2", HERALD_REPORT_PAGE_MS="100")
+        with client(base) as http:
+            long = http.post("/reports", json={"title": "runs through it", "pages": 80}).json()
+            short = http.post("/reports", json={"title": "done during it", "pages": 20}).json()
+            for job in (long, short):
+                _making_progress(http, job["id"])
+            server.stop()
+            until = time.monotonic() + 4.0  # twice the heartbeat timeout: the fault's length, not a wait
+            while time.monotonic() < until:
+                assert httpx.get(base + "/readyz", timeout=5, verify=TLS).status_code == 503
+                time.sleep(0.2)
+            server.start()
+            for job, pages in ((long, 80), (short, 20)):
+                done = _ended(http, job["id"])
+                assert (done["state"], done["attempt"]) == ("succeeded", 1), (job["id"], done["attempt"], done["error"])
+                chunks = [json.loads(line) for line in http.get(f"/jobs/{job['id']}/output").text.splitlines()]
+                assert [c["data"]["page"] for c in chunks] == list(range(1, pages + 1)), "each page emitted once"
+        swept = deployment.logged("gateway", "job swept")
+        assert not swept, swept
+        assert deployment.logged("gateway", "sweep skipped: the store is unreachable")
+    finally:
         deployment.stop()
         server.stop()
 
