@@ -497,6 +497,85 @@ def test_a_store_outage_longer_than_the_heartbeat_timeout_requeues_no_live_worke
         server.stop()
 
 
+class _AnswerCutter:
+    """A TCP proxy in front of PostgreSQL, in a thread: it forwards both ways until a
+    client sends bytes holding every one of ``marks``, then forwards that request and cuts
+    the connection when the server's answer comes, which the client never gets. So a
+    statement commits and its caller sees a lost connection (a failover, a proxy or a
+    network cut between the commit and its answer)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.port = free_port()
+        self.marks: tuple[bytes, ...] | None = None
+        self.cut = threading.Event()
+        self._target = target_port
+        self._listener = socket.create_server(("127.0.0.1", self.port))
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._listener.close()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                inbound, _ = self._listener.accept()
+            except OSError:
+                return
+            outbound = socket.create_connection(("127.0.0.1", self._target))
+            armed = threading.Event()
+            threading.Thread(target=self._pump, args=(inbound, outbound, armed, True), daemon=True).start()
+            threading.Thread(target=self._pump, args=(outbound, inbound, armed, False), daemon=True).start()
+
+    def _pump(self, source: socket.socket, sink: socket.socket, armed: threading.Event, upstream: bool) -> None:
+        try:
+            while data := source.recv(65536):
+                if upstream and self.marks and not self.cut.is_set() and all(m in data for m in self.marks):
+                    self.cut.set()
+                    armed.set()
+                elif not upstream and armed.is_set():
+                    break  # the answer: dropped, and the connection with it
+                sink.sendall(data)
+        except OSError:
+            pass
+        for end in (source, sink):
+            with contextlib.suppress(OSError):
+                end.shutdown(socket.SHUT_RDWR)
+            end.close()
+
+
+def test_a_claim_committed_though_its_answer_was_lost_runs_its_job(tmp_path: Path, server_dir: Path) -> None:
+    """SPEC §9 (a job is re-queued when its worker dies, failed worker-lost after its last
+    attempt): a worker whose claim committed, the connection lost before its answer came,
+    runs the job. It tried the claim again, was refused (the job was running: its own claim)
+    and acked the message, leaving the job running with no worker until the sweeper judged
+    its heartbeat silent: re-queued a heartbeat timeout later, or, on its last attempt,
+    failed /problems/worker-lost though no worker had died."""
+    server = PostgresServer(server_dir / "pg", port=free_port())
+    server.start()
+    url = server.create_database("herald")
+    proxy = _AnswerCutter(server.port)
+    deployment = Deployment(tmp_path / "herald", database_url=url, env_overrides={"HERALD_MAX_ATTEMPTS": "1"})
+    deployment.nats.start()
+    try:
+        base = deployment.start_gateway()
+        deployment.start_worker(HERALD_DATABASE_URL=url.replace(f":{server.port}/", f":{proxy.port}/"))
+        with client(base) as http:
+            job_id = http.post("/reports", json={"title": "warm", "pages": 1}).json()["id"]
+            assert _ended(http, job_id)["state"] == "succeeded"
+            proxy.marks = (b"job.running",)  # the claim's transition: its event type
+            job_id = http.post("/reports", json={"title": "claimed in doubt", "pages": 3}).json()["id"]
+            assert proxy.cut.wait(20), "the claim went by"
+            done = _ended(http, job_id)
+            assert (done["state"], done["attempt"], done["error"]) == ("succeeded", 1, None), done
+        assert deployment.logged("worker", "the store is unreachable; trying again", write="claim")
+        assert not deployment.logged("gateway", "job swept")
+    finally:
+        deployment.stop()
+        proxy.close()
+        server.stop()
+
+
 def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
     tmp_path: Path, postgres_server: PostgresServer
 ) -> None:

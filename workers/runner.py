@@ -29,7 +29,7 @@ from herald.kinds import JSON_MEDIA_TYPE
 from herald.logs import log_event, log_transition
 from herald.metrics import metrics
 from herald.relay import Relay
-from herald.jobs import JobRow, StoreUnavailable, TransitionRejected
+from herald.jobs import JobRow, StoreUnavailable, Transition, TransitionRejected
 from herald.settings import Settings
 from herald.directory import running_directory
 from herald.storage import open_storage
@@ -257,14 +257,27 @@ class Worker:
         while True:
             cap = self.limits.limits(job.tenant).max_running
             claim = Change(expect={"queued"}, to="running", claim=True, max_running=cap)
+            tries = 0
+
+            async def try_claim(claim: Change = claim) -> Transition:
+                nonlocal tries
+                tries += 1
+                return await self.store.transition(job.id, claim)
+
             try:
-                return (await self._until_stored(lambda: self.store.transition(job.id, claim), job.id, "claim",
-                                                 message)).after
+                return (await self._until_stored(try_claim, job.id, "claim", message)).after
             except StoreUnavailable:  # stopping while the store is away: another worker takes the message
                 with contextlib.suppress(Exception):
                     await message.nak()
                 return None
             except TransitionRejected as exc:
+                if tries > 1 and _is_own_claim(exc.current, job):
+                    # A try the store committed though its answer was lost (the connection
+                    # broke after the commit): the job is this run's. Acked, it was left
+                    # running with no worker until the sweeper judged its heartbeat silent.
+                    log.info("claim recorded though its answer was lost", extra={"job_id": job.id})
+                    assert exc.current is not None
+                    return exc.current
                 if exc.reason != TENANT_AT_CAP:
                     log.info("claim rejected", extra={"job_id": job.id, "reason": exc.reason})
                     await message.ack()
@@ -490,6 +503,15 @@ async def job_of(work: JobMessage, store: JobStore) -> JobRow | None:
     if job is not None:
         store.remember(job)
     return job
+
+
+def _is_own_claim(current: JobRow | None, queued: JobRow) -> bool:
+    """Whether the job as it is now is a claim of ``queued`` committed, untouched since: a
+    claim whose answer was lost. Its message is this worker's (JetStream leases it to one
+    consumer, and the retries kept the lease), so only a second message of the same job,
+    delivered at the same moment to another worker, could have claimed it instead."""
+    return (current is not None and current.state == "running" and current.attempt == max(queued.attempt, 1)
+            and current.version == queued.version + 1 and not current.progress)
 
 
 def _is_own_success(current: JobRow | None, success: Change) -> bool:
