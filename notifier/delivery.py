@@ -47,6 +47,11 @@ SUCCESS_WITHIN_S = 15.0  # SPEC §7: a 2xx within 15 s, else the attempt failed
 CONNECT_WITHIN_S = 5.0
 USER_AGENT = f"Herald/{herald.__version__}"
 MAX_CONNECTIONS = 256
+# The longest line of a receiver's answer (status line, or one header) that is read: aiohttp's
+# default is 8190 bytes, and a receiver's 2xx with one longer header (a session cookie, a
+# tracing header) was counted a failure with no status and sent again for ever. The answer's
+# header lines (at most aiohttp's 128) are held only while the attempt is read.
+MAX_ANSWER_LINE_BYTES = 64 * 1024
 
 
 class NonPublicAddress(OSError):
@@ -160,6 +165,8 @@ class Sender:
             headers={"user-agent": USER_AGENT, "content-type": "application/json", "accept-encoding": "identity"},
             # The whole attempt is bounded by SUCCESS_WITHIN_S below; connecting alone by CONNECT_WITHIN_S.
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_WITHIN_S),
+            max_line_size=MAX_ANSWER_LINE_BYTES,
+            max_field_size=MAX_ANSWER_LINE_BYTES,
         )
         return self
 

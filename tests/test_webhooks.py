@@ -650,6 +650,27 @@ def test_410_fails_the_delivery_and_disables_the_endpoint(http: httpx.Client, re
     assert witness["status"] == "enabled"
 
 
+def test_a_2xx_with_a_header_line_over_8_kib_is_delivered(http: httpx.Client, receiver: Receiver) -> None:
+    """A receiver's 200 with a 9000-byte Set-Cookie is a 2xx (SPEC 7). aiohttp reads no header
+    line over 8190 bytes by default: the attempt was a failure with no status, retried for ever."""
+    cookie = "session=" + "c" * 9000
+
+    def big(_hit: Hit, _n: int) -> tuple[int, dict[str, str]]:
+        return 200, {"Set-Cookie": cookie}
+
+    endpoint = register(http, receiver, "/big-header", big, event_types=["job.succeeded"])
+    job = export(http)
+
+    def settled() -> dict[str, Any] | None:
+        items = deliveries(http, endpoint["id"])
+        return items[0] if items and (items[0]["status"] != "pending" or len(items[0]["attempts"]) > 1) else None
+
+    delivery = settle(settled, what="the delivery settled or retried")
+    assert delivery["status"] == "delivered", delivery
+    assert [(a["status_code"], a["error"]) for a in delivery["attempts"]] == [(200, None)]
+    assert [h.answered for h in receiver.hits_for("/big-header", {job["id"]})] == [200]
+
+
 def test_a_redirect_is_not_followed(http: httpx.Client, receiver: Receiver) -> None:
     target = receiver.route("/redirect-target")
 
