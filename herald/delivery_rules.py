@@ -18,6 +18,11 @@ what the answer says.
   endpoint's failing streak starts with its first failure and ends with a success; a
   ``410`` or ``ENDPOINT_DISABLE_AFTER_S`` of failing disables the endpoint, whose pending
   deliveries then fail (the one just attempted keeps its attempt count).
+* **Disabling** (``fails_with_its_endpoint``): an endpoint disabled (by its owner, a ``410``
+  or five days of failing) fails its deliveries that wait; one that is being sent keeps its
+  lease and is settled by its attempt, at a disabled endpoint (``settle``): a 2xx delivers
+  it, anything else fails it at once. One whose lease ran out unrecorded (its notifier died)
+  fails at the notifier's next prune.
   An attempt is recorded once: recording the same attempt again (``settled_before``) writes
   nothing and answers the delivery as it stands.
 * **Fan-out share** (``share_fan_out``): how much of a batch of events one fan-out records
@@ -211,6 +216,14 @@ def settle(
     if disabled and status == "pending":
         status, next_at = "failed", None
     return Settlement(status, next_at, failing_since, disable=disable, endpoint_disabled=disabled)
+
+
+def fails_with_its_endpoint(status: str, lease_until: float | None, at: float) -> bool:
+    """Whether a delivery of an endpoint disabled at ``at`` ends ``failed`` now: one that waits
+    (pending, not out). One out right now is its attempt's to settle (``settle``, with the
+    endpoint disabled: delivered by a 2xx, failed by anything else); failing it here took its
+    lease, so its attempt was logged but its 2xx left it ``failed`` with no attempt counted."""
+    return status == "pending" and not leased(lease_until, at)
 
 
 def settled_before(

@@ -262,7 +262,9 @@ class WebhookStore(Protocol):
     async def list_endpoints(self, tenant: str, *, before: tuple[float, str] | None, limit: int) -> list[EndpointRow]: ...
 
     async def update_endpoint(self, tenant: str, endpoint_id: str, changes: Mapping[str, Any]) -> EndpointRow | None:
-        """Apply url/event_types/kinds/status; disabling fails the endpoint's pending deliveries."""
+        """Apply url/event_types/kinds/status; disabling fails the endpoint's pending deliveries
+        that are not in flight (``delivery_rules.fails_with_its_endpoint``): one in flight is
+        settled by its attempt."""
 
     async def delete_endpoint(self, tenant: str, endpoint_id: str) -> bool:
         """The endpoint with its keys, deliveries and attempts."""
@@ -424,8 +426,8 @@ class DeliveryQueue(Protocol):
 
     async def finish(self, claimed: Claimed, owner: str, started_at: float, outcome: Outcome, plan: Plan) -> Finished:
         """Record the attempt and settle it (``herald.delivery_rules.settle``) in one transaction.
-        When it disables the endpoint, the endpoint's other pending deliveries fail and this one
-        keeps its attempt count. ``dropped``: the delivery was deleted meanwhile."""
+        When it disables the endpoint, the endpoint's other pending deliveries fail (but those in
+        flight, which their own attempts settle) and this one keeps its attempt count. ``dropped``: the delivery was deleted meanwhile."""
 
     async def finish_many(self, attempts: Sequence[Attempted], owner: str) -> list[Finished]:
         """``finish`` for each of ``attempts``, in order, all in one transaction: every attempt and
@@ -439,7 +441,10 @@ class DeliveryQueue(Protocol):
         pending and still its own (a lease that ran out and was taken, or a delivery settled
         meanwhile, is left as it is)."""
 
-    async def prune(self, finished_before: float, limit: int = 1000) -> int: ...
+    async def prune(self, finished_before: float, limit: int = 1000) -> int:
+        """Forget up to ``limit`` deliveries that ended before ``finished_before`` (the count),
+        and fail up to ``limit`` pending deliveries of disabled endpoints that are not in flight
+        (``delivery_rules.fails_with_its_endpoint``: their attempt was never recorded)."""
 
 
 @dataclass(frozen=True, slots=True)

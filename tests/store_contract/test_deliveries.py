@@ -850,6 +850,68 @@ async def test_410_disables_the_endpoint_and_fails_its_pending(stores: Stores) -
     assert {r["status"] for r in await deliveries(stores, endpoint_id=fine)} == {"pending"}
 
 
+async def test_disabling_an_endpoint_leaves_its_attempts_in_flight_to_settle(stores: Stores) -> None:
+    """Disabling fails the deliveries that wait; one being sent is settled by its attempt: a 2xx
+    delivers it (attempts 1), a failure fails it at once, not retried. Failing it at the
+    disable took its lease, so its attempt was logged and its 2xx left it failed, attempts 0."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    await queue.fan_out([event("j1", 1), event("j2", 1), event("j3", 1)])
+    sent = {c.delivery.job_id: c for c in await claim(queue, per_target=2)}
+    assert set(sent) == {"j1", "j2"}
+    disabled = await webhooks.update_endpoint("t1", endpoint_id, {"status": "disabled"})
+    assert disabled is not None and disabled.status == "disabled"
+    [waiting] = await deliveries(stores, job_id="j3")
+    assert (waiting["status"], waiting["attempts"]) == ("failed", 0)  # waited: failed, never sent
+
+    done = await finish(stores, sent["j1"], OK, Plan("delivered"))
+    assert (done.status, done.endpoint_disabled) == ("delivered", False)
+    [row] = await deliveries(stores, job_id="j1")
+    assert (row["status"], row["attempts"], row["lease_owner"]) == ("delivered", 1, None)
+    done = await finish(stores, sent["j2"], FAILED, Plan("retry", delay_s=10))
+    assert (done.status, done.next_attempt_at, done.endpoint_disabled) == ("failed", None, True)
+    [row] = await deliveries(stores, job_id="j2")
+    assert (row["status"], row["attempts"], row["next_attempt_at"]) == ("failed", 1, None)
+    assert (await webhooks.get_endpoint("t1", endpoint_id)).status == "disabled"  # type: ignore[union-attr]
+
+
+async def test_a_410_leaves_the_endpoints_other_attempt_in_flight_to_settle(stores: Stores) -> None:
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    await queue.fan_out([event("j1", 1), event("j2", 1), event("j3", 1)])
+    sent = {c.delivery.job_id: c for c in await claim(queue, per_target=2)}
+    done = await finish(stores, sent["j1"], GONE, Plan("failed", disable_endpoint=True))
+    assert (done.status, done.endpoint_disabled) == ("failed", True)
+    assert [(r["job_id"], r["status"]) for r in await deliveries(stores)] == [
+        ("j1", "failed"), ("j2", "pending"), ("j3", "failed")]
+    # as the notifier records it, in a batch (the set-based path for 2xx answers)
+    attempt = Attempted(claimed=sent["j2"], started_at=await stores.jobs.clock(), outcome=OK, plan=Plan("delivered"))
+    [done] = await stores.deliveries.finish_many([attempt], "n1")
+    assert done.status == "delivered"
+    [row] = await deliveries(stores, job_id="j2")
+    assert (row["status"], row["attempts"]) == ("delivered", 1)
+
+
+async def test_a_disabled_endpoints_delivery_whose_attempt_was_never_recorded_fails_at_the_prune(
+        stores: Stores) -> None:
+    """A delivery out when its endpoint was disabled, whose notifier then died (its lease ran out)
+    or handed it back unsent: nothing will send it, so the notifier's prune fails it, as
+    disabling would have. One still out is left to its attempt."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    await queue.fan_out([event("j1", 1), event("j2", 1), event("j3", 1)])
+    sent = {c.delivery.job_id: c for c in await claim(queue, per_target=3)}
+    await webhooks.update_endpoint("t1", endpoint_id, {"status": "disabled"})
+    await stores.sql("UPDATE webhook_deliveries SET lease_until = lease_until - 60 WHERE job_id = 'j1'")
+    await queue.release([sent["j2"].delivery.id], "n1")
+    assert [r["status"] for r in await deliveries(stores)] == ["pending"] * 3
+    await queue.prune(0.0)
+    assert [(r["job_id"], r["status"], r["attempts"]) for r in await deliveries(stores)] == [
+        ("j1", "failed", 0), ("j2", "failed", 0), ("j3", "pending", 0)]
+    done = await finish(stores, sent["j3"], OK, Plan("delivered"))
+    assert done.status == "delivered"
+
+
 async def test_an_endpoint_failing_for_five_days_is_disabled(stores: Stores) -> None:
     webhooks, queue = stores.webhooks, stores.deliveries
     endpoint_row, _key = await webhooks.create_endpoint("acme", url="https://hooks.example.com/x",

@@ -172,6 +172,7 @@ class Placed:
     delivery_id: str
     endpoint_id: str | None
     bystander_id: str | None  # another job's pending delivery to the same endpoint
+    out_id: str | None  # another job's delivery to the same endpoint, being sent by another notifier
     newer_id: str | None
     failing_since: float | None
     claimed: Claimed | None = None
@@ -191,16 +192,18 @@ async def _set_up_attempts(stores: Stores, t0: float) -> dict[str, Placed]:
         common: dict[str, Any] = {"type": "job.running", "endpoint_id": endpoint_id, "target": target, "url": url}
         delivery_id = await _insert_delivery(stores, job=job, version=1, status="pending", attempts=0,
                                              scheduled_at=t0 - 5.0, lease_until=t0 + HELD, lease_owner="n1", **common)
-        newer_id = bystander_id = None
+        newer_id = bystander_id = out_id = None
         if case.newer:
             newer_id = await _insert_delivery(stores, job=job, version=2, status="pending", attempts=0,
                                               scheduled_at=t0 - 4.0, lease_until=None, **common)
         if endpoint_id is not None:
             bystander_id = await _insert_delivery(stores, job=f"{job}-other", version=1, status="pending", attempts=0,
                                                   scheduled_at=t0 - 3.0, lease_until=None, **common)
+            out_id = await _insert_delivery(stores, job=f"{job}-out", version=1, status="pending", attempts=0,
+                                            scheduled_at=t0 - 2.0, lease_until=t0 + HELD, lease_owner="n2", **common)
         [row] = await stores.sql("SELECT * FROM webhook_deliveries WHERE id = $1", delivery_id)
         claimed = Claimed(delivery=DeliveryRow.from_mapping(row), url=url or "https://x.example/", body=b"{}", keys=())
-        placed[job] = Placed(case, delivery_id, endpoint_id, bystander_id, newer_id, failing_since, claimed)
+        placed[job] = Placed(case, delivery_id, endpoint_id, bystander_id, out_id, newer_id, failing_since, claimed)
     return placed
 
 
@@ -239,8 +242,13 @@ async def test_finish_settles_each_attempt_as_the_rulebook_does(stores: Stores, 
             assert e["failing_since"] == settled.failing_since, job
             assert e["status"] == ("disabled" if settled.endpoint_disabled or p.case.endpoint == "disabled"
                                    else "enabled"), job
-            [bystander] = await stores.sql("SELECT status FROM webhook_deliveries WHERE id = $1", p.bystander_id)
-            assert bystander["status"] == ("failed" if settled.disable else "pending"), job
+            # The endpoint's other deliveries: disabling fails the one that waits, not the one out.
+            for other_id, lease_until in ((p.bystander_id, None), (p.out_id, t0 + HELD)):
+                [other] = await stores.sql("SELECT status, lease_until FROM webhook_deliveries WHERE id = $1",
+                                           other_id)
+                fails = settled.disable and rules.fails_with_its_endpoint("pending", lease_until, at)
+                assert (other["status"], other["lease_until"]) == (
+                    ("failed", None) if fails else ("pending", lease_until)), (job, other_id)
         if p.newer_id is not None:
             [newer] = await stores.sql("SELECT status FROM webhook_deliveries WHERE id = $1", p.newer_id)
             assert newer["status"] == ("failed" if settled.disable else "pending"), job

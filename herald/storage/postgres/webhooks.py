@@ -134,10 +134,12 @@ NOW = f"(SELECT {NOW_SQL})"
 
 # The tables: sql/0006-0012 beside this package's schema.py; the functions: sql/functions/webhooks_*.sql.
 
+# An endpoint was disabled: its deliveries that wait fail (``delivery_rules.fails_with_its_endpoint``);
+# those out now are their attempts' to settle (``herald_webhook_finish``).
 _FAIL_PENDING_SQL = f"""
 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,
        lease_until = NULL, updated_at = {NOW}
- WHERE endpoint_id = $1 AND status = 'pending'
+ WHERE endpoint_id = $1 AND status = 'pending' AND (lease_until IS NULL OR lease_until <= {NOW})
 """
 
 _LIVE_KEYS_SQL = f"""
@@ -666,7 +668,8 @@ class PgDeliveryQueue:
                 list(delivery_ids), owner, float(lease_s))
 
     async def prune(self, finished_before: float, limit: int = 1000) -> int:
-        """Forget finished deliveries (with their attempts) older than the retention period."""
+        """Forget finished deliveries (with their attempts) older than the retention period; fail
+        the pending ones of disabled endpoints that are no longer out."""
         async with self.db.pool.acquire() as conn, conn.transaction():
             # SKIP LOCKED: two notifiers pruning at once split the work instead of queueing.
             pruned = await conn.fetchval(
@@ -680,6 +683,20 @@ class PgDeliveryQueue:
                 SELECT count(*) FROM gone
                 """,
                 finished_before, limit)
+            # Disabled endpoints' deliveries that are no longer out (their notifier died, or
+            # handed the lease back unrecorded) fail, as disabling would have.
+            await conn.execute(
+                f"""
+                UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,
+                       lease_until = NULL, updated_at = {NOW}
+                 WHERE id IN (
+                    SELECT d.id FROM webhook_endpoints e
+                      JOIN webhook_deliveries d ON d.endpoint_id = e.id AND d.status = 'pending'
+                     WHERE e.status = 'disabled' AND (d.lease_until IS NULL OR d.lease_until <= {NOW})
+                     LIMIT $1 FOR UPDATE OF d SKIP LOCKED)
+                   AND status = 'pending' AND (lease_until IS NULL OR lease_until <= {NOW})
+                """,
+                limit)
             # A later statement, so the deliveries just deleted no longer hold their bodies.
             await conn.execute(
                 "DELETE FROM webhook_messages m WHERE m.created_at < $1 AND NOT EXISTS"

@@ -52,7 +52,7 @@ from herald.delivery_rules import RESPONSE_KEEP_BYTES
 from herald.ids import new_id
 from herald.sealing import Sealer
 from herald.storage.sqlite.db import Database
-from herald.storage.sqlite.webhooks import current_callback_key, fail_pending, live_keys
+from herald.storage.sqlite.webhooks import current_callback_key, fail_orphans, fail_pending, live_keys
 from herald.timefmt import now
 from herald.webhook_signing import SigningKey
 from schemas import JobEvent
@@ -434,9 +434,11 @@ class SqliteDeliveryQueue:
         await self.db.write(tx)
 
     async def prune(self, finished_before: float, limit: int = 1000) -> int:
-        """Forget finished deliveries (with their attempts) older than the retention period."""
+        """Forget finished deliveries (with their attempts) older than the retention period; fail
+        the pending ones of disabled endpoints that are no longer out (``fail_orphans``)."""
 
         def tx(conn: sqlite3.Connection) -> int:
+            fail_orphans(conn, now(), limit)
             ids = [r["id"] for r in conn.execute(
                 "SELECT id FROM webhook_deliveries WHERE status != 'pending' AND updated_at < ? LIMIT ?",
                 (finished_before, limit),

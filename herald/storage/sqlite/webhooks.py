@@ -81,13 +81,32 @@ def add_key(conn: sqlite3.Connection, owner: str, algorithm: str, at: float, sea
 
 
 def fail_pending(conn: sqlite3.Connection, endpoint_id: str, at: float, *, sparing: str = "") -> None:
-    """An endpoint was disabled: its waiting deliveries end ``failed`` (and are not sent), but
-    for ``sparing``, the delivery whose attempt disabled it (settled by its caller)."""
-    conn.execute(
+    """An endpoint was disabled: its waiting deliveries end ``failed`` (and are not sent), as
+    ``delivery_rules.fails_with_its_endpoint`` says; those out now are their attempts' to settle,
+    and so is ``sparing``, the delivery whose attempt disabled it (settled by its caller)."""
+    rows = conn.execute("SELECT id, status, lease_until FROM webhook_deliveries"
+                        " WHERE endpoint_id = ? AND status = 'pending' AND id != ?", (endpoint_id, sparing)).fetchall()
+    _fail(conn, [r["id"] for r in rows if rules.fails_with_its_endpoint(r["status"], r["lease_until"], at)], at)
+
+
+def fail_orphans(conn: sqlite3.Connection, at: float, limit: int) -> int:
+    """Pending deliveries of disabled endpoints that are no longer out (their attempt's notifier
+    died, or handed the lease back unrecorded): failed, as disabling would have (at most ``limit``)."""
+    rows = conn.execute(
+        "SELECT d.id, d.status, d.lease_until FROM webhook_endpoints e"
+        " JOIN webhook_deliveries d ON d.endpoint_id = e.id AND d.status = 'pending'"
+        " WHERE e.status = 'disabled' AND (d.lease_until IS NULL OR d.lease_until <= ?) LIMIT ?",
+        (at, limit)).fetchall()
+    ids = [r["id"] for r in rows if rules.fails_with_its_endpoint(r["status"], r["lease_until"], at)]
+    _fail(conn, ids, at)
+    return len(ids)
+
+
+def _fail(conn: sqlite3.Connection, delivery_ids: Sequence[str], at: float) -> None:
+    conn.executemany(
         "UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,"
-        " lease_until = NULL, updated_at = ? WHERE endpoint_id = ? AND status = 'pending' AND id != ?",
-        (at, endpoint_id, sparing),
-    )
+        " lease_until = NULL, updated_at = ? WHERE id = ? AND status = 'pending'",
+        [(at, delivery_id) for delivery_id in delivery_ids])
 
 
 class SqliteWebhookStore:

@@ -73,10 +73,13 @@ BEGIN
                 -- (FOR KEY SHARE), so the failing below, a new snapshot, sees what they queued.
                 PERFORM 1 FROM webhook_endpoints WHERE id = d.endpoint_id FOR UPDATE;
                 UPDATE webhook_endpoints SET status = 'disabled', updated_at = ts WHERE id = d.endpoint_id;
-                -- its waiting deliveries end failed; this one is settled just below, with its attempt count
+                -- its waiting deliveries end failed (herald.delivery_rules.fails_with_its_endpoint);
+                -- those out now are their attempts' to settle, and this one is settled just below,
+                -- with its attempt count
                 UPDATE webhook_deliveries SET status = 'failed', next_attempt_at = NULL, lease_owner = NULL,
                        lease_until = NULL, updated_at = ts
-                 WHERE endpoint_id = d.endpoint_id AND status = 'pending' AND id <> p_id;
+                 WHERE endpoint_id = d.endpoint_id AND status = 'pending' AND id <> p_id
+                   AND (lease_until IS NULL OR lease_until <= ts);
                 o_endpoint_disabled := TRUE;
             END IF;
         END IF;
