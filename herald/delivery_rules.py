@@ -17,7 +17,9 @@ what the answer says.
   a newer delivery of the job and target exists (it carries the whole status). An
   endpoint's failing streak starts with its first failure and ends with a success; a
   ``410`` or ``ENDPOINT_DISABLE_AFTER_S`` of failing disables the endpoint, whose pending
-  deliveries then fail (the one just attempted keeps its attempt count).
+  deliveries then fail (the one just attempted keeps its attempt count). A retry asked for
+  while the attempt was in flight (``retry_asked``) is kept: unless the attempt delivered
+  it (or its endpoint is disabled), the delivery is due again at once, whatever the plan.
 * **Disabling** (``fails_with_its_endpoint``): an endpoint disabled (by its owner, a ``410``
   or five days of failing) fails its deliveries that wait; one that is being sent keeps its
   lease and is settled by its attempt, at a disabled endpoint (``settle``): a 2xx delivers
@@ -192,14 +194,18 @@ class Settlement:
 
 def settle(
     plan: Plan, *, ok: bool, newer: bool, endpoint: EndpointState | None, at: float,
-    disable_after: float = ENDPOINT_DISABLE_AFTER_S,
+    disable_after: float = ENDPOINT_DISABLE_AFTER_S, retry_asked: bool = False,
 ) -> Settlement:
     """What an attempt with ``plan`` leaves behind. ``ok``: the answer was a 2xx; ``newer``:
     a newer delivery of the job exists for the target; ``endpoint``: None for a callback URL
-    (or an endpoint deleted meanwhile)."""
+    (or an endpoint deleted meanwhile); ``retry_asked``: a retry was asked for (``POST
+    .../retry``) while this attempt was in flight, so a failure is sent again now, not after
+    the plan's delay (nor given up, nor superseded: the user asked for this one)."""
     status: Literal["delivered", "pending", "failed", "superseded"]
     next_at: float | None = None
-    if plan.status != "retry":
+    if retry_asked and not ok:
+        status, next_at = "pending", at
+    elif plan.status != "retry":
         status = plan.status
     elif newer:
         status = "superseded"  # the newer one carries the whole status: no need to retry this one
@@ -224,6 +230,13 @@ def fails_with_its_endpoint(status: str, lease_until: float | None, at: float) -
     endpoint disabled: delivered by a 2xx, failed by anything else); failing it here took its
     lease, so its attempt was logged but its 2xx left it ``failed`` with no attempt counted."""
     return status == "pending" and not leased(lease_until, at)
+
+
+def retry_kept(lease_until: float | None, at: float) -> bool:
+    """Whether a retry asked for at ``at`` is kept for the attempt in flight (``settle``'s
+    ``retry_asked``): the delivery is out now, and that attempt's record would otherwise set
+    its next attempt by the plan, the request lost. One not out is simply due now."""
+    return leased(lease_until, at)
 
 
 def settled_before(

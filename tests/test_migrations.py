@@ -190,6 +190,9 @@ async def test_sqlite_migration_4_keeps_every_delivery_and_the_keys_postgres_has
                                                " AND tbl_name = 'webhook_deliveries' AND sql IS NOT NULL")}
 
     made = indexes()
+    # the columns migration 4 keeps (later migrations add more)
+    kept = ("seq, id, tenant, target, endpoint_id, url, event_id, job_id, version, type, status, attempts,"
+            " scheduled_at, next_attempt_at, lease_owner, lease_until, created_at, updated_at")
     insert = ("INSERT INTO webhook_deliveries (id, tenant, target, event_id, job_id, version, type, status,"
               " attempts, scheduled_at, created_at, updated_at) VALUES (?, 't', ?, ?, 'j', ?, 'job.running',"
               " 'pending', 0, 1, 1, 1)")
@@ -197,7 +200,7 @@ async def test_sqlite_migration_4_keeps_every_delivery_and_the_keys_postgres_has
         for n in range(1, 6):
             conn.execute(insert, (f"d{n}", "ep", f"evt_j.{n}", n))
         conn.execute("DELETE FROM webhook_deliveries WHERE id IN ('d1', 'd5')")  # pruned, say
-        rows = conn.execute("SELECT * FROM webhook_deliveries ORDER BY seq").fetchall()
+        rows = conn.execute(f"SELECT {kept} FROM webhook_deliveries ORDER BY seq").fetchall()
 
     await _open_sqlite(path)
 
@@ -205,7 +208,7 @@ async def test_sqlite_migration_4_keeps_every_delivery_and_the_keys_postgres_has
     # migration before 4 must be added to 4 too, or the rebuild drops it).
     assert indexes() == made
     with sqlite3.connect(path) as conn:
-        assert conn.execute("SELECT * FROM webhook_deliveries ORDER BY seq").fetchall() == rows
+        assert conn.execute(f"SELECT {kept} FROM webhook_deliveries ORDER BY seq").fetchall() == rows
         conn.execute(insert, ("d6", "ep", "evt_j.6", 6))
         assert conn.execute("SELECT seq FROM webhook_deliveries WHERE id = 'd6'").fetchone() == (6,)  # not 5 again
         with pytest.raises(sqlite3.IntegrityError):

@@ -438,6 +438,8 @@ class WebhooksController(Controller):
 
     @post("/{endpoint_id:str}/deliveries/{delivery_id:str}/retry", operation_id="retry_webhook_delivery",
           status_code=202, summary="Send the delivery again now, with the same webhook-id, whatever its status",
+          description="Asked while an attempt of the delivery is in flight, the request is kept for that attempt:"
+                      " a 2xx delivers it, anything else sends it again at once, whatever the retry schedule says.",
           responses=problems(401, 404, 409))
     async def retry(self, request: Request, endpoint_id: FromPath[str], delivery_id: FromPath[str]) -> Response[Delivery]:
         tenant = _tenant(request)

@@ -287,8 +287,9 @@ class WebhookStore(Protocol):
     async def get_delivery(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None: ...
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
-        """Make a delivery due now, whatever its status (same id, same webhook-id). None: the
-        endpoint has no such delivery."""
+        """Make a delivery due now, whatever its status (same id, same webhook-id). One in flight
+        keeps the request for its attempt's record (``delivery_rules.retry_kept``): a failure is
+        then due again at once, whatever the plan. None: the endpoint has no such delivery."""
 
     async def recover(self, tenant: str, endpoint_id: str, since: float) -> int:
         """Make every ``failed`` delivery of the endpoint created at or after ``since`` due now,

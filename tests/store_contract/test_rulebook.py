@@ -145,6 +145,7 @@ class Attempt:
     newer: bool = False
     endpoint: str | None = "enabled"  # None: a job's callback URL
     failing: float = NEVER  # the endpoint's streak began this long before the case started
+    asked: bool = False  # a retry was asked for while the attempt was in flight
 
 
 SETTLEMENTS: dict[str, Attempt] = {
@@ -163,6 +164,13 @@ SETTLEMENTS: dict[str, Attempt] = {
     "callback-delivered": Attempt(Plan("delivered"), OK, endpoint=None),
     "callback-retry": Attempt(RETRY, FAILED, endpoint=None),
     "callback-gone-disables-nothing": Attempt(DISABLE, GONE, endpoint=None),
+    "asked-retry-is-now": Attempt(RETRY, FAILED, asked=True),
+    "asked-failed-is-now": Attempt(Plan("failed"), FAILED, asked=True),
+    "asked-with-a-newer-one-is-now": Attempt(RETRY, FAILED, newer=True, asked=True),
+    "asked-delivered": Attempt(Plan("delivered"), OK, asked=True),
+    "asked-gone-disables": Attempt(DISABLE, GONE, asked=True),
+    "asked-at-a-disabled-endpoint-fails": Attempt(RETRY, FAILED, endpoint="disabled", asked=True),
+    "asked-callback-retry-is-now": Attempt(RETRY, FAILED, endpoint=None, asked=True),
 }
 
 
@@ -201,6 +209,8 @@ async def _set_up_attempts(stores: Stores, t0: float) -> dict[str, Placed]:
                                                   scheduled_at=t0 - 3.0, lease_until=None, **common)
             out_id = await _insert_delivery(stores, job=f"{job}-out", version=1, status="pending", attempts=0,
                                             scheduled_at=t0 - 2.0, lease_until=t0 + HELD, lease_owner="n2", **common)
+        if case.asked:
+            await stores.sql("UPDATE webhook_deliveries SET retry_asked_at = $2 WHERE id = $1", delivery_id, t0)
         [row] = await stores.sql("SELECT * FROM webhook_deliveries WHERE id = $1", delivery_id)
         claimed = Claimed(delivery=DeliveryRow.from_mapping(row), url=url or "https://x.example/", body=b"{}", keys=())
         placed[job] = Placed(case, delivery_id, endpoint_id, bystander_id, out_id, newer_id, failing_since, claimed)
@@ -229,12 +239,13 @@ async def test_finish_settles_each_attempt_as_the_rulebook_does(stores: Stores, 
         if p.endpoint_id is not None:
             assert p.case.endpoint is not None
             state = rules.EndpointState(p.case.endpoint, p.failing_since)
-        settled = rules.settle(p.case.plan, ok=p.case.outcome.ok, newer=p.case.newer, endpoint=state, at=at)
+        settled = rules.settle(p.case.plan, ok=p.case.outcome.ok, newer=p.case.newer, endpoint=state, at=at,
+                               retry_asked=p.case.asked)
         answer = answers[job]
         assert (answer.status, answer.next_attempt_at, answer.endpoint_disabled) == (
             settled.status, settled.next_attempt_at, settled.endpoint_disabled), job
-        assert (row["status"], row["next_attempt_at"], row["attempts"], row["lease_owner"], row["lease_until"]) == (
-            settled.status, settled.next_attempt_at, 1, None, None), job
+        assert (row["status"], row["next_attempt_at"], row["attempts"], row["lease_owner"], row["lease_until"],
+                row["retry_asked_at"]) == (settled.status, settled.next_attempt_at, 1, None, None, None), job
         [logged] = await stores.sql("SELECT * FROM webhook_attempts WHERE delivery_id = $1", p.delivery_id)
         assert (logged["n"], logged["at"], logged["status_code"]) == (1, started, p.case.outcome.status_code), job
         if p.endpoint_id is not None:

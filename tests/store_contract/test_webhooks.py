@@ -155,6 +155,43 @@ async def test_retry_now(stores: Stores) -> None:
 
 
 
+async def test_a_retry_asked_while_the_attempt_is_in_flight_is_kept_for_its_record(stores: Stores) -> None:
+    """``POST .../retry`` of a delivery being sent: the attempt's own record used to set its next
+    attempt by the plan, so a failing attempt waited the schedule's delay (or gave up), the
+    request lost. It is kept now: a failure is due again at once; a 2xx delivers it."""
+    webhooks, queue = stores.webhooks, stores.deliveries
+    endpoint_id = await endpoint(webhooks)
+    await queue.fan_out([event("j1", 1), event("j2", 1), event("j3", 1)])
+    sent = {c.delivery.job_id: c for c in await claim(queue)}
+    assert set(sent) == {"j1", "j2", "j3"}
+    for item in sent.values():
+        row = await webhooks.retry_now(endpoint_id, item.delivery.id)
+        assert row is not None and row.status == "pending"
+
+    retried = await finish(stores, sent["j1"], FAILED, Plan("retry", delay_s=300.0))
+    given_up = await finish(stores, sent["j2"], FAILED, Plan("failed"))  # its last retry, by the schedule
+    delivered = await finish(stores, sent["j3"], OK, Plan("delivered"))
+    after = await stores.jobs.clock()
+    assert (retried.status, given_up.status, delivered.status) == ("pending", "pending", "delivered")
+    assert retried.next_attempt_at is not None and retried.next_attempt_at <= after  # now, not in 300 s
+    assert given_up.next_attempt_at is not None and given_up.next_attempt_at <= after
+    assert [(r["job_id"], r["status"], r["attempts"], r["retry_asked_at"]) for r in await deliveries(stores)] == [
+        ("j1", "pending", 1, None), ("j2", "pending", 1, None), ("j3", "delivered", 1, None)]
+
+    # Sent again at once; the request is used up: this attempt's failure waits as planned.
+    again = {c.delivery.job_id: c for c in await claim(queue)}
+    assert set(again) == {"j1", "j2"}
+    later = await finish(stores, again["j1"], FAILED, Plan("retry", delay_s=300.0))
+    assert later.status == "pending" and later.next_attempt_at is not None
+    assert later.next_attempt_at >= await stores.jobs.clock() + 250
+    # A retry of a delivery not in flight is due now, nothing kept.
+    await finish(stores, again["j2"], FAILED, Plan("failed"))
+    row = await webhooks.retry_now(endpoint_id, again["j2"].delivery.id)
+    assert row is not None and row.status == "pending"
+    [stored] = await deliveries(stores, job_id="j2")
+    assert stored["retry_asked_at"] is None
+
+
 DELIVERED = Outcome(status_code=200, latency_s=0.01)
 REFUSED = Outcome(status_code=500, latency_s=0.01, response=b"down")
 PORTAL_TYPES = ["job.queued", "job.succeeded"]

@@ -394,11 +394,15 @@ class PgWebhookStore:
         return DeliveryRow.from_mapping(row) if row is not None else None
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
-        """Make the delivery due now, whatever its status; it keeps its id and webhook-id."""
+        """Make the delivery due now, whatever its status; it keeps its id and webhook-id. One in
+        flight (leased: ``delivery_rules.retry_kept``) keeps the request for its attempt's record
+        (``herald_webhook_finish``). The row's lock orders this with that record: a request made
+        after the record finds the delivery no longer leased, and is simply due now."""
         row = await self.db.pool.fetchrow(
             f"""
             WITH clock AS (SELECT {NOW_SQL} AS ts)
-            UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = clock.ts, updated_at = clock.ts
+            UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = clock.ts, updated_at = clock.ts,
+                   retry_asked_at = CASE WHEN lease_until > clock.ts THEN clock.ts END
               FROM clock WHERE id = $1 AND endpoint_id = $2 RETURNING webhook_deliveries.*
             """,
             delivery_id, endpoint_id)

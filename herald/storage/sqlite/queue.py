@@ -558,7 +558,8 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
             " VALUES (?,?,?,?,?,?,?,?)", logged)
         conn.executemany(
             "UPDATE webhook_deliveries SET status = 'delivered', attempts = ?, next_attempt_at = NULL,"
-            " lease_owner = NULL, lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?", settled)
+            " lease_owner = NULL, lease_until = NULL, retry_asked_at = NULL, updated_at = ?"
+            " WHERE id = ? AND lease_owner = ?", settled)
         conn.executemany("UPDATE webhook_endpoints SET failing_since = NULL WHERE id = ? AND failing_since IS NOT NULL",
                          [(e,) for e in sorted(healthy)])
     return [result if result is not None else _finish(conn, attempt, owner, ts)
@@ -568,7 +569,8 @@ def _finish_many(conn: sqlite3.Connection, attempts: Sequence[Attempted], owner:
 def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float) -> Finished:
     """Log one attempt and settle it (``delivery_rules.settle``), inside the caller's transaction."""
     d, outcome, plan = attempt.claimed.delivery, attempt.outcome, attempt.plan
-    current = conn.execute("SELECT status, next_attempt_at FROM webhook_deliveries WHERE id = ?", (d.id,)).fetchone()
+    current = conn.execute("SELECT status, next_attempt_at, retry_asked_at FROM webhook_deliveries WHERE id = ?",
+                           (d.id,)).fetchone()
     if current is None:
         return _DROPPED
     n, seen = conn.execute("SELECT COALESCE(MAX(n), 0) + 1, COALESCE(MAX(attempt_id = ?), 0) FROM webhook_attempts"
@@ -590,7 +592,8 @@ def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float)
         "SELECT 1 FROM webhook_deliveries WHERE target = ? AND job_id = ? AND version > ? LIMIT 1",
         (d.target, d.job_id, d.version),
     ).fetchone() is not None
-    settled = rules.settle(plan, ok=outcome.ok, newer=newer, endpoint=endpoint, at=ts)
+    settled = rules.settle(plan, ok=outcome.ok, newer=newer, endpoint=endpoint, at=ts,
+                           retry_asked=current["retry_asked_at"] is not None)
     if endpoint is not None and d.endpoint_id is not None:
         if settled.failing_since != endpoint.failing_since:
             conn.execute("UPDATE webhook_endpoints SET failing_since = ? WHERE id = ?",
@@ -601,7 +604,7 @@ def _finish(conn: sqlite3.Connection, attempt: Attempted, owner: str, ts: float)
             fail_pending(conn, d.endpoint_id, ts, sparing=d.id)  # this one is settled just below
     conn.execute(
         "UPDATE webhook_deliveries SET status = ?, attempts = ?, next_attempt_at = ?, lease_owner = NULL,"
-        " lease_until = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
+        " lease_until = NULL, retry_asked_at = NULL, updated_at = ? WHERE id = ? AND lease_owner = ?",
         (settled.status, n, settled.next_attempt_at, ts, d.id, owner),
     )
     return Finished(status=settled.status, next_attempt_at=settled.next_attempt_at,

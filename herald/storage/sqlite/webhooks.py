@@ -283,18 +283,23 @@ class SqliteWebhookStore:
         return DeliveryRow.from_mapping(rows[0]) if rows else None
 
     async def retry_now(self, endpoint_id: str, delivery_id: str) -> DeliveryRow | None:
-        """Make the delivery due now, whatever its status; it keeps its id and webhook-id."""
+        """Make the delivery due now, whatever its status; it keeps its id and webhook-id. One in
+        flight keeps the request for its attempt's record (``delivery_rules.retry_kept``)."""
 
         def tx(conn: sqlite3.Connection) -> DeliveryRow | None:
             ts = now()
+            found = conn.execute("SELECT lease_until FROM webhook_deliveries WHERE id = ? AND endpoint_id = ?",
+                                 (delivery_id, endpoint_id)).fetchone()
+            if found is None:
+                return None
+            asked = ts if rules.retry_kept(found["lease_until"], ts) else None
             conn.execute(
-                "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = ?, updated_at = ?"
-                " WHERE id = ? AND endpoint_id = ?",
-                (ts, ts, delivery_id, endpoint_id),
+                "UPDATE webhook_deliveries SET status = 'pending', next_attempt_at = ?, retry_asked_at = ?,"
+                " updated_at = ? WHERE id = ?",
+                (ts, asked, ts, delivery_id),
             )
-            row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ? AND endpoint_id = ?",
-                               (delivery_id, endpoint_id)).fetchone()
-            return DeliveryRow.from_mapping(row) if row else None
+            row = conn.execute("SELECT * FROM webhook_deliveries WHERE id = ?", (delivery_id,)).fetchone()
+            return DeliveryRow.from_mapping(row)
 
         return await self.db.write(tx)
 

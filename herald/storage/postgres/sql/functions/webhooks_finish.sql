@@ -49,7 +49,11 @@ BEGIN
     INSERT INTO webhook_attempts (delivery_id, n, at, status_code, latency_ms, error, response, attempt_id)
     VALUES (p_id, n, p_started_at, p_status_code, p_latency_ms, p_error, p_response, p_attempt_id);
 
-    IF p_plan = 'delivered' OR p_plan = 'failed' THEN
+    IF NOT p_ok AND d.retry_asked_at IS NOT NULL THEN
+        -- a retry asked for while this attempt was in flight: sent again now, whatever the plan
+        o_status := 'pending';
+        o_next_attempt_at := ts;
+    ELSIF p_plan = 'delivered' OR p_plan = 'failed' THEN
         o_status := p_plan;
     ELSIF EXISTS (SELECT 1 FROM webhook_deliveries x
                    WHERE x.target = d.target AND x.job_id = d.job_id AND x.version > d.version) THEN
@@ -90,7 +94,7 @@ BEGIN
     END IF;
 
     UPDATE webhook_deliveries SET status = o_status, attempts = n, next_attempt_at = o_next_attempt_at,
-           lease_owner = NULL, lease_until = NULL, updated_at = ts
+           lease_owner = NULL, lease_until = NULL, retry_asked_at = NULL, updated_at = ts
      WHERE id = p_id AND lease_owner = p_owner;
 END $$;
 
@@ -147,7 +151,7 @@ BEGIN
               FROM pr
         ), settled AS (
             UPDATE webhook_deliveries d SET status = 'delivered', attempts = pr.n, next_attempt_at = NULL,
-                   lease_owner = NULL, lease_until = NULL, updated_at = ts
+                   lease_owner = NULL, lease_until = NULL, retry_asked_at = NULL, updated_at = ts
               FROM pr WHERE d.id = pr.id AND d.lease_owner = p_owner
         ), healthy AS (
             UPDATE webhook_endpoints e SET failing_since = NULL

@@ -1,0 +1,6 @@
+-- PostgreSQL migration 23: a retry asked for (POST .../retry) while the delivery's attempt is
+-- in flight is remembered until that attempt is recorded. Making the delivery due now was not
+-- enough: the attempt's own record then set its next attempt, so a failing attempt waited the
+-- schedule's delay, the request lost. Its time (NULL: none asked); no index, the finish reads it
+-- from the delivery's own row (a column no index holds: the lease and the finish stay HOT).
+ALTER TABLE webhook_deliveries ADD COLUMN retry_asked_at DOUBLE PRECISION;
