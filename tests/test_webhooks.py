@@ -39,7 +39,7 @@ from herald.storage.sqlite.queue import SqliteDeliveryQueue as DeliveryQueue
 from herald.storage.sqlite.schema import SCHEMA
 from herald.storage.sqlite.webhooks import SqliteWebhookStore as WebhookStore
 from herald.deliveries import Outcome, Plan
-from notifier.delivery import Sender
+from notifier.delivery import MAX_ANSWER_LINE_BYTES, Sender
 from notifier.recorder import Recorder
 from notifier.retry import RetryPolicy
 from schemas import JobEvent
@@ -479,7 +479,7 @@ MALFORMED_ANSWERS = {
     "bad header": b"HTTP/1.1 200 OK\r\nBad Header Line\r\nContent-Length: 0\r\n\r\n",
     "bad chunk": b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nZZ\r\nxx\r\n",
     "bad length": b"HTTP/1.1 200 OK\r\nContent-Length: abc\r\n\r\n",
-    "header too long": b"HTTP/1.1 200 OK\r\nX: " + b"a" * 10_000 + b"\r\n\r\n",
+    "header too long": b"HTTP/1.1 200 OK\r\nX: " + b"a" * (MAX_ANSWER_LINE_BYTES + 1) + b"\r\n\r\n",
 }
 
 
