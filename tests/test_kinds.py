@@ -314,12 +314,12 @@ def test_the_sweeper_gives_each_kind_its_own_attempts() -> None:
                           heartbeat_at=0.0, deadline_at=10_000.0, finished_at=None, expires_at=None, result_path=None,
                           media_type=None, error=None, callback_url=None)
 
-        once = _decide(silent("once", 1), settings, at=100.0)
+        once = _decide(silent("once", 1), settings, at=100.0, stale_before=70.0)
         assert once is not None and once.to == "failed" and once.error is not None
         assert once.error.type == "/problems/worker-lost" and "attempt 1 of 1" in (once.error.detail or "")
-        report = _decide(silent("report", 1), settings, at=100.0)
+        report = _decide(silent("report", 1), settings, at=100.0, stale_before=70.0)
         assert report is not None and report.to == "queued"
-        last = _decide(silent("report", 3), settings, at=100.0)
+        last = _decide(silent("report", 3), settings, at=100.0, stale_before=70.0)
         assert last is not None and last.to == "failed"
     finally:
         load_kinds()
