@@ -30,13 +30,14 @@ from litestar.enums import ScopeType
 from litestar.types import ASGIApp, Message, Receive, Scope, Send
 
 from gateway.headers import SENT_METHOD
-from gateway.problems import Misdirected
+from gateway.problems import InvalidRequest, Misdirected
 from gateway.query import check_query
 from gateway.services import services
 from herald.logs import log_event
 from herald.metrics import Metrics
 from herald.metrics import metrics as process_metrics
 from herald.settings import Settings, is_loopback_host
+from schemas.problems import FieldError
 
 log = logging.getLogger("herald.http")
 
@@ -151,8 +152,20 @@ def host_served(host: str | None, settings: Settings) -> bool:
             or name in (allowed.lower() for allowed in settings.allowed_hosts))
 
 
+def check_host_header(request: Request[Any, Any, Any]) -> None:
+    """RFC 9112 §3.2: an HTTP/1.1 request without a Host, or with several, is a 400. The
+    server under the app serves both, and ``host_served`` would judge the first of several
+    only, or wave a missing one through as HTTP/1.0's."""
+    sent = request.headers.getall("host", [])
+    if len(sent) > 1:
+        raise InvalidRequest([FieldError(field="Host", message="send one Host header, not several")])
+    if not sent and request.scope.get("http_version") != "1.0":
+        raise InvalidRequest([FieldError(field="Host", message="an HTTP/1.1 request must name its Host")])
+
+
 async def before_request(request: Request[Any, Any, Any]) -> None:
     """The app's ``before_request`` hook (see the module docstring)."""
+    check_host_header(request)
     if not host_served(request.headers.get("host"), services(request).settings):
         raise Misdirected("this gateway listens on loopback and answers only a loopback Host "
                           "(set HERALD_ALLOWED_HOSTS for a reverse proxy's name)")

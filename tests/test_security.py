@@ -296,6 +296,30 @@ def test_a_loopback_gateway_answers_only_a_loopback_host(target: Target) -> None
         assert served.status_code == 303, (host, served.status_code, served.text[:300])
 
 
+def test_an_http11_request_with_no_host_or_several_is_a_400(target: Target) -> None:
+    """RFC 9112 §3.2. Both were served: two Host lines were judged by the first alone (the
+    second could name the rebound page), and none at all was waved through as HTTP/1.0's."""
+    port = urlsplit(target.base).port
+    assert port is not None
+    auth = f"Authorization: Bearer {KEYS['acme']}\r\n"
+
+    def answer(head: str) -> bytes:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as conn:
+            conn.sendall(head.encode() + b"Connection: close\r\n\r\n")
+            return b"".join(iter(lambda: conn.recv(65536), b""))
+
+    path = f"/jobs/{target.job_id}"
+    for head in (f"GET {path} HTTP/1.1\r\n{auth}",
+                 f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nHost: rebound.example\r\n{auth}",
+                 f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\nHost: 127.0.0.1:{port}\r\n{auth}"):
+        refused = answer(head)
+        assert refused.startswith(b"HTTP/1.1 400 "), refused[:300]
+        assert b"application/problem+json" in refused and b'"field":"Host"' in refused.replace(b" ", b"")
+        assert target.job_id.encode() not in refused.partition(b"\r\n\r\n")[2]
+    assert answer(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1:{port}\r\n{auth}").startswith(b"HTTP/1.1 303 ")
+    assert answer(f"GET {path} HTTP/1.0\r\n{auth}").startswith(b"HTTP/1.1 303 ")  # 1.0 has no Host to send
+
+
 def test_the_hosts_a_gateway_answers_follow_where_it_listens() -> None:
     from gateway.middleware import host_served
 
