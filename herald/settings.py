@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Annotated, Any, get_args, get_type_hints
-from urllib.parse import unquote, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 from herald.constants import ISSUED_KEY_PREFIX, PORTAL_TOKEN_PREFIX
 from herald.resolver import dns_server
@@ -243,7 +243,48 @@ def _database_url(name: str, raw: str) -> str:
         raise SettingsError(
             f"{name}: its host and port cannot be read; a user or password holding '/', '?', '#', '@' or ':' "
             "must be percent-encoded (urllib.parse.quote(password, safe=''))")
+    if problem := _ssl_mode_problem(raw):
+        raise SettingsError(f"{name}: {problem}")
     return raw
+
+
+NATS_SCHEMES = ("nats", "tls", "ws", "wss")
+
+
+def _nats_url(name: str, raw: str) -> str:
+    """Each comma-separated server a URL nats-py can dial, read as it reads one (``host:port``
+    alone is ``nats://host:port``): a port that is no number, or a password whose unencoded
+    '/', '?', '#' or '@' cut the host part short, otherwise failed only in the first connect,
+    which the process retried for ever, never ready. The message names no part of the URL."""
+    servers = [part.strip() for part in raw.split(",") if part.strip()]
+    if not servers:
+        raise SettingsError(f"{name} names no server")
+    for server in servers:
+        url = server if "://" in server else f"nats://{server}"
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018  (a ValueError when the port is no number in range)
+            readable = (parts.scheme.lower() in NATS_SCHEMES and bool(parts.hostname)
+                        and "@" not in parts.netloc.partition("@")[2])  # a password's '@' left unencoded
+        except ValueError:
+            readable = False
+        if not readable:
+            raise SettingsError(
+                f"{name}: a server's scheme, host or port cannot be read (each is nats://, tls://, ws:// or "
+                "wss://host:port, comma-separated); a user or password holding '/', '?', '#', '@' or ':' must be "
+                "percent-encoded (urllib.parse.quote(password, safe=''))")
+    return raw
+
+
+SSL_MODES = ("disable", "allow", "prefer", "require", "verify-ca", "verify-full")
+
+
+def _ssl_mode_problem(url: str) -> str | None:
+    """An ``sslmode`` asyncpg does not know failed each connect, retried for ever, never ready."""
+    for key, value in parse_qsl(urlsplit(url).query, keep_blank_values=True):
+        if key == "sslmode" and value not in SSL_MODES:
+            return f"its sslmode must be one of {', '.join(SSL_MODES)}"
+    return None
 
 
 def _ports_readable(url: str) -> bool:
@@ -292,7 +333,7 @@ class Settings:
     """Every setting with its one default and, in its ``Env``, how ``from_env`` reads it."""
 
     data_dir: Annotated[Path, PATH] = Path("./var")
-    nats_url: Annotated[str | None, TEXT] = field(default=None, repr=False)  # may carry user:password@
+    nats_url: Annotated[str | None, Env(_nats_url)] = field(default=None, repr=False)  # may carry user:password@
     nats_creds: Annotated[Path | None, Env(_creds_file)] = None  # a NATS .creds file (JWT + NKey seed)
     nats_port: Annotated[int, COUNT] = 4222
     http_host: Annotated[str, TEXT] = "127.0.0.1"

@@ -807,6 +807,47 @@ def test_a_gateway_with_an_unreadable_database_url_stops_at_start_without_showin
     assert "PgSecr" not in run.stderr + run.stdout and "Traceback" not in run.stderr, run.stderr[-2000:]
 
 
+@pytest.mark.parametrize("url", [
+    "nats://herald:NatsSecret@127.0.0.1:notaport",  # a typo'd port
+    "nats://herald:Nats/Secret@127.0.0.1:4222",  # '/' ends the netloc: 'Nats' read as the port
+    "nats://herald:Nats@Secret@127.0.0.1:4222",  # 'Secret@127.0.0.1' would be dialled as a host
+    "nats://127.0.0.1:4222,nats://herald:NatsSecret@127.0.0.1:99999",
+    "http://herald:NatsSecret@127.0.0.1:4222",
+])
+def test_a_nats_url_that_cannot_be_dialled_is_refused_without_showing_it(url: str) -> None:
+    """Such a URL failed only in the first connect, which every process retried for ever, never
+    ready; now refused when the settings are read, naming the variable and never a part of it."""
+    with pytest.raises(SettingsError) as refused:
+        Settings.from_env({"HERALD_NATS_URL": url})
+    message = str(refused.value)
+    assert message.startswith("HERALD_NATS_URL") and "percent-encoded" in message, message
+    assert "Secret" not in message and "Nats" not in message and "127.0.0.1" not in message, message
+
+
+def test_nats_urls_nats_py_dials_are_taken_as_they_are() -> None:
+    for url in ("nats://127.0.0.1:4222", "127.0.0.1:4222", "nats://u:pw@h1:4222,nats://u:pw@h2:4223",
+                "tls://[::1]:4222", "nats://u:p%2Fw@nats.example", "wss://nats.example:443"):
+        assert Settings.from_env({"HERALD_NATS_URL": url}).nats_url == url
+
+
+def test_a_database_url_with_an_sslmode_asyncpg_does_not_know_is_refused() -> None:
+    with pytest.raises(SettingsError, match="^HERALD_DATABASE_URL: its sslmode must be one of"):
+        Settings.from_env({"HERALD_DATABASE_URL": "postgresql://herald:PgSecret@db.example/herald?sslmode=bogus"})
+    for mode in ("disable", "prefer", "require", "verify-full"):
+        Settings.from_env({"HERALD_DATABASE_URL": f"postgresql://h@db.example/herald?sslmode={mode}"})
+
+
+def test_a_worker_with_a_typod_nats_url_stops_at_start_without_showing_it(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HERALD_")}
+    env.update(HERALD_NATS_URL="nats://herald:NatsSecret@127.0.0.1:42222x", HERALD_DATA_DIR=str(tmp_path),
+               HERALD_LOG_LEVEL="debug")
+    run = subprocess.run([sys.executable, "-m", "launcher.cli", "worker"], env=env, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert run.stderr.startswith("herald: HERALD_NATS_URL"), run.stderr[-2000:]
+    assert "NatsSecret" not in run.stderr + run.stdout and "Traceback" not in run.stderr, run.stderr[-2000:]
+
+
 # ----- HERALD_API_KEYS beyond loopback --------------------------------------------------------------
 
 
