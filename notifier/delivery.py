@@ -50,8 +50,10 @@ MAX_CONNECTIONS = 256
 # The longest line of a receiver's answer (status line, or one header) that is read: aiohttp's
 # default is 8190 bytes, and a receiver's 2xx with one longer header (a session cookie, a
 # tracing header) was counted a failure with no status and sent again for ever. The answer's
-# header lines (at most aiohttp's 128) are held only while the attempt is read.
-MAX_ANSWER_LINE_BYTES = 64 * 1024
+# header lines (at most aiohttp's 128) are held only while the attempt is read. Twice the usual
+# 8 KiB, not more: a receiver may send the most of it on every attempt in flight, and a
+# notifier holds hundreds at once for every tenant (128 lines of 16 KiB: 2 MiB an attempt).
+MAX_ANSWER_LINE_BYTES = 16 * 1024
 
 
 class NonPublicAddress(OSError):
