@@ -10,8 +10,9 @@ import random
 import signal
 import socket
 import subprocess
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
@@ -355,6 +356,42 @@ def dispatched_events(source: Any) -> Iterator[Any]:
             assert sse.retry == 3000 and not sse.data, "the stream opens with a retry: line"
         elif sse.data:
             yield sse
+
+
+@dataclass(frozen=True)
+class SseFrame:
+    id: str | None
+    type: str
+    data: Any  # the data lines read as JSON; None for a frame without any
+
+
+def sse_frames(lines: Iterable[str], opened: threading.Event, stop: threading.Event) -> Iterator[SseFrame]:
+    """The frames of an event stream as EventSource reads them: each ends at a blank line,
+    comments are skipped, and the first ``retry:`` sets ``opened`` (the gateway has subscribed
+    the stream). Ends when the lines do, or at the first line read once ``stop`` is set."""
+    event_id: str | None = None
+    event_type = "message"
+    data: list[str] = []
+    for line in lines:
+        if stop.is_set():
+            return
+        if line == "":
+            if data or event_id is not None:
+                yield SseFrame(event_id, event_type, json.loads("\n".join(data)) if data else None)
+            event_id, event_type, data = None, "message", []
+            continue
+        if line.startswith(":"):
+            continue
+        name, _, value = line.partition(":")
+        value = value.removeprefix(" ")
+        if name == "retry":
+            opened.set()
+        elif name == "id":
+            event_id = value
+        elif name == "event":
+            event_type = value
+        elif name == "data":
+            data.append(value)
 
 
 def wait_for_state(http: httpx.Client, job_id: str, states: set[str], timeout: float = 30) -> dict[str, Any]:

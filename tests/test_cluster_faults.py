@@ -33,7 +33,7 @@ import pytest
 
 from herald.constants import EVENTS_STREAM, JOBS_STREAM, OUTPUT_STREAM
 from launcher.pgserver import PostgresServer
-from tests.harness import KEYS, Deployment, NatsCluster, client, free_port, wait_until
+from tests.harness import KEYS, Deployment, NatsCluster, client, free_port, sse_frames, wait_until
 from tests.test_scale_out import Receiver, list_jobs, read_feed
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
@@ -109,32 +109,12 @@ class EventSource:
                 return
             if response.status_code != 200:
                 raise RuntimeError(f"answered {response.status_code}: {response.read()[:300]!r}")
-            event_id: str | None = None
-            event_type = "message"
-            data: list[str] = []
-            for line in response.iter_lines():
-                if self._stop.is_set():
-                    return
-                if line == "":
-                    if data:
-                        with self._lock:
-                            self.frames.append(Frame(event_id, event_type, json.loads("\n".join(data))))
-                    if event_id is not None:
-                        self._last_id = event_id
-                    event_id, event_type, data = None, "message", []
-                    continue
-                if line.startswith(":"):
-                    continue
-                name, _, value = line.partition(":")
-                value = value.removeprefix(" ")
-                if name == "retry":
-                    self.opened.set()
-                elif name == "id":
-                    event_id = value
-                elif name == "event":
-                    event_type = value
-                elif name == "data":
-                    data.append(value)
+            for frame in sse_frames(response.iter_lines(), self.opened, self._stop):
+                if frame.data is not None:
+                    with self._lock:
+                        self.frames.append(Frame(frame.id, frame.type, frame.data))
+                if frame.id is not None:
+                    self._last_id = frame.id
             # The stream ended: the browser reconnects (to the same gateway first).
 
 
@@ -408,52 +388,84 @@ def test_kill_9_of_the_gateway_under_browsers_streams(rig: Rig) -> None:
     report(rig, findings)
 
 
-def test_a_nats_node_killed_and_restarted_then_another(rig: Rig) -> None:
-    """kill -9 the node leading the jobs, events and output streams mid-burst, restart it,
-    then kill -9 the next leader: with a job emitting output and streams open throughout."""
+@dataclass
+class UnderLoad:
+    """A report emitting output, watched on the tenant's stream and its output stream, while
+    starts arrive at both gateways."""
+
+    http: httpx.Client
+    watched: dict[str, Any]
+    pages: int
+    tenant: EventSource
+    output: EventSource
+    starter: Starter
+
+
+@contextlib.contextmanager
+def nats_faults_under_load(rig: Rig, end_within: float, every_start_202: bool, pages: int = 150) -> Iterator[UnderLoad]:
+    """The load the NATS faults below are caused under: the block runs once the report has
+    emitted some output; when it ends, the starts stop and ``check_after_nats_faults`` runs."""
     g1, g2 = rig.bases["g1"], rig.bases["g2"]
-    findings: list[str] = []
     auth = {"Authorization": f"Bearer {KEYS[TENANT]}"}
     with client(g2) as http:
-        pages = 150
         watched = http.post("/reports", json={"title": "watched", "pages": pages}).json()
         tenant = EventSource([g1, g2], "/events", auth).start()
         output = EventSource([g2, g1], f"/jobs/{watched['id']}/output", auth).start()
         for stream in (tenant, output):
             assert stream.opened.wait(10)
         starter = Starter([g1, g2]).start()
+        load = UnderLoad(http, watched, pages, tenant, output, starter)
         try:
             wait_until(lambda: len(output.snapshot()) >= 10, timeout=30, what="output chunks")
-            first = rig.cluster.stream_leader(JOBS_STREAM)
-            rig.cluster.kill(first, signal.SIGKILL)
-            wait_until(lambda: starter.count() >= 20, timeout=60, what="starts after the first kill")
-            rig.cluster._spawn(first)
-            rig.cluster.wait_jetstream(60)
-            wait_until(lambda: starter.count() >= 40, timeout=60, what="starts after the restart")
-            second = rig.cluster.stream_leader(EVENTS_STREAM)
-            if second == first:
-                second = rig.cluster.stream_leader(OUTPUT_STREAM)
-            if second == first:
-                second = (first + 1) % 3
-            rig.cluster.kill(second, signal.SIGKILL)
-            wait_until(lambda: starter.count() >= 60, timeout=60, what="starts after the second kill")
+            yield load
         finally:
             starter.stop()
-        final = all_end(http, [watched["id"], *starter.accepted])
-        wait_until(lambda: output.ended.is_set(), timeout=30, what="the output stream stopped")
-        check_delivered(rig, http, final, findings)
-        check_tenant_stream(tenant, settled([tenant], http), findings, "tenant stream")
-        check_output_stream(output, pages, final[watched["id"]], findings, "output stream")
-        for job_id, path in starter.accepted.items():
-            if final[job_id]["state"] == "succeeded":
-                got = http.get(f"{path}/{job_id}")
-                if got.status_code != 200:
-                    findings.append(f"{job_id}: result {got.status_code} {got.text[:200]}")
-        bad = [a for a in starter.answers if a[0] != 202]
-        if bad:
-            findings.append(f"starts answered {bad[:5]}")
+        check_after_nats_faults(rig, load, end_within, every_start_202)
+
+
+def check_after_nats_faults(rig: Rig, load: UnderLoad, end_within: float, every_start_202: bool) -> None:
+    """Every job ended, delivered and in the tenant's stream once, the output whole and in
+    order, every result readable, every start answered: 202, or (without ``every_start_202``:
+    while JetStream has no quorum) a 503 with Retry-After."""
+    findings: list[str] = []
+    http, starter = load.http, load.starter
+    final = all_end(http, [load.watched["id"], *starter.accepted], timeout=end_within)
+    wait_until(lambda: load.output.ended.is_set(), timeout=30, what="the output stream stopped")
+    check_delivered(rig, http, final, findings)
+    check_tenant_stream(load.tenant, settled([load.tenant], http), findings, "tenant stream")
+    check_output_stream(load.output, load.pages, final[load.watched["id"]], findings, "output stream")
+    for job_id, path in starter.accepted.items():
+        if final[job_id]["state"] == "succeeded":
+            got = http.get(f"{path}/{job_id}")
+            if got.status_code != 200:
+                findings.append(f"{job_id}: result {got.status_code} {got.text[:200]}")
+    bad = [a for a in starter.answers if a[0] != 202] if every_start_202 else starter.bad
+    if bad:
+        findings.append(f"starts answered {bad[:5]}")
+    if starter.lost:
+        findings.append(f"starts lost {starter.lost[:3]}")
     print(f"\nstarts: {Counter(a[0] for a in starter.answers)}")
     report(rig, findings)
+
+
+def test_a_nats_node_killed_and_restarted_then_another(rig: Rig) -> None:
+    """kill -9 the node leading the jobs, events and output streams mid-burst, restart it,
+    then kill -9 the next leader: with a job emitting output and streams open throughout."""
+    with nats_faults_under_load(rig, end_within=120, every_start_202=True) as load:
+        starter = load.starter
+        first = rig.cluster.stream_leader(JOBS_STREAM)
+        rig.cluster.kill(first, signal.SIGKILL)
+        wait_until(lambda: starter.count() >= 20, timeout=60, what="starts after the first kill")
+        rig.cluster._spawn(first)
+        rig.cluster.wait_jetstream(60)
+        wait_until(lambda: starter.count() >= 40, timeout=60, what="starts after the restart")
+        second = rig.cluster.stream_leader(EVENTS_STREAM)
+        if second == first:
+            second = rig.cluster.stream_leader(OUTPUT_STREAM)
+        if second == first:
+            second = (first + 1) % 3
+        rig.cluster.kill(second, signal.SIGKILL)
+        wait_until(lambda: starter.count() >= 60, timeout=60, what="starts after the second kill")
 
 
 def test_postgres_killed_and_restarted_mid_burst(rig: Rig) -> None:
@@ -510,47 +522,18 @@ def test_two_nats_nodes_killed_at_once_and_restarted(rig: Rig) -> None:
     """Two of the three nodes killed (-9) at once, so JetStream has no quorum for 5 s, then
     started again. Starts go on at both gateways throughout (the store takes them; the
     outbox holds their messages), a job emits output, streams stay open."""
-    g1, g2 = rig.bases["g1"], rig.bases["g2"]
-    findings: list[str] = []
-    auth = {"Authorization": f"Bearer {KEYS[TENANT]}"}
-    with client(g2) as http:
-        pages = 150
-        watched = http.post("/reports", json={"title": "watched", "pages": pages}).json()
-        tenant = EventSource([g1, g2], "/events", auth).start()
-        output = EventSource([g2, g1], f"/jobs/{watched['id']}/output", auth).start()
-        for stream in (tenant, output):
-            assert stream.opened.wait(10)
-        starter = Starter([g1, g2]).start()
-        try:
-            wait_until(lambda: len(output.snapshot()) >= 10, timeout=30, what="output chunks")
-            leader = rig.cluster.stream_leader(JOBS_STREAM)
-            victims = [leader, (leader + 1) % 3]
-            for index in victims:
-                rig.cluster.kill(index, signal.SIGKILL)
-            time.sleep(5)  # the fault's length, not a wait for a state
-            for index in victims:
-                rig.cluster._spawn(index)
-            rig.cluster.wait_jetstream(60)
-            count = starter.count()
-            wait_until(lambda: starter.count() >= count + 20, timeout=60, what="starts after quorum is back")
-        finally:
-            starter.stop()
-        final = all_end(http, [watched["id"], *starter.accepted], timeout=180)
-        wait_until(lambda: output.ended.is_set(), timeout=30, what="the output stream stopped")
-        check_delivered(rig, http, final, findings)
-        check_tenant_stream(tenant, settled([tenant], http), findings, "tenant stream")
-        check_output_stream(output, pages, final[watched["id"]], findings, "output stream")
-        for job_id, path in starter.accepted.items():
-            if final[job_id]["state"] == "succeeded":
-                got = http.get(f"{path}/{job_id}")
-                if got.status_code != 200:
-                    findings.append(f"{job_id}: result {got.status_code} {got.text[:200]}")
-        if starter.bad:
-            findings.append(f"starts answered {starter.bad[:5]}")
-        if starter.lost:
-            findings.append(f"starts lost {starter.lost[:3]}")
-    print(f"\nstarts: {Counter(a[0] for a in starter.answers)}")
-    report(rig, findings)
+    with nats_faults_under_load(rig, end_within=180, every_start_202=False) as load:
+        starter = load.starter
+        leader = rig.cluster.stream_leader(JOBS_STREAM)
+        victims = [leader, (leader + 1) % 3]
+        for index in victims:
+            rig.cluster.kill(index, signal.SIGKILL)
+        time.sleep(5)  # the fault's length, not a wait for a state
+        for index in victims:
+            rig.cluster._spawn(index)
+        rig.cluster.wait_jetstream(60)
+        count = starter.count()
+        wait_until(lambda: starter.count() >= count + 20, timeout=60, what="starts after quorum is back")
 
 
 def stored_results(rig: Rig) -> dict[str, list[str]]:

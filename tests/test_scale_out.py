@@ -42,7 +42,7 @@ from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from herald.constants import EVENTS_STREAM, JOBS_STREAM, RESULTS_BUCKET
 from herald.storage.results import index_stream, object_stream
 from launcher.pgserver import PostgresServer
-from tests.harness import KEYS, Deployment, NatsCluster, client, new_database, wait_until
+from tests.harness import KEYS, Deployment, NatsCluster, client, new_database, sse_frames, wait_until
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
@@ -180,33 +180,12 @@ class TenantStream:
             if response.status_code != 200:
                 self.errors.append(f"GET /events answered {response.status_code}")
                 return
-            event_id: str | None = None
-            event_type = "message"
-            data: list[str] = []
-            for line in response.iter_lines():
-                if self._stop.is_set():
-                    return
-                if line == "":
-                    if data:
-                        event = SseEvent(event_id, event_type, json.loads("\n".join(data)))
-                        with self._lock:
-                            self.events.append(event)
-                        if event_id is not None:
-                            self._last_id = event_id
-                    event_id, event_type, data = None, "message", []
-                    continue
-                if line.startswith(":"):
-                    continue
-                name, _, value = line.partition(":")
-                value = value.removeprefix(" ")
-                if name == "retry":
-                    self.opened.set()  # the first frame: the gateway has subscribed this stream
-                elif name == "id":
-                    event_id = value
-                elif name == "event":
-                    event_type = value
-                elif name == "data":
-                    data.append(value)
+            for frame in sse_frames(response.iter_lines(), self.opened, self._stop):
+                if frame.data is not None:
+                    with self._lock:
+                        self.events.append(SseEvent(frame.id, frame.type, frame.data))
+                    if frame.id is not None:
+                        self._last_id = frame.id
 
 
 # ----- the deployment ----------------------------------------------------------------------
