@@ -16,6 +16,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from datetime import datetime
 from typing import Any
@@ -107,8 +108,9 @@ class DnsServer:
     never answers any other: the name servers of a tenant's hosts that do not respond (a fake
     for what lies outside the machine). It keeps the names it left unanswered."""
 
-    def __init__(self, answer: str = "127.0.0.1", *, then: str | None = None) -> None:
+    def __init__(self, answer: str = "127.0.0.1", *, then: str | None = None, ttl_s: int = 60) -> None:
         self.answer = socket.inet_aton(answer)
+        self.ttl = ttl_s.to_bytes(4, "big")  # 0: a resolver keeps no answer for a later question
         # DNS rebinding: each name's first A question is answered ``answer``, every later one ``then``.
         self.then = socket.inet_aton(then) if then is not None else None
         self.asked: set[str] = set()
@@ -146,7 +148,7 @@ class DnsServer:
                 answer = self.then if name in self.asked else answer
                 self.asked.add(name)
             # One A record for an A question; for any other (AAAA), none: no such data.
-            answers = b"\xc0\x0c\x00\x01\x00\x01\x00\x00\x00\x3c\x00\x04" + answer if qtype == 1 else b""
+            answers = b"\xc0\x0c\x00\x01\x00\x01" + self.ttl + b"\x00\x04" + answer if qtype == 1 else b""
             header = query[:2] + b"\x81\x80\x00\x01" + (b"\x00\x01" if answers else b"\x00\x00") + b"\x00\x00\x00\x00"
             self.sock.sendto(header + question + answers, peer)
 
@@ -287,6 +289,28 @@ def test_a_name_rebound_to_loopback_after_registration_is_never_dialled(fresh: D
     with pytest.raises(TimeoutError):  # socket.timeout: nobody ever connected
         listener.accept()
     listener.close()
+
+
+def test_a_replay_is_answered_though_its_callback_host_no_longer_passes_the_guard(fresh: Deployment) -> None:
+    """A start with an Idempotency-Key whose callback_url passed the SSRF guard, then its
+    replay (the 202 was lost) after the name went to 127.0.0.1: the replay is the job's 202,
+    not a 400 saying nothing was started. A new start naming it is refused as before, and
+    another body under the key is the 422 it always is."""
+    with DnsServer(answer="93.184.215.14", then="127.0.0.1", ttl_s=0) as dns:
+        base = fresh.start_gateway(HERALD_WEBHOOK_DNS_SERVERS=dns.address, HERALD_WEBHOOK_ALLOW_PRIVATE="0")
+        with client(base) as http:
+            body = {"format": "csv", "rows": 1, "callback_url": "https://moved.ok.test/done"}
+            key = {"Idempotency-Key": str(uuid.uuid4())}
+            first = http.post("/exports", json=body, headers=key)
+            assert first.status_code == 202, first.text
+            again = http.post("/exports", json=body, headers=key)
+            assert again.status_code == 202, again.text
+            assert again.json()["id"] == first.json()["id"] and again.headers["idempotent-replayed"] == "true"
+            other = http.post("/exports", json={**body, "rows": 2}, headers=key)
+            assert other.status_code == 422, other.text
+            fresh_start = http.post("/exports", json=body, headers={"Idempotency-Key": str(uuid.uuid4())})
+            assert fresh_start.status_code == 400 and "callback_url" in fresh_start.text, fresh_start.text
+            assert http.post("/exports", json=body).status_code == 400
 
 
 def test_the_dns_servers_setting_takes_addresses_with_or_without_a_port() -> None:

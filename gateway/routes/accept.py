@@ -72,12 +72,19 @@ async def _accept_job(request: Request, kind: JobKind) -> Response[JobStatus]:
     tenant = principal.tenant
     key = _idempotency_key(request, svc.settings.require_idempotency_key)
     params, document = await read_body(request, kind.params)
-    # The same guard as a webhook registration: https to a public address (resolved now).
-    if errors := await url_errors(svc.settings, svc.resolver, "callback_url", params.callback_url):
-        raise InvalidRequest(errors)
     claim = None
     if key is not None:
         claim = IdempotencyClaim(key=key, fingerprint=fingerprint(request.url.path, document), ttl_s=svc.settings.retention_s)
+    # The same guard as a webhook registration: https to a public address (resolved now).
+    if errors := await url_errors(svc.settings, svc.resolver, "callback_url", params.callback_url):
+        # Unless this is the replay of a start the guard passed: its job exists, and a client
+        # whose 202 was lost must learn it, not a 400 for a name that no longer resolves (or
+        # resolves elsewhere) that would tell it nothing was started. The notifier judges the
+        # callback's address again at each delivery.
+        replayed = await _replay(svc, tenant, claim) if claim is not None else None
+        if replayed is None:
+            raise InvalidRequest(errors)
+        return _accepted(svc, principal.scopes, kind, Accepted(job=replayed, replayed=True))
     try:
         await svc.backlog.check(kind.name, tenant)
     except Overloaded:
