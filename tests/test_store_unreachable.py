@@ -576,6 +576,39 @@ def test_a_claim_committed_though_its_answer_was_lost_runs_its_job(tmp_path: Pat
         server.stop()
 
 
+def test_a_failure_committed_though_its_answer_was_lost_is_not_logged_as_refused(
+    tmp_path: Path, server_dir: Path
+) -> None:
+    """A worker whose job's failure committed, the connection lost before its answer came,
+    tries the failure again and is refused (the job has failed: by this very write). It
+    logged a warning that the transition was rejected, which an operator reads as a stale or
+    duplicate worker message; the end is recorded, and it says so."""
+    server = PostgresServer(server_dir / "pg", port=free_port())
+    server.start()
+    url = server.create_database("herald")
+    proxy = _AnswerCutter(server.port)
+    deployment = Deployment(tmp_path / "herald", database_url=url)
+    deployment.nats.start()
+    try:
+        base = deployment.start_gateway()
+        deployment.start_worker(HERALD_DATABASE_URL=url.replace(f":{server.port}/", f":{proxy.port}/"))
+        with client(base) as http:
+            job_id = http.post("/reports", json={"title": "warm", "pages": 1}).json()["id"]
+            assert _ended(http, job_id)["state"] == "succeeded"
+            proxy.marks = (b"job.failed",)  # the failure's transition: its event type
+            job_id = http.post("/reports", json={"title": "fails", "pages": 2, "fail_on_page": 1}).json()["id"]
+            assert proxy.cut.wait(20), "the failure went by"
+            done = _ended(http, job_id)
+            assert (done["state"], done["attempt"]) == ("failed", 1), done
+        wait_until(lambda: deployment.logged("worker", "end recorded though its answer was lost", job_id=job_id),
+                   what="the lost answer's end recorded")
+        assert not deployment.logged("worker", "transition rejected", job_id=job_id, level="warning")
+    finally:
+        deployment.stop()
+        proxy.close()
+        server.stop()
+
+
 def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
     tmp_path: Path, postgres_server: PostgresServer
 ) -> None:

@@ -426,7 +426,11 @@ class Worker:
             await asyncio.shield(self._until_stored(lambda: self.store.transition(job.id, change), job.id,
                                                     change.to or "transition"))
         except TransitionRejected as exc:
-            log.warning("transition rejected", extra={"job_id": job.id, "reason": exc.reason, "to": change.to})
+            if _is_own_end(exc.current, change):
+                # A try the store committed though its answer was lost: the end is recorded.
+                log.info("end recorded though its answer was lost", extra={"job_id": job.id, "to": change.to})
+            else:
+                log.warning("transition rejected", extra={"job_id": job.id, "reason": exc.reason, "to": change.to})
         except StoreUnavailable:  # stopping while the store is away: the sweeper re-queues the job
             log.warning("transition not recorded: the store is unreachable and the worker is stopping",
                         extra={"job_id": job.id, "to": change.to})
@@ -519,6 +523,14 @@ def _is_own_success(current: JobRow | None, success: Change) -> bool:
     return (current is not None and current.state == "succeeded" and current.attempt == success.attempt
             and current.result_path == success.result_path
             and (success.result_body is None or current.result_body == success.result_body))
+
+
+def _is_own_end(current: JobRow | None, end: Change) -> bool:
+    """Whether the job as it is now is ``end`` (failed or cancelled) committed at this run's
+    attempt: an end whose answer was lost, not one refused."""
+    return (current is not None and end.to in ("failed", "cancelled") and current.state == end.to
+            and current.attempt == end.attempt
+            and (end.error is None or current.error == msgspec.json.encode(end.error)))
 
 
 async def _first(*waits: Coroutine[Any, Any, Any]) -> None:
