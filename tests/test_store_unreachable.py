@@ -20,7 +20,8 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -544,6 +545,36 @@ class _AnswerCutter:
             end.close()
 
 
+@dataclass
+class _CutWorker:
+    deployment: Deployment
+    http: httpx.Client
+    proxy: _AnswerCutter
+
+
+@contextlib.contextmanager
+def _worker_behind_an_answer_cutter(tmp_path: Path, server_dir: Path, **env: str) -> Iterator[_CutWorker]:
+    """A deployment on a PostgreSQL of its own whose worker reaches it through an
+    ``_AnswerCutter``, one report run through it first (the worker's connections made)."""
+    server = PostgresServer(server_dir / "pg", port=free_port())
+    server.start()
+    url = server.create_database("herald")
+    proxy = _AnswerCutter(server.port)
+    deployment = Deployment(tmp_path / "herald", database_url=url, env_overrides=env)
+    deployment.nats.start()
+    try:
+        base = deployment.start_gateway()
+        deployment.start_worker(HERALD_DATABASE_URL=url.replace(f":{server.port}/", f":{proxy.port}/"))
+        with client(base) as http:
+            warm = http.post("/reports", json={"title": "warm", "pages": 1}).json()["id"]
+            assert _ended(http, warm)["state"] == "succeeded"
+            yield _CutWorker(deployment, http, proxy)
+    finally:
+        deployment.stop()
+        proxy.close()
+        server.stop()
+
+
 def test_a_claim_committed_though_its_answer_was_lost_runs_its_job(tmp_path: Path, server_dir: Path) -> None:
     """SPEC §9 (a job is re-queued when its worker dies, failed worker-lost after its last
     attempt): a worker whose claim committed, the connection lost before its answer came,
@@ -551,29 +582,14 @@ def test_a_claim_committed_though_its_answer_was_lost_runs_its_job(tmp_path: Pat
     and acked the message, leaving the job running with no worker until the sweeper judged
     its heartbeat silent: re-queued a heartbeat timeout later, or, on its last attempt,
     failed /problems/worker-lost though no worker had died."""
-    server = PostgresServer(server_dir / "pg", port=free_port())
-    server.start()
-    url = server.create_database("herald")
-    proxy = _AnswerCutter(server.port)
-    deployment = Deployment(tmp_path / "herald", database_url=url, env_overrides={"HERALD_MAX_ATTEMPTS": "1"})
-    deployment.nats.start()
-    try:
-        base = deployment.start_gateway()
-        deployment.start_worker(HERALD_DATABASE_URL=url.replace(f":{server.port}/", f":{proxy.port}/"))
-        with client(base) as http:
-            job_id = http.post("/reports", json={"title": "warm", "pages": 1}).json()["id"]
-            assert _ended(http, job_id)["state"] == "succeeded"
-            proxy.marks = (b"job.running",)  # the claim's transition: its event type
-            job_id = http.post("/reports", json={"title": "claimed in doubt", "pages": 3}).json()["id"]
-            assert proxy.cut.wait(20), "the claim went by"
-            done = _ended(http, job_id)
-            assert (done["state"], done["attempt"], done["error"]) == ("succeeded", 1, None), done
-        assert deployment.logged("worker", "the store is unreachable; trying again", write="claim")
-        assert not deployment.logged("gateway", "job swept")
-    finally:
-        deployment.stop()
-        proxy.close()
-        server.stop()
+    with _worker_behind_an_answer_cutter(tmp_path, server_dir, HERALD_MAX_ATTEMPTS="1") as cut:
+        cut.proxy.marks = (b"job.running",)  # the claim's transition: its event type
+        job_id = cut.http.post("/reports", json={"title": "claimed in doubt", "pages": 3}).json()["id"]
+        assert cut.proxy.cut.wait(20), "the claim went by"
+        done = _ended(cut.http, job_id)
+        assert (done["state"], done["attempt"], done["error"]) == ("succeeded", 1, None), done
+        assert cut.deployment.logged("worker", "the store is unreachable; trying again", write="claim")
+        assert not cut.deployment.logged("gateway", "job swept")
 
 
 def test_a_failure_committed_though_its_answer_was_lost_is_not_logged_as_refused(
@@ -583,30 +599,16 @@ def test_a_failure_committed_though_its_answer_was_lost_is_not_logged_as_refused
     tries the failure again and is refused (the job has failed: by this very write). It
     logged a warning that the transition was rejected, which an operator reads as a stale or
     duplicate worker message; the end is recorded, and it says so."""
-    server = PostgresServer(server_dir / "pg", port=free_port())
-    server.start()
-    url = server.create_database("herald")
-    proxy = _AnswerCutter(server.port)
-    deployment = Deployment(tmp_path / "herald", database_url=url)
-    deployment.nats.start()
-    try:
-        base = deployment.start_gateway()
-        deployment.start_worker(HERALD_DATABASE_URL=url.replace(f":{server.port}/", f":{proxy.port}/"))
-        with client(base) as http:
-            job_id = http.post("/reports", json={"title": "warm", "pages": 1}).json()["id"]
-            assert _ended(http, job_id)["state"] == "succeeded"
-            proxy.marks = (b"job.failed",)  # the failure's transition: its event type
-            job_id = http.post("/reports", json={"title": "fails", "pages": 2, "fail_on_page": 1}).json()["id"]
-            assert proxy.cut.wait(20), "the failure went by"
-            done = _ended(http, job_id)
-            assert (done["state"], done["attempt"]) == ("failed", 1), done
-        wait_until(lambda: deployment.logged("worker", "end recorded though its answer was lost", job_id=job_id),
+    with _worker_behind_an_answer_cutter(tmp_path, server_dir) as cut:
+        cut.proxy.marks = (b"job.failed",)  # the failure's transition: its event type
+        job_id = cut.http.post("/reports", json={"title": "fails", "pages": 2, "fail_on_page": 1}).json()["id"]
+        assert cut.proxy.cut.wait(20), "the failure went by"
+        done = _ended(cut.http, job_id)
+        assert (done["state"], done["attempt"]) == ("failed", 1), done
+        logged = cut.deployment.logged
+        wait_until(lambda: logged("worker", "end recorded though its answer was lost", job_id=job_id),
                    what="the lost answer's end recorded")
-        assert not deployment.logged("worker", "transition rejected", job_id=job_id, level="warning")
-    finally:
-        deployment.stop()
-        proxy.close()
-        server.stop()
+        assert not logged("worker", "transition rejected", job_id=job_id, level="warning")
 
 
 def test_a_notifier_records_an_answered_attempt_through_a_cut_connection(
